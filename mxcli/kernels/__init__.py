@@ -1,0 +1,34 @@
+"""The kernel API: each kernel beside its torch reference and its NKI source.
+
+Names are resolved lazily so that importing one kernel does not import the other.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    # rmsnorm_mx_prefill
+    "rmsnorm_mx_prefill": "mxcli.kernels.rmsnorm_mx_prefill",
+    "RouterActFnType": "mxcli.kernels.rmsnorm_mx_prefill",
+    "arrange_router_weights": "mxcli.kernels.rmsnorm_mx_prefill",
+    "unarrange_router_weights": "mxcli.kernels.rmsnorm_mx_prefill",
+    "decode_packed_rows": "mxcli.kernels.rmsnorm_mx_prefill",
+    # blockwise MoE
+    "build_block_plan": "mxcli.kernels.blockwise_moe",
+    "build_expert_affinities_masked": "mxcli.kernels.blockwise_moe",
+    "blockwise_mm_fwd_mxfp8": "mxcli.kernels.blockwise_moe",
+    "blockwise_mm_bwd_mxfp8": "mxcli.kernels.blockwise_moe",
+    "MXFP8MOEBwdConfig": "mxcli.kernels.blockwise_moe",
+    "prequantize_weights": "mxcli.kernels.blockwise_moe",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mxcli.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,351 @@
+"""MX block quantization: scale rules, grouping schemes, quantize / dequantize.
+
+One E8M0 scale byte is shared by a group of 32 elements that runs along one axis (the
+contraction axis of the matmul that consumes the operand). Which 32 elements form a group is
+the *scheme*; how the scale byte follows from the group's largest magnitude is the *rule*.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from mxcli.errors import InputError
+from mxcli.mx.formats import ElemFormat, as_elem_format, as_tensor
+
+GROUP_SIZE = 32
+# Work on row blocks of about this many elements so that intermediates stay in cache.
+_BLOCK_ELEMS = 1 << 20
+
+Chunks = Sequence[tuple[int, int]]
+
+
+class ScaleRule(enum.Enum):
+    """How a group's E8M0 scale byte follows from its largest magnitude ``amax``.
+
+    With ``E`` = the biased fp32 exponent field of ``amax`` (``floor(log2 amax) + 127`` for a
+    normal ``amax``; 0 for an all-zero group) and ``Emax`` = 8 (E4M3FN) or 15 (E5M2):
+
+    - ``NEURON`` (default; Trn3 ``quantize_mx``, prefill spec §3.4, bwd spec §5.2):
+      ``byte = clamp(E - (Emax - 1), 0, 255)``, i.e. ``E - 7`` for E4M3FN and ``E - 14`` for
+      E5M2. The block scale ``X = 2^(byte - 127)`` is twice the OCP one, so the group maximum
+      lands in [128, 256) (E4M3FN) and can round up without saturating.
+    - ``OCP`` (OCP MX v1.0 sample algorithm): ``byte = clamp(E - Emax, 0, 255)``, i.e. ``E - 8``
+      / ``E - 15``; the group maximum lands in [256, 512) and values above 448 saturate.
+
+    An all-zero group gets byte 0 (``X = 2^-127``) under both rules; so does any group with
+    ``E < Emax - 1`` (|amax| < 2^-120 for E4M3FN/NEURON), a clamp the hardware behaviour of which
+    is unconfirmed (prefill spec errata 3). A group holding Inf or NaN has ``E = 255``: byte 248
+    (NEURON/E4M3FN); Inf then saturates to ±max and NaN stays NaN.
+    """
+
+    NEURON = "neuron"
+    OCP = "ocp"
+
+    def exponent_offset(self, elem: ElemFormat | str) -> int:
+        fmt = as_elem_format(elem)
+        return fmt.emax - 1 if self is ScaleRule.NEURON else fmt.emax
+
+
+class QuantScheme(str, enum.Enum):
+    """Which 32 elements along the quantized axis share one scale.
+
+    - ``MX1X32``: contiguous runs ``[32g, 32g + 32)`` (prefill spec §3.4; bwd ``_1x32``).
+    - ``WRAPX`` (bwd spec §5.3): the axis is cut into chunks (``tile_k``-sized chunks while they
+      fit, then one 256-chunk, then one 128-chunk). A chunk of size ``c`` at ``k0`` is laid out
+      as ``c/4`` physical rows of 4 interleaved lanes, row ``pp`` holding ``k0 + j*c/4 + pp`` for
+      lanes ``j = 0..3``; a group is 8 consecutive physical rows x 4 lanes:
+      ``{k0 + j*c/4 + 8g + i : j in 0..3, i in 0..7}``.
+    """
+
+    MX1X32 = "1x32"
+    WRAPX = "wrapx"
+
+
+def as_scheme(scheme: QuantScheme | str) -> QuantScheme:
+    if isinstance(scheme, QuantScheme):
+        return scheme
+    name = str(scheme).lower().lstrip("_")
+    try:
+        return QuantScheme(name)
+    except ValueError:
+        raise InputError(f"scheme: expected '1x32' or 'wrapx', got {scheme!r}") from None
+
+
+def as_rule(rule: ScaleRule | str) -> ScaleRule:
+    if isinstance(rule, ScaleRule):
+        return rule
+    try:
+        return ScaleRule(str(rule).lower())
+    except ValueError:
+        raise InputError(f"rule: expected 'neuron' or 'ocp', got {rule!r}") from None
+
+
+def wrapx_chunks(K: int, tile_k: int = 512) -> list[tuple[int, int]]:
+    """Chunk list ``[(k0, c), ...]`` of the wrapX scheme (bwd spec §5.3).
+
+    ``tile_k``-sized chunks while they fit, then one 256-chunk if at least 256 remain, then one
+    128-chunk if at least 128 remain. ``K`` must be a multiple of 128.
+    """
+    if tile_k not in (128, 256, 512):
+        raise InputError(f"tile_k: expected 128, 256 or 512, got {tile_k}")
+    if K <= 0 or K % 128:
+        raise InputError(f"K: wrapX needs a positive multiple of 128, got {K}")
+    chunks: list[tuple[int, int]] = []
+    k = 0
+    while K - k >= tile_k:
+        chunks.append((k, tile_k))
+        k += tile_k
+    for c in (256, 128):
+        if K - k >= c:
+            chunks.append((k, c))
+            k += c
+    return chunks
+
+
+def _segments(
+    K: int, scheme: QuantScheme | str, tile_k: int, chunks: Chunks | None
+) -> list[tuple[int, int, bool]]:
+    """Segments ``(k0, c, wrapped)`` covering ``[0, K)`` in order; groups never straddle one."""
+    sch = as_scheme(scheme)
+    if sch is QuantScheme.MX1X32:
+        if K <= 0 or K % GROUP_SIZE:
+            raise InputError(f"K: MX groups of 32 need a positive multiple of 32, got {K}")
+        return [(0, K, False)]
+    chunk_list = list(chunks) if chunks is not None else wrapx_chunks(K, tile_k)
+    k = 0
+    for k0, c in chunk_list:
+        if k0 != k or c <= 0 or c % 128:
+            raise InputError(
+                f"chunks: expected contiguous multiples of 128 from 0, got {chunk_list}"
+            )
+        k += c
+    if k != K:
+        raise InputError(f"chunks: cover {k} elements, expected K={K}")
+    return [(k0, c, True) for k0, c in chunk_list]
+
+
+def group_order(
+    K: int,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> torch.Tensor:
+    """Element indices along the axis in group order: group ``g`` is ``order[32g : 32g + 32]``."""
+    parts = []
+    for k0, c, wrapped in _segments(K, scheme, tile_k, chunks):
+        idx = torch.arange(k0, k0 + c, dtype=torch.int64)
+        if wrapped:
+            # chunk as [lane j, physical row pp] -> enumerate row-major over (pp, j)
+            idx = idx.view(4, c // 4).t().reshape(-1)
+        parts.append(idx)
+    return torch.cat(parts)
+
+
+def group_index(
+    K: int,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> torch.Tensor:
+    """Group number of every element along the axis (inverse view of `group_order`)."""
+    order = group_order(K, scheme, tile_k, chunks)
+    gidx = torch.empty(K, dtype=torch.int64)
+    gidx[order] = torch.arange(K, dtype=torch.int64) // GROUP_SIZE
+    return gidx
+
+
+def _float_layout(dtype: torch.dtype) -> tuple[torch.dtype, int, int]:
+    """(integer view dtype, magnitude mask, mantissa bits) of a float dtype sharing fp32's exponent."""
+    if dtype == torch.bfloat16:
+        return torch.int16, 0x7FFF, 7
+    return torch.int32, 0x7FFFFFFF, 23
+
+
+def _prepare(x: Any, axis: int) -> tuple[torch.Tensor, int]:
+    """Move `axis` last, make contiguous, widen dtypes that do not share fp32's exponent field."""
+    t = as_tensor(x)
+    if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise InputError(f"x: expected a bf16, fp16 or fp32 tensor, got {t.dtype}")
+    if t.dim() == 0:
+        raise InputError("x: expected at least one dimension, got a scalar")
+    ax = axis % t.dim()
+    if t.dtype in (torch.float16, torch.float64):
+        t = t.to(torch.float32)  # fp16 -> fp32 is exact; fp64 is rounded once to fp32
+    return t.movedim(ax, -1).contiguous(), ax
+
+
+def _quantize_block(
+    xb: torch.Tensor,
+    segments: list[tuple[int, int, bool]],
+    offset: int,
+    fmt: ElemFormat,
+    saturate: bool,
+    codes_out: torch.Tensor | None,
+    scales_out: torch.Tensor,
+    deq_out: torch.Tensor | None,
+    work: dict[str, torch.Tensor],
+) -> None:
+    """Quantize one block of rows ``xb [r, K]`` (axis last) into the output slices given.
+
+    `work` holds reusable buffers so that a block's intermediates stay in cache (the speed of
+    this loop is what bench_mx.py measures).
+    """
+    r = xb.shape[0]
+    int_dtype, mask, mbits = _float_layout(xb.dtype)
+    m = fmt.max_finite
+    g0 = 0
+    for k0, c, wrapped in segments:
+        ng = c // GROUP_SIZE
+        n = r * c
+        xs = xb[:, k0 : k0 + c]
+        grouped = (r, 4, ng, 8) if wrapped else (r, ng, GROUP_SIZE)
+        red = (1, 3) if wrapped else (2,)
+        bcast = (r, 1, ng, 1) if wrapped else (r, ng, 1)
+        # prefill spec §3.4 / bwd spec §5.2: scale from the exponent field of the group max;
+        # the largest magnitude bit pattern has the largest exponent field.
+        mag = work["mag"][:n].view(r, c)
+        torch.bitwise_and(xs.view(int_dtype), mask, out=mag)
+        emax = mag.view(grouped).amax(dim=red) >> mbits  # [r, ng]
+        byte = (emax - offset).clamp_(0, 255)  # stays int16 for bf16: 254 << 7 fits
+        scales_out[:, g0 : g0 + ng] = byte
+        # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253.
+        inv = ((254 - byte) << mbits).view(xb.dtype).view(bcast)
+        y = work["y"][:n].view(grouped)
+        torch.mul(xs.reshape(grouped) if wrapped else xs.view(grouped), inv, out=y)  # exact
+        if saturate:
+            y.clamp_(-m, m)  # OCP rule, E5M2; NaN passes through
+        y2 = y.view(r, c)
+        if codes_out is not None:
+            codes_out[:, k0 : k0 + c].view(fmt.torch_dtype).copy_(y2)
+        if deq_out is not None:
+            # X = 2^(byte - 127); byte 0 is the fp32 subnormal 2^-127 (bit 22 set).
+            b32 = byte.to(torch.int32)
+            xbits = torch.where(b32 == 0, torch.full_like(b32, 1 << 22), b32 << 23)
+            scale = xbits.view(torch.float32).view(bcast)
+            q = y2.to(fmt.torch_dtype).to(torch.float32).view(grouped)
+            deq_out[:, k0 : k0 + c] = (q * scale).view(r, c)
+        g0 += ng
+
+
+def _run(
+    x: Any,
+    axis: int,
+    elem: ElemFormat | str,
+    rule: ScaleRule | str,
+    scheme: QuantScheme | str,
+    tile_k: int,
+    chunks: Chunks | None,
+    want_codes: bool,
+    want_deq: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, int]:
+    fmt = as_elem_format(elem)
+    offset = as_rule(rule).exponent_offset(fmt)
+    t, ax = _prepare(x, axis)
+    K = t.shape[-1]
+    segments = _segments(K, scheme, tile_k, chunks)
+    lead = t.shape[:-1]
+    x2 = t.reshape(-1, K)
+    R = x2.shape[0]
+    codes = torch.empty((R, K), dtype=torch.uint8, device=t.device) if want_codes else None
+    scales = torch.empty((R, K // GROUP_SIZE), dtype=torch.uint8, device=t.device)
+    deq = torch.empty((R, K), dtype=torch.float32, device=t.device) if want_deq else None
+    rows = R if t.is_cuda else max(1, min(R, _BLOCK_ELEMS // K))
+    int_dtype = _float_layout(t.dtype)[0]
+    work = {
+        "mag": torch.empty(rows * K, dtype=int_dtype, device=t.device),
+        "y": torch.empty(rows * K, dtype=t.dtype, device=t.device),
+    }
+    # E4M3FN under NEURON keeps |x/X| < 256 for finite x; torch's cast saturates Inf
+    # (tests/mx check it), so the clamp pass is needed only for the other combinations.
+    saturate = not (fmt is ElemFormat.E4M3FN and as_rule(rule) is ScaleRule.NEURON)
+    for r0 in range(0, R, rows):
+        r1 = min(R, r0 + rows)
+        _quantize_block(
+            x2[r0:r1],
+            segments,
+            offset,
+            fmt,
+            saturate,
+            None if codes is None else codes[r0:r1],
+            scales[r0:r1],
+            None if deq is None else deq[r0:r1],
+            work,
+        )
+
+    def restore(a: torch.Tensor | None) -> torch.Tensor | None:
+        if a is None:
+            return None
+        return a.reshape(*lead, a.shape[-1]).movedim(-1, ax).contiguous()
+
+    return restore(codes), restore(scales), restore(deq), ax  # type: ignore[return-value]
+
+
+def quantize_mx(
+    x: Any,
+    axis: int = -1,
+    *,
+    elem: ElemFormat | str = ElemFormat.E4M3FN,
+    rule: ScaleRule | str = ScaleRule.NEURON,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MX-quantize `x` along `axis`.
+
+    Returns ``(codes, scales)``: ``codes`` is uint8 with the shape of `x`, each code at its
+    element's position; ``scales`` is uint8 with the axis length divided by 32, entry ``g`` being
+    the E8M0 byte of the g-th group in the scheme's order (`group_order`).
+
+    Elements: ``code = fp8(x / X)`` with ``X = 2^(byte - 127)`` from `rule`, round to nearest
+    even in one step (the division by a power of two is exact), saturating to ±max; NaN keeps
+    its sign as 0x7F/0xFF. bf16, fp16 and fp32 inputs are exact; float64 is rounded to fp32.
+    """
+    codes, scales, _, _ = _run(x, axis, elem, rule, scheme, tile_k, chunks, True, False)
+    assert codes is not None
+    return codes, scales
+
+
+def fake_quantize_mx(
+    x: Any,
+    axis: int = -1,
+    *,
+    elem: ElemFormat | str = ElemFormat.E4M3FN,
+    rule: ScaleRule | str = ScaleRule.NEURON,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> torch.Tensor:
+    """``dequantize_mx(*quantize_mx(x, ...))`` in one pass: float32 values an MX matmul sees."""
+    _, _, deq, _ = _run(x, axis, elem, rule, scheme, tile_k, chunks, False, True)
+    assert deq is not None
+    return deq
+
+
+def dequantize_mx(
+    codes: Any,
+    scales: Any,
+    axis: int = -1,
+    *,
+    elem: ElemFormat | str = ElemFormat.E4M3FN,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> torch.Tensor:
+    """Float32 values ``fp8_decode(code) * 2^(byte - 127)`` of MX data (exact)."""
+    from mxcli.mx.formats import e8m0_decode, fp8_decode
+
+    c = as_tensor(codes)
+    s = as_tensor(scales)
+    ax = axis % c.dim()
+    K = c.shape[ax]
+    expected = list(c.shape)
+    expected[ax] = K // GROUP_SIZE
+    if list(s.shape) != expected:
+        raise InputError(f"scales: expected shape {tuple(expected)}, got {tuple(s.shape)}")
+    gidx = group_index(K, scheme, tile_k, chunks).to(c.device)
+    factor = e8m0_decode(s).index_select(ax, gidx)
+    return fp8_decode(c, elem) * factor
