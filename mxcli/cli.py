@@ -31,6 +31,10 @@ def _root(
 
 
 # Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
+from mxcli.commands import run as _run  # noqa: E402
+
+app.command("run-prefill")(_run.run_prefill)
+app.command("run-bwd")(_run.run_bwd)
 
 
 def main() -> None:
