@@ -29,19 +29,24 @@ class BackendUnavailableError(MxcliError, RuntimeError):
     """The backend is registered but cannot run here (missing SDK or device)."""
 
 
+def _load(target: Callable[..., Any] | str) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module_name, _, attr = target.partition(":")
+    fn: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
+    return fn
+
+
 @dataclass
 class _Entry:
     target: Callable[..., Any] | str
-    # Returns None when the backend can run here, else a one-line reason.
-    probe: Callable[[], str | None] | None = None
+    # Returns None when the backend can run here, else a one-line reason (callable or
+    # "module:function", loaded lazily).
+    probe: Callable[[], str | None] | str | None = None
 
     def load(self) -> Callable[..., Any]:
-        if callable(self.target):
-            return self.target
-        module_name, _, attr = self.target.partition(":")
-        fn = getattr(importlib.import_module(module_name), attr)
-        self.target = fn
-        return fn
+        self.target = _load(self.target)
+        return self.target
 
 
 _REGISTRY: dict[str, dict[str, _Entry]] = {}
@@ -51,26 +56,43 @@ def register(
     kernel: str,
     backend: str,
     target: Callable[..., Any] | str,
-    probe: Callable[[], str | None] | None = None,
+    probe: Callable[[], str | None] | str | None = None,
 ) -> None:
     """Register `target` (a callable or ``"module:function"``) as `backend` for `kernel`."""
     _REGISTRY.setdefault(kernel, {})[backend] = _Entry(target, probe)
 
 
+_KERNEL_PACKAGES = {
+    "rmsnorm_mx_prefill": "mxcli.kernels.rmsnorm_mx_prefill",
+    "blockwise_mm_bwd_mxfp8": "mxcli.kernels.blockwise_moe",
+}
+_ORDER = {"reference": 0, "sim": 1, "neuron": 2}
+
+
+def _ensure_loaded(kernel: str) -> None:
+    """Import the kernel's package so that its reference backend is registered."""
+    package = _KERNEL_PACKAGES.get(kernel)
+    if package is not None:
+        importlib.import_module(package)
+
+
 def backend_names(kernel: str) -> list[str]:
-    """Registered backend names for `kernel`, in registration order."""
-    return list(_REGISTRY.get(kernel, {}))
+    """Registered backend names for `kernel`: reference, sim, neuron, then any others."""
+    _ensure_loaded(kernel)
+    return sorted(_REGISTRY.get(kernel, {}), key=lambda n: (_ORDER.get(n, 99), n))
 
 
 def unavailable_reason(kernel: str, backend: str) -> str | None:
     """None when `backend` can run `kernel` here, else why not."""
+    _ensure_loaded(kernel)
     entry = _REGISTRY.get(kernel, {}).get(backend)
     if entry is None:
         return f"backend {backend!r} is not registered for {kernel}"
     if entry.probe is None:
         return None
     try:
-        return entry.probe()
+        reason: str | None = _load(entry.probe)()
+        return reason
     except Exception as exc:  # detection must never crash: treat as unavailable
         return f"{type(exc).__name__}: {exc}"
 
@@ -102,3 +124,20 @@ def get(kernel: str, backend: str = "reference") -> Callable[..., Any]:
     if reason is not None:
         raise BackendUnavailableError(f"backend: {name!r} cannot run {kernel} here: {reason}")
     return _REGISTRY[kernel][name].load()
+
+
+# The NKI backends of both kernels, registered lazily: nothing of the NKI stack is imported
+# until one of them is chosen or probed.
+for _kernel, _package in _KERNEL_PACKAGES.items():
+    register(
+        _kernel,
+        "sim",
+        f"{_package}.nki_backend:run_sim",
+        "mxcli.kernels.nki_runtime:sim_unavailable_reason",
+    )
+    register(
+        _kernel,
+        "neuron",
+        f"{_package}.nki_backend:run_neuron",
+        "mxcli.kernels.nki_runtime:neuron_unavailable_reason",
+    )

@@ -1,0 +1,92 @@
+"""Package basics: version, `python -m mxcli`, atomic outputs, backend registry, error reporting."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+import mxcli
+from mxcli.cli import app
+from mxcli.errors import InputError, OutputExistsError, report_user_errors
+from mxcli.fsutil import atomic_output
+from mxcli.kernels import backends
+
+
+def test_version_flag() -> None:
+    result = CliRunner().invoke(app, ["--version"])
+    assert result.exit_code == 0
+    assert result.output.strip() == f"mxcli {mxcli.__version__}"
+
+
+def test_python_dash_m() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mxcli", "--version"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip().startswith("mxcli ")
+
+
+def test_atomic_output_renames_on_success(tmp_path: Path) -> None:
+    target = tmp_path / "out.bin"
+    with atomic_output(target) as tmp:
+        assert tmp != target and tmp.parent == tmp_path
+        tmp.write_bytes(b"abc")
+        assert not target.exists()
+    assert target.read_bytes() == b"abc"
+    assert list(tmp_path.iterdir()) == [target]
+
+
+def test_atomic_output_leaves_nothing_on_failure(tmp_path: Path) -> None:
+    target = tmp_path / "out.bin"
+    with pytest.raises(RuntimeError), atomic_output(target) as tmp:
+        tmp.write_bytes(b"partial")
+        raise RuntimeError("interrupted")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_atomic_output_refuses_existing_without_force(tmp_path: Path) -> None:
+    target = tmp_path / "out.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(OutputExistsError, match="--force"), atomic_output(target):
+        pass
+    with atomic_output(target, force=True) as tmp:
+        tmp.write_bytes(b"new")
+    assert target.read_bytes() == b"new"
+
+
+def test_report_user_errors_gives_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    @report_user_errors
+    def command() -> None:
+        raise InputError("hidden_states: expected shape (1, 128, 512), got (1, 128, 500)")
+
+    with pytest.raises(typer.Exit) as info:
+        command()
+    assert info.value.exit_code == 2
+    err = capsys.readouterr().err
+    assert err == "error: hidden_states: expected shape (1, 128, 512), got (1, 128, 500)\n"
+
+
+def test_backend_registry() -> None:
+    calls: list[int] = []
+    backends.register("toy_kernel", "reference", lambda x: calls.append(x) or x)
+    backends.register("toy_kernel", "neuron", lambda x: -x, probe=lambda: "no Neuron device")
+    assert backends.backend_names("toy_kernel") == ["reference", "neuron"]
+    assert backends.get("toy_kernel", "auto")(3) == 3  # neuron unavailable -> reference
+    assert calls == [3]
+    with pytest.raises(backends.UnknownBackendError, match="available: auto, reference, neuron"):
+        backends.get("toy_kernel", "tpu")
+    with pytest.raises(backends.BackendUnavailableError, match="no Neuron device"):
+        backends.get("toy_kernel", "neuron")
+    backends.register("toy_kernel", "broken", lambda: None, probe="no.such.module:probe")
+    reason = backends.unavailable_reason("toy_kernel", "broken")
+    assert reason is not None and "ModuleNotFoundError" in reason
+
+
+def test_neuron_backend_unavailable_here() -> None:
+    # The Neuron SDK is not installed on CI machines: the probe must say so, never raise.
+    reason = backends.unavailable_reason("rmsnorm_mx_prefill", "neuron")
+    assert reason
