@@ -1,0 +1,334 @@
+"""The simulated machine: one run (a kernel launch) and its programs (LNC cores).
+
+A `Run` holds what the programs of one launch share (configuration, ``shared_hbm`` tensors,
+the LNC exchange); a `Program` is one core's state (``program_id``, counters, the ScalarE and
+VectorE accumulator registers, the instruction clock and the allocation records used for the
+capacity check). The current program is thread-local: under LNC=2 each program runs the kernel
+body in its own thread (api spec §3.2, as the real simulator does).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import warnings
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mxcli.nkisim.errors import NkiCapacityError, NkiNotActiveError, NkiValidationError
+from mxcli.nkisim.target import Target
+
+__all__ = [
+    "UninitPolicy",
+    "RunConfig",
+    "Counters",
+    "RunReport",
+    "AllocRecord",
+    "Run",
+    "Program",
+    "current",
+    "current_or_none",
+]
+
+
+class UninitPolicy(str, enum.Enum):
+    """What a read of never-written memory does (api spec §2.4: fresh memory holds NaN / 4).
+
+    ERROR raises `NkiUninitializedReadError` (default: such a read is a kernel bug on hardware);
+    WARN emits a warning once per op and operand; IGNORE reads the sentinel values like the real
+    simulator does.
+    """
+
+    ERROR = "error"
+    WARN = "warn"
+    IGNORE = "ignore"
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a launch is simulated."""
+
+    target: Target
+    lnc: int = 1
+    check_only: bool = False
+    uninit: UninitPolicy = UninitPolicy.ERROR
+    check_capacity: bool = True
+    sendrecv_timeout_s: float = 600.0
+
+
+@dataclass
+class Counters:
+    """Per-program instruction and traffic counts (raw material for roofline estimates).
+
+    ``instructions``: per engine ("tensor", "vector", "scalar", "gpsimd", "dma", "sync").
+    ``dma_bytes``: bytes written by DMA instructions (dst side; skipped OOB rows excluded).
+    ``hbm_read_bytes`` / ``hbm_write_bytes``: the HBM side of those transfers.
+    ``matmul_flops``: 2*K*M*N per ``nc_matmul`` (transposes excluded, counted in
+    ``transpose_elements``); ``mx_matmul_flops``: 2*(4K)*M*N per ``nc_matmul_mx``.
+    ``peak_sbuf_bytes`` / ``peak_psum_bytes``: peak live bytes per partition (PSUM in whole
+    2 KiB banks), live meaning from allocation to last use.
+    """
+
+    instructions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    ops: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    dma_bytes: int = 0
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    matmul_flops: int = 0
+    mx_matmul_flops: int = 0
+    transpose_elements: int = 0
+    peak_sbuf_bytes: int = 0
+    peak_psum_bytes: int = 0
+
+    @property
+    def total_instructions(self) -> int:
+        return int(sum(self.instructions.values()))
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "instructions": dict(self.instructions),
+            "ops": dict(self.ops),
+            "dma_bytes": self.dma_bytes,
+            "hbm_read_bytes": self.hbm_read_bytes,
+            "hbm_write_bytes": self.hbm_write_bytes,
+            "matmul_flops": self.matmul_flops,
+            "mx_matmul_flops": self.mx_matmul_flops,
+            "transpose_elements": self.transpose_elements,
+            "peak_sbuf_bytes": self.peak_sbuf_bytes,
+            "peak_psum_bytes": self.peak_psum_bytes,
+        }
+
+    @staticmethod
+    def combine(parts: list[Counters]) -> Counters:
+        """Sum over programs; peaks are the max over programs (each core has its own memory)."""
+        out = Counters()
+        for c in parts:
+            for k, v in c.instructions.items():
+                out.instructions[k] += v
+            for k, v in c.ops.items():
+                out.ops[k] += v
+            out.dma_bytes += c.dma_bytes
+            out.hbm_read_bytes += c.hbm_read_bytes
+            out.hbm_write_bytes += c.hbm_write_bytes
+            out.matmul_flops += c.matmul_flops
+            out.mx_matmul_flops += c.mx_matmul_flops
+            out.transpose_elements += c.transpose_elements
+            out.peak_sbuf_bytes = max(out.peak_sbuf_bytes, c.peak_sbuf_bytes)
+            out.peak_psum_bytes = max(out.peak_psum_bytes, c.peak_psum_bytes)
+        return out
+
+
+@dataclass
+class RunReport:
+    """What one simulated launch did: its configuration and counters per program and in total."""
+
+    config: RunConfig
+    programs: list[Counters]
+
+    @property
+    def counters(self) -> Counters:
+        return Counters.combine(self.programs)
+
+
+@dataclass
+class AllocRecord:
+    """Lifetime of one on-chip allocation, for the capacity sweep (kept after the data is freed)."""
+
+    name: str
+    buffer: str  # "sbuf" | "psum"
+    bytes_pp: int  # bytes per partition charged against the budget
+    alloc_t: float
+    last_t: float
+
+
+class Run:
+    """State shared by the programs of one launch."""
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.shared_allocs: list[Any] = []  # k-th shared_hbm allocation, matched across programs
+        self.mailbox: dict[tuple[int, int, int], list[np.ndarray]] = defaultdict(list)
+        self.finished: set[int] = set()
+        self.failed = False
+        self.barrier_count = [0] * config.lnc
+        self.warned: set[str] = set()
+
+    def warn_once(self, key: str, message: str) -> None:
+        with self.lock:
+            if key in self.warned:
+                return
+            self.warned.add(key)
+        warnings.warn(message, stacklevel=4)
+
+    def abort(self) -> None:
+        with self.cond:
+            self.failed = True
+            self.cond.notify_all()
+
+    def finish(self, program_id: int) -> None:
+        with self.cond:
+            self.finished.add(program_id)
+            self.cond.notify_all()
+
+
+class Program:
+    """One core running the kernel body."""
+
+    def __init__(self, run: Run, program_id: int) -> None:
+        self.run = run
+        self.config = run.config
+        self.target = run.config.target
+        self.program_id = program_id
+        self.counters = Counters()
+        self.clock = 0  # instructions issued so far
+        self.records: list[AllocRecord] = []
+        self.shared_index = 0
+        self.scalar_acc = np.zeros(128, dtype=np.float32)  # api spec §5.4 ScalarE accumulator
+        self.vector_acc = np.zeros(128, dtype=np.float32)  # api spec §5.4 VectorE accumulator
+        self.no_reorder_depth = 0
+        self.op_log: list[str] = []
+
+    @property
+    def compute(self) -> bool:
+        """False in check-only mode: instructions validate and track state, skip arithmetic."""
+        return not self.config.check_only
+
+    def begin(self, op: str, engine: str) -> int:
+        """Issue one instruction: advance the clock and count it."""
+        self.clock += 1
+        self.counters.instructions[engine] += 1
+        self.counters.ops[op] += 1
+        self.op_log.append(op)
+        return self.clock
+
+    def new_record(self, name: str, buffer: str, bytes_pp: int) -> AllocRecord:
+        rec = AllocRecord(name, buffer, bytes_pp, self.clock + 0.5, self.clock + 0.5)
+        self.records.append(rec)
+        return rec
+
+    def finish_capacity(self) -> None:
+        """Sweep allocation lifetimes: peak live bytes per partition; raise past the budget."""
+        t = self.target
+        budgets = {"sbuf": t.sbuf_fmax_bytes, "psum": t.psum_num_banks * t.psum_bank_fmax_bytes}
+        for buf in ("sbuf", "psum"):
+            recs = [r for r in self.records if r.buffer == buf]
+            if not recs:
+                continue
+            starts = np.array([r.alloc_t for r in recs])
+            ends = np.array([r.last_t + 0.25 for r in recs])
+            sizes = np.array([r.bytes_pp for r in recs], dtype=np.int64)
+            times = np.concatenate([starts, ends])
+            deltas = np.concatenate([sizes, -sizes])
+            order = np.lexsort((deltas, times))  # at equal times frees (<0) come first
+            live = np.cumsum(deltas[order])
+            k = int(np.argmax(live))
+            peak = int(live[k])
+            if buf == "sbuf":
+                self.counters.peak_sbuf_bytes = peak
+            else:
+                self.counters.peak_psum_bytes = peak
+            if self.config.check_capacity and peak > budgets[buf]:
+                at = float(times[order][k])
+                alive = [r for r in recs if r.alloc_t <= at < r.last_t + 0.25]
+                alive.sort(key=lambda r: -r.bytes_pp)
+                top = ", ".join(f"{r.name or '<unnamed>'}={r.bytes_pp}B" for r in alive[:6])
+                instr = int(at)
+                where = self.op_log[instr - 1] if 0 < instr <= len(self.op_log) else "start"
+                raise NkiCapacityError(
+                    f"capacity: live {buf.upper()} bytes per partition exceed the {t.name} budget "
+                    f"(got {peak}, expected <= {budgets[buf]}) at instruction {instr} ({where}) "
+                    f"of program {self.program_id}; largest live: {top}"
+                )
+
+    # -- LNC exchange -------------------------------------------------------------------------
+
+    def sendrecv(self, payload: np.ndarray, to: int, frm: int, pipe_id: int) -> np.ndarray:
+        run = self.run
+        me = self.program_id
+        with run.cond:
+            run.mailbox[(pipe_id, me, to)].append(payload)
+            run.cond.notify_all()
+            key = (pipe_id, frm, me)
+            ok = run.cond.wait_for(
+                lambda: run.mailbox[key] or run.failed or frm in run.finished,
+                timeout=run.config.sendrecv_timeout_s,
+            )
+            if run.mailbox[key]:
+                return run.mailbox[key].pop(0)
+        if run.failed:
+            raise NkiValidationError("sendrecv: the partner program failed")
+        if not ok:
+            raise NkiValidationError(f"sendrecv: timed out waiting for rank {frm} (pipe {pipe_id})")
+        raise NkiValidationError(
+            f"sendrecv: rank {frm} finished without sending on pipe {pipe_id} "
+            "(LNC programs must issue matching sendrecv calls)"
+        )
+
+    def core_barrier(self) -> None:
+        """Two-party barrier keyed by call order (api spec §6.5)."""
+        run = self.run
+        n = run.config.lnc
+        if n == 1:
+            return
+        me = self.program_id
+        with run.cond:
+            gen = run.barrier_count[me]
+            run.barrier_count[me] += 1
+            run.cond.notify_all()
+
+            def released() -> bool:
+                return all(run.barrier_count[p] > gen for p in range(n))
+
+            ok = run.cond.wait_for(
+                lambda: (
+                    released()
+                    or run.failed
+                    or any(p in run.finished and run.barrier_count[p] <= gen for p in range(n))
+                ),
+                timeout=run.config.sendrecv_timeout_s,
+            )
+            if released():
+                return
+        if run.failed:
+            raise NkiValidationError("core_barrier: the other program failed")
+        if not ok:
+            raise NkiValidationError("core_barrier: timed out waiting for the other program")
+        raise NkiValidationError(
+            "core_barrier: the other program finished without reaching this barrier "
+            "(LNC programs must call core_barrier the same number of times)"
+        )
+
+
+_tls = threading.local()
+
+
+def current_or_none() -> Program | None:
+    return getattr(_tls, "program", None)
+
+
+def current() -> Program:
+    prog = getattr(_tls, "program", None)
+    if prog is None:
+        raise NkiNotActiveError(
+            "NKI call outside a simulated kernel: run the kernel through nki.simulate / "
+            "mxcli.nkisim.simulate"
+        )
+    return prog
+
+
+@contextmanager
+def bind(program: Program | None) -> Iterator[None]:
+    """Make `program` the current one in this thread for the duration of the block."""
+    prev = getattr(_tls, "program", None)
+    _tls.program = program
+    try:
+        yield
+    finally:
+        _tls.program = prev

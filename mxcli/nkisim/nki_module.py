@@ -1,0 +1,11 @@
+"""The top-level ``nki`` module as provided by mxcli's interpreter (api spec §1, §3)."""
+
+from __future__ import annotations
+
+from mxcli.nkisim import dtype, isa, language
+from mxcli.nkisim.kernel import Kernel, jit, simulate
+
+__mxcli_nkisim__ = True
+__version__ = "0.6.0+mxcli.nkisim"
+
+__all__ = ["Kernel", "dtype", "isa", "jit", "language", "simulate"]
