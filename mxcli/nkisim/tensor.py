@@ -213,7 +213,8 @@ def allocate(
     if not shp or any(s <= 0 for s in shp):
         raise NkiValidationError(f"nl.ndarray: shape must be positive ints, got {tuple(shape)}")
     if buffer is MemoryRegion.shared_hbm and prog.config.lnc > 1:
-        # LNC: the k-th shared_hbm allocation of every program is the same tensor.
+        # LNC: the k-th shared_hbm allocation of every program is the same tensor. The lock is
+        # held through creation so that two programs allocating at once agree on the tensor.
         run = prog.run
         with run.lock:
             k = prog.shared_index
@@ -226,6 +227,21 @@ def allocate(
                         f"(got {shp} {dt}, expected {t.shape} {t.dtype})"
                     )
                 return t
+            t_shared = _new_tensor(prog, shp, dt, buffer, name, address, fill)
+            run.shared_allocs.append(t_shared)
+            return t_shared
+    return _new_tensor(prog, shp, dt, buffer, name, address, fill)
+
+
+def _new_tensor(
+    prog: machine.Program,
+    shp: tuple[int, ...],
+    dt: Any,
+    buffer: MemoryRegion,
+    name: str,
+    address: tuple[int, int] | None,
+    fill: Any,
+) -> NkiTensor:
     nbytes = _prod(shp) * dt.itemsize
     buf = np.empty(nbytes, dtype=np.uint8)
     init: np.ndarray | None
@@ -251,11 +267,7 @@ def allocate(
             _check_address(prog, st, address)
             st.address = (int(address[0]), int(address[1]))
         st.record = prog.new_record(name or "", buffer.value, bpp)
-    t_new = NkiTensor(st, shp, _row_major(shp), 0, dt, name=name or "")
-    if buffer is MemoryRegion.shared_hbm and prog.config.lnc > 1:
-        with prog.run.lock:
-            prog.run.shared_allocs.append(t_new)
-    return t_new
+    return NkiTensor(st, shp, _row_major(shp), 0, dt, name=name or "")
 
 
 def _check_address(prog: machine.Program, st: Storage, address: tuple[int, int]) -> None:

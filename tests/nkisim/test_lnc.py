@@ -86,3 +86,27 @@ def test_private_memory_is_per_program_and_lnc_limits() -> None:
         nkisim.simulate(k, lnc=2, target="trn1")(x)
     with pytest.raises(TypeError, match="LNC degree"):
         jit(k)[0]
+
+
+def _many_outputs_kernel(x):
+    # each program writes its half of the rows of several shared outputs; the k-th shared
+    # allocation must be the same tensor in both programs even when they allocate at once
+    P, F = x.shape
+    pid = nl.program_id(0)
+    half = P // nl.num_programs(0)
+    outs = [nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm, name=f"o{i}") for i in range(6)]
+    t = nl.ndarray((half, F), nl.float32)
+    nisa.dma_copy(dst=t, src=x[pid * half : (pid + 1) * half, :])
+    for o in outs:
+        nisa.dma_copy(dst=o[pid * half : (pid + 1) * half, :], src=t)
+    return tuple(outs)
+
+
+def test_lnc2_concurrent_shared_allocations_agree(rng) -> None:
+    x = rng.standard_normal((128, 8)).astype(np.float32)
+    sk = nkisim.simulate(jit(_many_outputs_kernel)[2])
+    for _ in range(5):
+        outs = sk(x)
+        assert len(outs) == 6
+        for o in outs:
+            np.testing.assert_array_equal(o, x)
