@@ -90,3 +90,30 @@ def test_neuron_backend_unavailable_here() -> None:
     # The Neuron SDK is not installed on CI machines: the probe must say so, never raise.
     reason = backends.unavailable_reason("rmsnorm_mx_prefill", "neuron")
     assert reason
+
+
+def test_usage_errors_are_one_line_with_exit_2() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "mxcli", "run-prefill", "--top-k", "two", "in.safetensors"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "--top-k" in lines[0]
+    assert "Traceback" not in out.stderr
+
+
+def test_help_lists_only_working_commands() -> None:
+    result = CliRunner().invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name in (
+        "prep-weights",
+        "make-inputs",
+        "run-prefill",
+        "run-bwd",
+        "verify",
+        "inspect",
+        "demo",
+    ):
+        assert name in result.output

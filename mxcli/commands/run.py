@@ -1,0 +1,319 @@
+"""``mxcli run-prefill`` and ``mxcli run-bwd``: run one kernel on an input file, write its outputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mxcli.commands._shared import (
+    Debug,
+    Force,
+    Json,
+    Quiet,
+    Steps,
+    complete_backend,
+    guarded,
+    print_json,
+    stdout_console,
+)
+
+# ---- options shared by both run commands ----
+InputArg = Annotated[
+    Path,
+    typer.Argument(
+        help="Input .safetensors: tensors named as the kernel arguments, kwargs in __metadata__.",
+        show_default=False,
+    ),
+]
+OutputOpt = Annotated[
+    Path,
+    typer.Option(
+        "--output", "-o", help="Output .safetensors (written atomically).", show_default=False
+    ),
+]
+BackendOpt = Annotated[
+    str,
+    typer.Option(
+        "--backend",
+        "-b",
+        help="auto (neuron when available, else reference) or a registered backend "
+        "(reference, sim, neuron, ...); an unknown name lists the available ones.",
+        autocompletion=complete_backend,
+    ),
+]
+DeviceOpt = Annotated[
+    str, typer.Option("--device", help="Device for the reference backend: cpu or cuda[:N].")
+]
+WeightsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--weights",
+        help="prep-weights output folder supplying the layer's weights and kwargs.",
+        show_default=False,
+    ),
+]
+LayerOpt = Annotated[
+    int | None, typer.Option("--layer", help="Layer to take from --weights.", show_default=False)
+]
+AllowNonfinite = Annotated[
+    bool, typer.Option("--allow-nonfinite", help="Run even if an input holds NaN or Inf.")
+]
+
+
+def _run(
+    kernel: str,
+    overrides: dict[str, Any],
+    *,
+    input: Path,
+    output: Path,
+    backend: str,
+    device: str,
+    weights: Path | None,
+    layer: int | None,
+    allow_nonfinite: bool,
+    force: bool,
+    json_out: bool,
+    quiet: bool,
+) -> None:
+    from mxcli.tensorio import run_file
+
+    with Steps(quiet) as steps:
+        summary = run_file(
+            kernel,
+            input,
+            output,
+            overrides=overrides,
+            backend=backend,
+            device=device,
+            weights=weights,
+            layer=layer,
+            allow_nonfinite=allow_nonfinite,
+            force=force,
+            step=steps.step,
+        )
+    if json_out:
+        print_json(summary)
+    elif not quiet:
+        _print_summary(summary)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    con = stdout_console()
+    t = s["timing_s"]
+    con.print(
+        f"[bold]{s['kernel']}[/] on [cyan]{s['backend']}[/] ({s['device']}): "
+        f"ran in {t['run']:.3f} s (read {t['read']:.3f} s, write {t['write']:.3f} s)"
+    )
+    table = Table(show_header=True, header_style="bold", box=None)
+    for col in ("output", "dtype", "shape", "sha256"):
+        table.add_column(col)
+    for name, info in s["outputs"].items():
+        table.add_row(name, info["dtype"], str(info["shape"]), info["sha256"][:16])
+    con.print(table)
+    con.print(f"wrote {s['output']}")
+
+
+def run_prefill(
+    input: InputArg,
+    output: OutputOpt,
+    eps: Annotated[
+        float | None, typer.Option(help="RMSNorm epsilon (default: 1e-6).", show_default=False)
+    ] = None,
+    top_k: Annotated[
+        int | None,
+        typer.Option("--top-k", help="Experts per token, <= 8 (default: 1).", show_default=False),
+    ] = None,
+    router_act: Annotated[
+        str | None,
+        typer.Option(
+            "--router-act",
+            help="Router activation: sigmoid, softmax or noaux_tc (default: sigmoid).",
+            show_default=False,
+        ),
+    ] = None,
+    n_group: Annotated[
+        int | None,
+        typer.Option("--n-group", help="NOAUX_TC expert groups (default: 1).", show_default=False),
+    ] = None,
+    topk_group: Annotated[
+        int | None,
+        typer.Option("--topk-group", help="NOAUX_TC groups kept (default: 1).", show_default=False),
+    ] = None,
+    routed_scaling_factor: Annotated[
+        float | None,
+        typer.Option(
+            "--routed-scaling-factor",
+            help="NOAUX_TC affinity multiplier (default: 1.0).",
+            show_default=False,
+        ),
+    ] = None,
+    qmx_output_dtype: Annotated[
+        str | None,
+        typer.Option(
+            "--qmx-output-dtype",
+            help="float8_e4m3fn_x4 or float8_e5m2_x4 (default: e4m3fn).",
+            show_default=False,
+        ),
+    ] = None,
+    pack_scales: Annotated[
+        bool | None,
+        typer.Option(
+            "--pack-scales/--no-pack-scales",
+            help="Fold scale tiles (default: on).",
+            show_default=False,
+        ),
+    ] = None,
+    pack_affinities: Annotated[
+        bool | None,
+        typer.Option(
+            "--pack-affinities/--no-pack-affinities",
+            help="Affinities in the row tail (default: off).",
+            show_default=False,
+        ),
+    ] = None,
+    unpadded_hidden_size: Annotated[
+        int | None,
+        typer.Option(
+            "--unpadded-hidden-size",
+            help="Real H for the RMS mean (default: H).",
+            show_default=False,
+        ),
+    ] = None,
+    emit_norm_bf16: Annotated[
+        bool | None,
+        typer.Option(
+            "--emit-norm-bf16/--no-emit-norm-bf16",
+            help="Also write norm_bf16 (default: off).",
+            show_default=False,
+        ),
+    ] = None,
+    hidden_interleaved: Annotated[
+        bool | None,
+        typer.Option(
+            "--hidden-interleaved/--no-hidden-interleaved",
+            help="Inputs stored 4-way interleaved (default: off).",
+            show_default=False,
+        ),
+    ] = None,
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = "cpu",
+    weights: WeightsOpt = None,
+    layer: LayerOpt = None,
+    allow_nonfinite: AllowNonfinite = False,
+    force: Force = False,
+    json_out: Json = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Run rmsnorm_mx_prefill: fused RMSNorm + MXFP8 quantization (+ router top-K).
+
+    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    """
+    overrides = {
+        "eps": eps,
+        "top_k": top_k,
+        "router_act_fn": router_act,
+        "n_group": n_group,
+        "topk_group": topk_group,
+        "routed_scaling_factor": routed_scaling_factor,
+        "qmx_output_dtype": qmx_output_dtype,
+        "pack_scales": pack_scales,
+        "pack_affinities": pack_affinities,
+        "unpadded_hidden_size": unpadded_hidden_size,
+        "emit_norm_bf16": emit_norm_bf16,
+        "hidden_interleaved": hidden_interleaved,
+    }
+    guarded(
+        debug,
+        lambda: _run(
+            "rmsnorm_mx_prefill",
+            overrides,
+            input=input,
+            output=output,
+            backend=backend,
+            device=device,
+            weights=weights,
+            layer=layer,
+            allow_nonfinite=allow_nonfinite,
+            force=force,
+            json_out=json_out,
+            quiet=quiet,
+        ),
+    )
+
+
+def run_bwd(
+    input: InputArg,
+    output: OutputOpt,
+    block_size: Annotated[
+        int | None,
+        typer.Option(
+            "--block-size",
+            help="Tokens per block (128 ... 4096) (default: 4096).",
+            show_default=False,
+        ),
+    ] = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config",
+            help="JSON file of MXFP8MOEBwdConfig fields; updates the "
+            "config stored in the input file field by field.",
+            show_default=False,
+        ),
+    ] = None,
+    backend: BackendOpt = "auto",
+    device: DeviceOpt = "cpu",
+    weights: WeightsOpt = None,
+    layer: LayerOpt = None,
+    allow_nonfinite: AllowNonfinite = False,
+    force: Force = False,
+    json_out: Json = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Run blockwise_mm_bwd_mxfp8: the MXFP8 backward pass of a blockwise MoE layer.
+
+    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    """
+
+    def body() -> None:
+        overrides: dict[str, Any] = {"block_size": block_size}
+        if config is not None:
+            overrides["config"] = _read_config(config)
+        _run(
+            "blockwise_mm_bwd_mxfp8",
+            overrides,
+            input=input,
+            output=output,
+            backend=backend,
+            device=device,
+            weights=weights,
+            layer=layer,
+            allow_nonfinite=allow_nonfinite,
+            force=force,
+            json_out=json_out,
+            quiet=quiet,
+        )
+
+    guarded(debug, body)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    import json
+
+    from mxcli.errors import InputError
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(f"config: {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"config: {path}: not a JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"config: {path}: expected a JSON object of MXFP8MOEBwdConfig fields")
+    return data

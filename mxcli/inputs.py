@@ -1,0 +1,539 @@
+"""Complete, valid kernel inputs: seeded synthetic data, or a prepared checkpoint layer.
+
+Synthetic distributions follow the upstream tests (prefill spec §7, bwd spec §11.1):
+
+- prefill: ``hidden_states = 0.5*N(0,1)`` bf16 ``[B, S, H]``; ``gamma = 1 + 0.2*N(0,1)`` bf16
+  ``[1, H]``; ``residual = 0.5*N(0,1)`` bf16; router ``W = 0.1*N(0,1)`` (fp16 for SIGMOID/SOFTMAX,
+  bf16 for NOAUX_TC), passed *arranged* (`arrange_router_weights`); ``router_bias = 0.1*N(0,1)``
+  ``[1, E]`` (fp16, fp32 for NOAUX_TC). With ``unpadded_hidden_size < H`` the pad columns of the
+  activations and the pad rows of the router weight are zero.
+- bwd: tokens routed by the upstream test router (``K`` distinct experts per token, uniform,
+  legacy numpy RNG seeded with ``seed``) or by the prefill reference; block plan from `build_block_plan`; ``W_gu, W_d =
+  U(-0.1, 0.1)`` bf16; affinities ``U[0,1)`` on the chosen experts, bf16 ``[T*E, 1]``;
+  ``hidden_states = U[0,1)`` bf16; ``output_hidden_states_grad = U(-1, 1)`` bf16; the gate/up
+  checkpoint from the MXFP8 forward reference (`blockwise_mm_fwd_mxfp8`).
+
+All randomness comes from one ``torch.Generator`` seeded with ``seed``: the same arguments give
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxcli.errors import InputError
+from mxcli.tensorio import BWD, PREFILL
+
+
+@dataclass
+class KernelInputs:
+    """Input tensors named as the kernel arguments, their scalar kwargs, and how they were made."""
+
+    kernel: str
+    tensors: dict[str, torch.Tensor]
+    kwargs: dict[str, Any]
+    generator: dict[str, Any] = field(default_factory=dict)
+    # not written to the file: what a check needs besides it (e.g. the bf16 weights behind
+    # pre-quantized ones)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(int(seed))
+
+
+def _normal(
+    g: torch.Generator, shape: tuple[int, ...], std: float, mean: float = 0.0
+) -> torch.Tensor:
+    return torch.randn(shape, generator=g, dtype=torch.float32) * std + mean
+
+
+def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+    return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
+
+
+def _check_positive(**values: int | None) -> None:
+    for name, v in values.items():
+        if v is not None and int(v) < 1:
+            raise InputError(f"{name}: expected a positive integer, got {v}")
+
+
+# --------------------------------------------------------------------------------------------
+# rmsnorm_mx_prefill
+# --------------------------------------------------------------------------------------------
+
+
+def make_prefill_inputs(
+    *,
+    batch: int = 1,
+    seq: int = 128,
+    hidden: int = 512,
+    experts: int | None = 16,
+    top_k: int = 2,
+    router_act_fn: Any = "SOFTMAX",
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    router_bias: bool | None = None,
+    router_dtype: str | None = None,
+    residual: bool = False,
+    unpadded_hidden_size: int | None = None,
+    eps: float = 1e-6,
+    pack_scales: bool = True,
+    pack_affinities: bool = False,
+    emit_norm_bf16: bool = False,
+    seed: int = 0,
+) -> KernelInputs:
+    """Seeded synthetic inputs for ``rmsnorm_mx_prefill`` (``experts=None``: no router).
+
+    ``router_bias`` defaults to on for NOAUX_TC (where it is required) and off otherwise;
+    ``router_dtype`` (``bf16``/``fp16``) defaults to the upstream tests' choice.
+    """
+    from mxcli.kernels import RouterActFnType, arrange_router_weights
+
+    _check_positive(batch=batch, seq=seq, hidden=hidden, experts=experts, top_k=top_k)
+    if hidden % 512:
+        raise InputError(f"hidden: expected a multiple of 512, got {hidden}")
+    act = RouterActFnType.coerce(router_act_fn)
+    noaux = act is RouterActFnType.NOAUX_TC
+    H = int(hidden)
+    N = H if unpadded_hidden_size is None else int(unpadded_hidden_size)
+    if not 0 < N <= H:
+        raise InputError(f"unpadded_hidden_size: expected a value in (0, {H}], got {N}")
+    g = _gen(seed)
+    shape = (int(batch), int(seq), H)
+    hs = _normal(g, shape, 0.5)
+    gamma = _normal(g, (1, H), 0.2, 1.0)
+    tensors: dict[str, torch.Tensor] = {}
+    res = _normal(g, shape, 0.5) if residual else None
+    if N < H:
+        hs[..., N:] = 0.0
+        if res is not None:
+            res[..., N:] = 0.0
+    tensors["hidden_states"] = hs.to(torch.bfloat16)
+    tensors["gamma"] = gamma.to(torch.bfloat16)
+    if experts:
+        E = int(experts)
+        w_dtype = (
+            _dtype(router_dtype) if router_dtype else (torch.bfloat16 if noaux else torch.float16)
+        )
+        w = _normal(g, (H, E), 0.1)
+        if N < H:
+            w[N:] = 0.0
+        tensors["router_weights"] = arrange_router_weights(w.to(w_dtype), act)
+        want_bias = noaux if router_bias is None else bool(router_bias)
+        if want_bias:
+            b_dtype = torch.float32 if noaux else torch.float16
+            tensors["router_bias"] = _normal(g, (1, E), 0.1).to(b_dtype)
+    if res is not None:
+        tensors["residual"] = res.to(torch.bfloat16)
+    kwargs: dict[str, Any] = {
+        "eps": float(eps),
+        "pack_scales": bool(pack_scales),
+        "emit_norm_bf16": bool(emit_norm_bf16),
+        "unpadded_hidden_size": None if N == H else N,
+    }
+    if experts:
+        kwargs.update(
+            top_k=int(top_k),
+            router_act_fn=act,
+            pack_affinities=bool(pack_affinities),
+        )
+        if noaux:
+            kwargs.update(
+                n_group=int(n_group),
+                topk_group=int(topk_group),
+                routed_scaling_factor=float(routed_scaling_factor),
+            )
+    generator = {
+        "source": "synthetic",
+        "seed": int(seed),
+        "batch": int(batch),
+        "seq": int(seq),
+        "hidden": H,
+        "experts": int(experts or 0),
+        "distributions": "hidden 0.5*N(0,1); gamma 1+0.2*N(0,1); residual 0.5*N(0,1); "
+        "router 0.1*N(0,1); bias 0.1*N(0,1)",
+    }
+    return KernelInputs(PREFILL, tensors, kwargs, generator)
+
+
+def _dtype(name: str) -> torch.dtype:
+    table = {
+        "bf16": torch.bfloat16,
+        "bfloat16": torch.bfloat16,
+        "fp16": torch.float16,
+        "float16": torch.float16,
+    }
+    try:
+        return table[str(name).lower()]
+    except KeyError:
+        raise InputError(f"router_dtype: expected bf16 or fp16, got {name!r}") from None
+
+
+# --------------------------------------------------------------------------------------------
+# blockwise_mm_bwd_mxfp8
+# --------------------------------------------------------------------------------------------
+
+
+def _clamp_limits(clamp: Any) -> Any:
+    """``None``, a `ClampLimits`, or ``(nl_lower, nl_upper, l_lower, l_upper)`` (None = unset)."""
+    from mxcli.kernels.blockwise_moe.config import ClampLimits
+
+    if clamp is None or isinstance(clamp, ClampLimits):
+        return clamp
+    values = list(clamp)
+    if len(values) != 4:
+        raise InputError(
+            "clamp: expected 4 limits (non_linear lower, upper, linear lower, upper), "
+            f"got {len(values)}"
+        )
+    return ClampLimits(*[None if v is None else float(v) for v in values])
+
+
+def make_bwd_inputs(
+    *,
+    tokens: int = 256,
+    hidden: int = 256,
+    intermediate: int = 128,
+    experts: int = 2,
+    top_k: int = 1,
+    block_size: int = 128,
+    dense: bool = False,
+    bias: bool = False,
+    clamp: Any = None,
+    prequantize: bool = False,
+    scale_layout: str | None = None,
+    router: str = "seeded",
+    seed: int = 0,
+    hidden_states: torch.Tensor | None = None,
+    routing: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    generator_info: dict[str, Any] | None = None,
+) -> KernelInputs:
+    """Seeded synthetic inputs for ``blockwise_mm_bwd_mxfp8``.
+
+    Routing: ``router="seeded"`` draws K distinct experts per token (`upstream_router_choices`); ``router="prefill"`` runs the
+    prefill reference (SOFTMAX router, 0.1*N(0,1) weights) on ``0.5*N(0,1)`` hidden states and
+    takes its top-K and affinities, with its bf16 RMSNorm output as ``hidden_states``. Then the
+    block plan (`build_block_plan`, or the dense identity plan with ``dense``), the MXFP8 forward
+    reference for the gate/up checkpoint, and a ``U(-1, 1)`` output gradient.
+
+    ``hidden_states``, ``routing`` (``(expert_index [T, K], affinities [T, E])``) and ``weights``
+    (``(gate_up [E, H, 2, I], down [E, I, H])``) replace the synthetic ones (real checkpoints).
+    ``prequantize`` stores the weights as x4 data + E8M0 scales (``scale_layout`` packed or
+    unpacked; default: the config's, packed).
+    """
+    from mxcli.kernels.blockwise_moe import (
+        MXFP8MOEBwdConfig,
+        blockwise_mm_fwd_mxfp8,
+        build_block_plan,
+        build_dense_block_plan,
+        build_expert_affinities_masked,
+        prequantize_weights,
+    )
+    from mxcli.kernels.blockwise_moe.inputs import upstream_router_choices
+
+    _check_positive(
+        tokens=tokens,
+        hidden=hidden,
+        intermediate=intermediate,
+        experts=experts,
+        top_k=top_k,
+        block_size=block_size,
+    )
+    T, H, I, E, K, B = (int(v) for v in (tokens, hidden, intermediate, experts, top_k, block_size))  # noqa: E741
+    if weights is not None:
+        E, H, _, I = (int(d) for d in weights[0].shape)  # noqa: E741
+    if dense and (E != 1 or K != 1):
+        raise InputError(f"dense: needs experts=1 and top_k=1, got experts={E}, top_k={K}")
+    if dense and bias:
+        raise InputError("dense: the single-expert dense path has no bias gradients (bias=True)")
+    if router not in ("seeded", "prefill"):
+        raise InputError(f"router: expected seeded or prefill, got {router!r}")
+    limits = _clamp_limits(clamp)
+    g = _gen(seed)
+    # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY
+    if weights is None:
+        w_d = _uniform(g, (E, I, H), -0.1, 0.1).to(torch.bfloat16)
+        w_gu = _uniform(g, (E, H, 2, I), -0.1, 0.1).to(torch.bfloat16)
+    else:
+        w_gu, w_d = (w.to(torch.bfloat16) for w in weights)
+    a_rand = _uniform(g, (T, E), 0.0, 1.0)
+    x = _uniform(g, (T, H), 0.0, 1.0)
+    dy = _uniform(g, (T, H), -1.0, 1.0).to(torch.bfloat16)
+    if hidden_states is not None:
+        x = hidden_states.reshape(-1, H)
+        if x.shape[0] != T:
+            raise InputError(f"hidden_states: expected {T} tokens, got {x.shape[0]}")
+    if routing is None and router == "prefill" and not dense:
+        routing, x = _prefill_routing(T, H, E, K, seed)
+    if dense:
+        choices = torch.zeros(T, 1, dtype=torch.int32)
+        affinities = a_rand
+    elif routing is not None:
+        choices, affinities = routing
+        choices = choices.to(torch.int32)
+        affinities = affinities.to(torch.float32)
+        K = int(choices.shape[1])
+    else:
+        if K > E:
+            raise InputError(f"top_k: expected <= experts={E}, got {K}")
+        choices = upstream_router_choices(T, E, K, seed=seed)
+        affinities = a_rand
+    a_flat = build_expert_affinities_masked(affinities.to(torch.bfloat16), choices)  # [T*E, 1]
+    x = x.to(torch.bfloat16)
+    b_gu = b_d = None
+    if bias:
+        b_gu = _uniform(g, (E, 2, I), -0.1, 0.1).to(torch.bfloat16)
+        b_d = _uniform(g, (E, H), -0.1, 0.1).to(torch.bfloat16)
+
+    if dense:
+        tpi, b2e = build_dense_block_plan(T, B)
+        config = MXFP8MOEBwdConfig(clamp_limits=limits) if limits else MXFP8MOEBwdConfig()
+    else:
+        tpi, b2e = build_block_plan(choices, E, B)
+        extra: dict[str, Any] = {"bias": bool(bias)}
+        if limits is not None:
+            extra["clamp_limits"] = limits
+        config = MXFP8MOEBwdConfig.routed(top_k=K, **extra)
+    p1, p2 = config.phase1_config, config.phase2_config  # filled by the config's validation
+    assert p1 is not None and p2 is not None
+    if scale_layout is not None:
+        if scale_layout not in ("packed", "unpacked"):
+            raise InputError(f"scale_layout: expected packed or unpacked, got {scale_layout!r}")
+        for pc in (p1, p2):
+            pc.enable_scale_packing = scale_layout == "packed"
+
+    fwd = blockwise_mm_fwd_mxfp8(
+        x, a_flat, w_gu, w_d, tpi, b2e, B,
+        clamp_limits=limits, gate_up_proj_bias=b_gu, down_proj_bias=b_d,
+        quant_scheme=config.quant_scheme, tile_k=p1.effective_tile_k,
+    )  # fmt: skip
+    tensors: dict[str, torch.Tensor] = {
+        "hidden_states": x,
+        "expert_affinities_masked": a_flat,
+        "gate_up_proj_weight": w_gu,
+        "down_proj_weight": w_d,
+        "token_position_to_id": tpi,
+        "block_to_expert": b2e,
+        "output_hidden_states_grad": dy,
+        "gate_up_proj_act_checkpoint_T": fwd.gate_up_proj_act_checkpoint_T.to(torch.bfloat16),
+    }
+    if prequantize:
+        pq = prequantize_weights(w_gu, w_d, config=config)
+        tensors.update(pq.as_kwargs())
+    generator = {
+        "source": "synthetic",
+        "seed": int(seed),
+        "tokens": T,
+        "hidden": H,
+        "intermediate": I,
+        "experts": E,
+        "top_k": K,
+        "router": "dense"
+        if dense
+        else (router if routing is None or router == "prefill" else "given"),
+        "prequantized": bool(prequantize),
+        "distributions": "W_gu, W_d U(-0.1,0.1); affinities U[0,1); hidden U[0,1); "
+        "output grad U(-1,1)",
+    }
+    generator.update(generator_info or {})
+    return KernelInputs(
+        BWD,
+        tensors,
+        {"block_size": B, "config": config},
+        generator,
+        extras={
+            "weights": {"gate_up_proj_weight": w_gu, "down_proj_weight": w_d},
+            "forward_output": fwd.output,
+        },
+    )
+
+
+def _prefill_routing(
+    T: int, H: int, E: int, K: int, seed: int
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Route T tokens with the prefill reference (SOFTMAX router): ((index, affinities), norm)."""
+    if H % 512:
+        raise InputError(f"hidden: router=prefill needs a multiple of 512, got {H}")
+    from mxcli.tensorio import kernel_io, resolve_kwargs, run_kernel
+
+    pre = make_prefill_inputs(
+        seq=T,
+        hidden=H,
+        experts=E,
+        top_k=K,
+        router_act_fn="SOFTMAX",
+        emit_norm_bf16=True,
+        seed=seed + 1,
+    )
+    kwargs = resolve_kwargs(kernel_io(PREFILL), pre.kwargs)
+    out = run_kernel(PREFILL, pre.tensors, kwargs, backend="reference").outputs
+    return (out["expert_index"], out["expert_affinities"].float()), out["norm_bf16"]
+
+
+# --------------------------------------------------------------------------------------------
+# From a prepared checkpoint (``mxcli prep-weights`` output folder)
+# --------------------------------------------------------------------------------------------
+
+
+def layer_run_inputs(
+    kernel: str, weights: str | os.PathLike[str], layer: int
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and kwargs a prepared layer supplies to a run command (``--weights --layer``).
+
+    prefill: ``gamma``, ``router_weights`` (and ``router_bias``) with the router kwargs;
+    bwd: the bf16 ``gate_up_proj_weight`` and ``down_proj_weight`` when the folder has them,
+    else the MXFP8 x4 data and scales with the matching scale layout in the config.
+    """
+    from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
+
+    m = load_manifest(Path(weights))
+    if kernel == PREFILL:
+        tensors, pre_kwargs = load_prefill_inputs(m, layer)
+        return dict(tensors), dict(pre_kwargs)
+    fmt = "bf16" if "bf16" in m.settings["formats"] else "mxfp8"
+    w = load_backward_weights(m, layer, fmt=fmt)
+    kwargs: dict[str, Any] = {}
+    layout = w.pop("scale_layout", None)
+    if layout is not None:
+        packed = layout == "packed"
+        kwargs["config"] = {
+            "phase1_config": {"enable_scale_packing": packed},
+            "phase2_config": {"enable_scale_packing": packed},
+        }
+    return dict(w), kwargs
+
+
+def inputs_from_weights(
+    kind: str,
+    weights: str | os.PathLike[str],
+    layer: int,
+    *,
+    tokens: int = 128,
+    batch: int = 1,
+    block_size: int = 128,
+    seed: int = 0,
+    residual: bool = False,
+    prequantize: bool = False,
+) -> KernelInputs:
+    """Inputs for one layer of a prepared checkpoint, with seeded ``0.5*N(0,1)`` hidden states.
+
+    prefill: the layer's norm weight, router and router kwargs. bwd: the tokens are routed by the
+    prefill reference with the layer's router; its bf16 RMSNorm output is the MoE input; then the
+    block plan, the forward reference's checkpoint and a ``U(-1, 1)`` output gradient as for
+    synthetic inputs, with the layer's bf16 expert weights (pre-quantized with ``prequantize``,
+    in the folder's scale layout).
+    """
+    from mxcli.tensorio import kernel_io, resolve_kwargs, run_kernel
+    from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
+
+    _check_positive(tokens=tokens, batch=batch)
+    if tokens % batch:
+        raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
+    m = load_manifest(Path(weights))
+    w_tensors, kw = load_prefill_inputs(m, layer)
+    Hp = int(w_tensors["gamma"].shape[-1])
+    N = kw.get("unpadded_hidden_size") or Hp
+    g = _gen(seed)
+    hs = _normal(g, (batch, tokens // batch, Hp), 0.5)
+    hs[..., N:] = 0.0
+    tensors = {"hidden_states": hs.to(torch.bfloat16), **w_tensors}
+    if residual:
+        res = _normal(g, (batch, tokens // batch, Hp), 0.5)
+        res[..., N:] = 0.0
+        tensors["residual"] = res.to(torch.bfloat16)
+    info = {
+        "source": "weights",
+        "weights": str(weights),
+        "layer": int(layer),
+        "seed": int(seed),
+        "tokens": int(tokens),
+        "family": m.data.get("source", {}).get("family"),
+    }
+    if kind == PREFILL or kind == "prefill":
+        return KernelInputs(PREFILL, tensors, dict(kw), info)
+
+    # bwd: route with the prefill reference, feed its bf16 norm to the experts
+    if "bf16" not in m.settings["formats"]:
+        raise InputError(
+            f"{weights}: bwd inputs need the bf16 expert weights "
+            "(prep-weights --formats bf16,mxfp8)"
+        )
+    pre_kwargs = resolve_kwargs(kernel_io(PREFILL), {**kw, "emit_norm_bf16": True})
+    out = run_kernel(PREFILL, tensors, pre_kwargs, backend="reference").outputs
+    aff = out["expert_affinities"].float()  # [T, E]
+    K = int(pre_kwargs["top_k"])
+    index = out.get("expert_index")
+    if index is None:  # NOAUX_TC returns dense affinities only
+        index = torch.topk(aff, K, dim=1).indices
+    w = load_backward_weights(m, layer, fmt="bf16")
+    gu, d = w["gate_up_proj_weight"], w["down_proj_weight"]
+    E_r, H = int(gu.shape[0]), int(gu.shape[1])
+    if E_r != aff.shape[1]:
+        raise InputError(
+            f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank 0 "
+            f"(prepared with --ep 1), this folder has {E_r}"
+        )
+    x = out["norm_bf16"][:, :H]
+    return make_bwd_inputs(
+        tokens=tokens, block_size=block_size, seed=seed, prequantize=prequantize,
+        scale_layout=m.settings.get("scale_layout") if prequantize else None,
+        hidden_states=x, routing=(index, aff), weights=(gu, d),
+        generator_info={**info, "router": f"prefill reference ({pre_kwargs['router_act_fn'].name})"},
+    )  # fmt: skip
+
+
+def describe_inputs(inputs: KernelInputs, path: str | os.PathLike[str]) -> dict[str, Any]:
+    """JSON-ready summary of written inputs (``make-inputs --json``)."""
+    from mxcli.tensorio import describe_dtype, dump_kwargs, kernel_io, resolve_kwargs, tensor_sha256
+
+    io = kernel_io(inputs.kernel)
+    return {
+        "kernel": inputs.kernel,
+        "output": str(path),
+        "generator": inputs.generator,
+        "kwargs": dump_kwargs(io, resolve_kwargs(io, inputs.kwargs)),
+        "tensors": {
+            name: {
+                "shape": list(t.shape),
+                "dtype": describe_dtype(t.dtype),
+                "sha256": tensor_sha256(t),
+            }
+            for name, t in inputs.tensors.items()
+        },
+    }
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def write_inputs(
+    inputs: KernelInputs, path: str | os.PathLike[str], *, force: bool = False
+) -> None:
+    """Write an input file: tensors by argument name, kwargs and generator in the metadata."""
+    from mxcli.tensorio import inputs_metadata, kernel_io, resolve_kwargs, write_file
+
+    io = kernel_io(inputs.kernel)
+    kwargs = resolve_kwargs(io, inputs.kwargs)
+    write_file(
+        path, inputs.tensors, inputs_metadata(inputs.kernel, kwargs, inputs.generator), force=force
+    )
+
+
+__all__ = [
+    "BWD",
+    "PREFILL",
+    "KernelInputs",
+    "make_bwd_inputs",
+    "make_prefill_inputs",
+    "write_inputs",
+]

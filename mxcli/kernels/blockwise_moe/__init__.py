@@ -1,0 +1,74 @@
+"""Blockwise dropless MXFP8 Mixture-of-Experts: block plan, forward reference, backward
+reference (`blockwise_mm_bwd_mxfp8`), its config and weight pre-quantization.
+
+Registers the ``reference`` backend of ``blockwise_mm_bwd_mxfp8``.
+"""
+
+from __future__ import annotations
+
+from mxcli.kernels import backends
+from mxcli.kernels.blockwise_moe.backward import (
+    KERNEL_NAME,
+    blockwise_mm_bwd_mxfp8,
+    blockwise_mm_bwd_mxfp8_reference,
+)
+from mxcli.kernels.blockwise_moe.config import (
+    ActFnType,
+    AffinityOption,
+    BwdConfigTypeError,
+    BwdValidationError,
+    ClampLimits,
+    LoopOrder,
+    MatmulMxfp8KernelConfig,
+    MXFP8MOEBwdConfig,
+    ShardOption,
+    SkipMode,
+    SwizzleMode,
+    TransposeMode,
+)
+from mxcli.kernels.blockwise_moe.forward import ForwardResult, blockwise_mm_fwd_mxfp8
+from mxcli.kernels.blockwise_moe.numerics import Emulate
+from mxcli.kernels.blockwise_moe.plan import (
+    build_block_plan,
+    build_dense_block_plan,
+    build_expert_affinities_masked,
+    num_blocks,
+)
+from mxcli.kernels.blockwise_moe.prequant import (
+    PrequantizedWeights,
+    ScaleLayout,
+    dequantize_weights,
+    prequantize_weights,
+)
+from mxcli.mx import QuantScheme
+
+backends.register(KERNEL_NAME, "reference", blockwise_mm_bwd_mxfp8_reference)
+
+__all__ = [
+    "ActFnType",
+    "AffinityOption",
+    "BwdConfigTypeError",
+    "BwdValidationError",
+    "ClampLimits",
+    "Emulate",
+    "ForwardResult",
+    "LoopOrder",
+    "MXFP8MOEBwdConfig",
+    "MatmulMxfp8KernelConfig",
+    "PrequantizedWeights",
+    "QuantScheme",
+    "ScaleLayout",
+    "ShardOption",
+    "SkipMode",
+    "SwizzleMode",
+    "TransposeMode",
+    "blockwise_mm_bwd_mxfp8",
+    "blockwise_mm_bwd_mxfp8_reference",
+    "blockwise_mm_fwd_mxfp8",
+    "build_block_plan",
+    "build_dense_block_plan",
+    "build_expert_affinities_masked",
+    "dequantize_weights",
+    "num_blocks",
+    "prequantize_weights",
+]

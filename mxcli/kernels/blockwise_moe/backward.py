@@ -1,0 +1,635 @@
+"""Kernel-faithful reference of `blockwise_mm_bwd_mxfp8` (bwd spec §4, §6; API reference G4).
+
+Computation is organised per expert: the blocks of one expert are gathered once (one index
+gather per activation), each weight is quantized once per expert (errata 7: the device
+re-quantizes per block, with identical values), P1 and P2 run as one fp32 matmul over the rows
+of all the expert's blocks, and P3/P4 quantize all blocks at once with the block as a batch
+axis (their MX groups run along the tokens of each block) followed by one matmul per block.
+This is numerically the device's block loop: the only cross-block order dependences (the bf16
+read-add-write accumulation of the weight/bias grads and of the hidden-state grad) are replayed
+in block order. Inside a block, rows are held in the MX group order of the token axis (see
+`_TokenOrder`), which only the token-axis quantization can see.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mxcli.kernels import backends
+from mxcli.kernels.blockwise_moe import _checks as ck
+from mxcli.kernels.blockwise_moe.config import (
+    AffinityOption,
+    BwdValidationError,
+    MXFP8MOEBwdConfig,
+    SwizzleMode,
+)
+from mxcli.kernels.blockwise_moe.forward import project_gate_up
+from mxcli.kernels.blockwise_moe.numerics import (
+    Emulate,
+    Grouping,
+    Numerics,
+    as_emulate,
+    clamp_masks,
+    ordered_scatter,
+)
+from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, dequantize_weight_x4, scale_rows
+from mxcli.mx import QuantScheme, group_order
+
+__all__ = ["KERNEL_NAME", "blockwise_mm_bwd_mxfp8", "blockwise_mm_bwd_mxfp8_reference"]
+
+KERNEL_NAME = "blockwise_mm_bwd_mxfp8"
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+# Bias-grad reduction tile over tokens (spec §6 "Bias": per 128-token tile, bf16 running sum).
+_BIAS_TILE = 128
+
+
+@dataclass
+class _Weights:
+    """Per-expert quantized weights (fp32 values the MX matmuls multiply)."""
+
+    wgu: torch.Tensor  # bf16 [E, H, 2, I] or pre-quantized x4 [E, 2I/4, H]
+    wd: torch.Tensor  # bf16 [E, I, H] or pre-quantized x4 [E, H/4, I]
+    gu_scales: torch.Tensor | None
+    d_scales: torch.Tensor | None
+    g1: Grouping
+    g2: Grouping
+    g_fwd: Grouping
+    gu_layout: ScaleLayout
+    d_layout: ScaleLayout
+    H: int
+    I: int  # noqa: E741 (spec notation I = I_TP)
+    nm: Numerics
+
+    def down(self, e: int) -> torch.Tensor:
+        """``[I, H]``, MX along H (phase 1 grouping)."""
+        if self.d_scales is None:
+            return self.nm.q(self.wd[e], -1, self.g1)
+        w = dequantize_weight_x4(
+            self.wd[e : e + 1], self.d_scales[e : e + 1], self.g1, self.d_layout
+        )  # [1, H, I]
+        return w[0].t()
+
+    def gate_up_cat(self, e: int) -> torch.Tensor:
+        """``[H, 2I]`` (column ``c·I + i``), MX along 2I (phase 2 grouping)."""
+        if self.gu_scales is None:
+            return self.nm.q(self.wgu[e].reshape(self.H, 2 * self.I), -1, self.g2)
+        w = dequantize_weight_x4(
+            self.wgu[e : e + 1], self.gu_scales[e : e + 1], self.g2, self.gu_layout
+        )  # [1, 2I, H]
+        return w[0].t()
+
+    def gate_up_fwd(self, e: int) -> torch.Tensor:
+        """``[H, 2I]``, MX along H per output column: the forward's projection operand."""
+        return self.nm.q(self.wgu[e].reshape(self.H, 2 * self.I), 0, self.g_fwd)
+
+
+class _TokenOrder:
+    """Row order used inside every block: the MX group order of the token axis (phase 3).
+
+    Rows of a block are gathered in this order (a permutation of the block's positions, which
+    the row-wise phases P1/P2 and the elementwise math do not see), so that the token-axis MX
+    groups of P3/P4 (§5.3 wrapX over B) are consecutive runs of 32 and quantize with the
+    contiguous 1x32 kernel: the same groups, hence bit-identical values, at lower cost. Both
+    operands of a matmul share the order, so the contraction is unchanged (up to fp32
+    summation order, which the reference does not model anyway).
+    """
+
+    def __init__(self, B: int, g3: Grouping, nm: Numerics, device: torch.device) -> None:
+        self.nm = nm
+        chunks = None if g3.chunks is None else list(g3.chunks)
+        self.perm = group_order(B, g3.scheme, g3.tile_k, chunks).to(device)  # [B]
+        self.inv = torch.empty_like(self.perm)
+        self.inv[self.perm] = torch.arange(B, device=device)
+        self.tile = self.perm // _BIAS_TILE  # [B] natural 128-token tile of each row
+
+    def q(self, x_t: torch.Tensor, g: Grouping) -> torch.Tensor:
+        """MX-quantize ``x_t [nb, F, B]`` (last axis in this order) along the tokens with `g`.
+
+        The result's last axis is in this order when `g` is the order's grouping, else in
+        natural order; both operands of one matmul use the same `g`, so they always agree.
+        """
+        if self.nm.exact:
+            return x_t.to(torch.float32)
+        chunks = None if g.chunks is None else list(g.chunks)
+        order = group_order(x_t.shape[-1], g.scheme, g.tile_k, chunks).to(self.perm.device)
+        if torch.equal(order, self.perm):
+            return self.nm.q(x_t, -1, Grouping(QuantScheme.MX1X32))
+        return self.nm.q(x_t.index_select(-1, self.inv), -1, g)
+
+
+def _rows(ckpt: torch.Tensor, bl: torch.Tensor, order: _TokenOrder) -> torch.Tensor:
+    """Rows of a token-last checkpoint ``ckpt[bl] [nb, F, B]`` as ``[nb*B, F]`` in block row order."""
+    c = ckpt.index_select(0, bl).transpose(1, 2).index_select(1, order.perm)  # [nb, B, F]
+    return c.reshape(-1, c.shape[2])
+
+
+def _gate_up_rows(
+    ckpt_gu: torch.Tensor, bl: torch.Tensor, order: _TokenOrder
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, U)`` rows ``[nb*B, I]`` (fp32 views) of the gate/up checkpoint ``[N, 2, I, B]``."""
+    c = ckpt_gu.index_select(0, bl).permute(0, 3, 1, 2).index_select(1, order.perm)  # [nb,B,2,I]
+    I = c.shape[3]  # noqa: E741 (spec notation I = I_TP)
+    c = c.reshape(-1, 2 * I).to(torch.float32)
+    return c[:, :I], c[:, I:]
+
+
+def _acc_block(acc: torch.Tensor | None, c: torch.Tensor, nm: Numerics) -> torch.Tensor:
+    """One block's fp32 result `c` into its accumulator: ``acc = bf16(acc + bf16(c))`` (the
+    device rounds the block result to bf16, then does a bf16 read-add-write; the first block
+    starts from the zero-initialised output). Exact mode: fp32 add."""
+    cr = nm.rb(c)
+    if acc is None:
+        return cr
+    return acc.add_(cr)  # bf16 += bf16: torch adds in fp32 and rounds once (RNE)
+
+
+def _tile_bias_sum(
+    v: torch.Tensor, nb: int, B: int, order: _TokenOrder, nm: Numerics
+) -> torch.Tensor:
+    """Spec §6 bias reduction of ``v [nb*B, F]`` (rows in block row order, values already
+    rounded): per natural 128-token tile an fp32 sum, then a bf16 running sum over the tiles of
+    each block. Returns ``[nb, F]`` (bf16 values)."""
+    F = v.shape[1]
+    red = torch.zeros(nb, B // _BIAS_TILE, F, dtype=torch.float32, device=v.device)
+    red.index_add_(1, order.tile, v.view(nb, B, F).to(torch.float32))  # [nb, tiles, F]
+    acc = red[:, 0]
+    for t in range(1, red.shape[1]):
+        acc = nm.bf(nm.bf(acc) + red[:, t])
+    return nm.bf(acc)
+
+
+def blockwise_mm_bwd_mxfp8_reference(
+    hidden_states: Any,
+    expert_affinities_masked: Any,
+    gate_up_proj_weight: Any,
+    down_proj_weight: Any,
+    token_position_to_id: Any,
+    block_to_expert: Any,
+    output_hidden_states_grad: Any,
+    block_size: int = 4096,
+    gate_up_proj_act_checkpoint_T: Any = None,
+    gate_act_checkpoint_T: Any = None,
+    intermediate_checkpoint_T: Any = None,
+    scaled_intermediate_checkpoint_T: Any = None,
+    down_proj_act_checkpoint: Any = None,
+    config: MXFP8MOEBwdConfig | None = None,
+    gate_up_weight_scales: Any = None,
+    down_weight_scales: Any = None,
+    num_valid_tokens: Any = None,
+    *,
+    emulate: Emulate | str = Emulate.KERNEL,
+) -> tuple[torch.Tensor, ...]:
+    """The ``reference`` backend of `blockwise_mm_bwd_mxfp8` (same arguments, plus `emulate`)."""
+    cfg = config if config is not None else MXFP8MOEBwdConfig()
+    if not isinstance(cfg, MXFP8MOEBwdConfig):
+        raise BwdValidationError(f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}")
+    cfg.validate()
+    nm = Numerics(emulate)
+    on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
+    act_dtypes = None if nm.exact else _ACT_DTYPES
+    p1, p2, p3, p4 = cfg.phase_configs()
+
+    # ---- tensors and dimensions (spec §10 "Inputs") ---------------------------------------
+    B = ck.check_block_size(block_size)
+    x = ck.tensor("hidden_states", hidden_states)
+    dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
+    ea = ck.tensor("expert_affinities_masked", expert_affinities_masked)
+    wgu = ck.tensor("gate_up_proj_weight", gate_up_proj_weight)
+    wd = ck.tensor("down_proj_weight", down_proj_weight)
+    tpi = ck.tensor("token_position_to_id", token_position_to_id)
+    b2e = ck.tensor("block_to_expert", block_to_expert)
+    assert x is not None and dy is not None and ea is not None and wgu is not None
+    assert wd is not None and tpi is not None and b2e is not None
+    ck.check_rank("hidden_states", x, 2, "(T, H)")
+    ck.check_float("hidden_states", x, act_dtypes)
+    T, H = x.shape
+    ck.check_shape("output_hidden_states_grad", dy, (T, H))
+    ck.check_float("output_hidden_states_grad", dy, act_dtypes)
+    dev = x.device
+
+    gu_s = ck.tensor("gate_up_weight_scales", gate_up_weight_scales, required=False)
+    d_s = ck.tensor("down_weight_scales", down_weight_scales, required=False)
+    ck.check_rank("down_proj_weight", wd, 3, "(E, I, H) or pre-quantized (E, H/4, I)")
+    E = wd.shape[0]
+    if d_s is None:
+        ck.check_float("down_proj_weight", wd, None)
+        I = wd.shape[1]  # noqa: E741 (spec notation I = I_TP)
+        ck.check_shape("down_proj_weight", wd, (E, I, H))
+    else:
+        I = wd.shape[2]  # noqa: E741 (spec notation I = I_TP)
+        _check_prequant("down_proj_weight", wd, (E, H // 4, I))
+    if H % 128 or H == 0:
+        raise BwdValidationError(f"hidden_states: expected H a positive multiple of 128, got {H}")
+    if I % 128 or I == 0:
+        raise BwdValidationError(
+            f"down_proj_weight: expected I a positive multiple of 128, got {I}"
+        )
+    d_layout = ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED
+    gu_layout = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
+    if d_s is not None:
+        _check_scales("down_weight_scales", d_s)
+        ck.check_shape("down_weight_scales", d_s, (E, scale_rows(H, d_layout), I))
+    if gu_s is None:
+        ck.check_float("gate_up_proj_weight", wgu, None)
+        ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
+    else:
+        _check_prequant("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
+        _check_scales("gate_up_weight_scales", gu_s)
+        ck.check_shape("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, gu_layout), H))
+
+    ck.check_rank("token_position_to_id", tpi, 1, "(N*B,)")
+    ck.check_int("token_position_to_id", tpi)
+    if tpi.numel() % B:
+        raise BwdValidationError(
+            f"token_position_to_id: expected a length that is a multiple of block_size={B}, "
+            f"got {tpi.numel()}"
+        )
+    N = tpi.numel() // B
+    ck.check_shape("block_to_expert", b2e, (N, 1))
+    ck.check_int("block_to_expert", b2e)
+    ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
+    ck.check_float("expert_affinities_masked", ea, None)
+
+    ckpt_gu = ck.tensor("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T, False)
+    ckpt_act = ck.tensor("gate_act_checkpoint_T", gate_act_checkpoint_T, False)
+    ckpt_h = ck.tensor("intermediate_checkpoint_T", intermediate_checkpoint_T, False)
+    ckpt_s = ck.tensor("scaled_intermediate_checkpoint_T", scaled_intermediate_checkpoint_T, False)
+    ckpt_dys = ck.tensor("down_proj_act_checkpoint", down_proj_act_checkpoint, False)
+    for name, t, shape in (
+        ("gate_up_proj_act_checkpoint_T", ckpt_gu, (N, 2, I, B)),
+        ("gate_act_checkpoint_T", ckpt_act, (N, I, B)),
+        ("intermediate_checkpoint_T", ckpt_h, (N, I, B)),
+        ("scaled_intermediate_checkpoint_T", ckpt_s, (N, I, B)),
+        ("down_proj_act_checkpoint", ckpt_dys, (N, B, H)),
+    ):
+        if t is not None:
+            ck.check_shape(name, t, shape)
+            ck.check_float(name, t, act_dtypes)
+    _check_combinations(cfg, on_i, ckpt_gu, ckpt_act, ckpt_h, ckpt_s, ckpt_dys, gu_s)
+
+    # ---- path rules (spec §10 config/launch, §9) ---------------------------------------------
+    if E > 1:
+        for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
+            if getattr(cfg, f) is SwizzleMode.PE:
+                raise BwdValidationError(f"{f}: PE requires E == 1, got E={E}; use SwizzleMode.DGT")
+    nv: int | None = None
+    if num_valid_tokens is not None:
+        if not cfg.single_expert_dense:
+            raise BwdValidationError(
+                "num_valid_tokens: requires config.single_expert_dense=True, got False"
+            )
+        if ckpt_s is not None:
+            raise BwdValidationError(
+                "num_valid_tokens: unsupported with scaled_intermediate_checkpoint_T, got both"
+            )
+        nv = ck.valid_token_count(num_valid_tokens, T)
+    if cfg.single_expert_dense:
+        if E != 1:
+            raise BwdValidationError(
+                f"down_proj_weight: single_expert_dense requires E == 1, got E={E}"
+            )
+        if T % B:
+            raise BwdValidationError(
+                f"hidden_states: single_expert_dense requires T % block_size == 0, got T={T}, B={B}"
+            )
+        if N != T // B:
+            raise BwdValidationError(
+                f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
+            )
+        # §3.4: the routing tensors are not read; block b is tokens b·B … b·B+B−1.
+        tpi_used = torch.arange(T, dtype=torch.int64, device=dev)
+        if nv is not None:  # positions >= count are padding (see the public docstring)
+            tpi_used = torch.where(tpi_used < nv, tpi_used, torch.full_like(tpi_used, -1))
+        b2e_used = torch.zeros(N, dtype=torch.int64, device=dev)
+    else:
+        tpi_used, b2e_used = tpi, b2e
+        if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
+            raise BwdValidationError(
+                f"block_to_expert: expected expert ids in [0, {E}), got "
+                f"[{int(b2e.min())}, {int(b2e.max())}]"
+            )
+        has_pad = bool(((tpi < 0) | (tpi >= T)).any())
+        if has_pad and not cfg.effective_skip_dma.skip_token:
+            raise BwdValidationError(
+                "token_position_to_id: padding ids outside [0, T) need "
+                "config.skip_dma=SkipMode(skip_token=True), got skip_token=False"
+            )
+    plan = ck.BlockPlan.make(tpi_used, b2e_used, T, B, dev)
+
+    # ---- groupings and weights -------------------------------------------------------------
+    g1 = Grouping.for_phase(p1, H, cfg.fast_dma_transpose)  # contraction H (errata 1)
+    g2 = Grouping.for_phase(p2, 2 * I)  # contraction 2I
+    g3 = Grouping.for_phase(p3, B)  # contraction B (tokens)
+    g4 = Grouping.for_phase(p4, B)
+    g_fwd = Grouping.for_phase(p1)  # G/U recompute: the forward's projection over H
+    W = _Weights(wgu, wd, gu_s, d_s, g1, g2, g_fwd, gu_layout, d_layout, H, I, nm)
+
+    # ---- outputs (spec §4.3: zero-initialised; dense writes every entry it defines) --------
+    sd = nm.store_dtype
+    x_ext = ck.with_zero_row(x, sd)  # [T+1, H]; fp16 inputs become bf16 copies (spec §14.5)
+    dy_ext = ck.with_zero_row(dy, sd)
+    ea_ext = ck.with_zero_row(ea.reshape(T, E).to(device=dev), torch.float32)  # [T+1, E]
+    dea = torch.zeros(T * E, dtype=torch.float32, device=dev)
+    dwgu = torch.zeros(E, 2 * I, H, dtype=sd, device=dev)  # [E, 2I, H], transposed at the end
+    dwd = torch.zeros(E, I, H, dtype=sd, device=dev)
+    dbgu = torch.zeros(E, 2 * I, dtype=sd, device=dev) if cfg.bias else None
+    dbd = torch.zeros(E, H, dtype=sd, device=dev) if cfg.bias else None
+    valid_flat = plan.valid.reshape(-1)
+    vpos = valid_flat.nonzero().squeeze(1)  # valid positions, block order
+    compact = torch.cumsum(valid_flat, 0) - 1  # position -> row of r_valid
+    r_valid = torch.empty(vpos.numel(), H, dtype=sd, device=dev)  # P2 rows of valid positions
+    order = _TokenOrder(B, g3, nm, dev)
+    half = I // 2
+
+    for e in range(E):
+        chunks = plan.chunks(e, skip_empty=True)  # all-padding blocks contribute exactly 0
+        if not chunks:
+            continue
+        wd_q = W.down(e)  # [I, H]
+        wcat_q = W.gate_up_cat(e)  # [H, 2I]
+        wfwd_q = W.gate_up_fwd(e) if ckpt_gu is None else None
+        acc_gu: torch.Tensor | None = None  # [2I, H] dW_gu[e] accumulator
+        acc_d: torch.Tensor | None = None  # [I, H] dW_d[e]
+        acc_bgu: torch.Tensor | None = None  # [2I]
+        acc_bd: torch.Tensor | None = None  # [H]
+        for bl in chunks:
+            nb = bl.numel()
+            R = nb * B
+            ids = plan.idx.index_select(0, bl).index_select(1, order.perm)  # [nb, B]
+            flat = ids.reshape(-1)  # [R] token ids (T = padding), block row order
+            vrow = plan.valid.index_select(0, bl).index_select(1, order.perm).reshape(-1)
+            pos = (bl[:, None] * B + order.perm[None, :]).reshape(-1)  # [R] natural positions
+            vsel = vrow.nonzero().squeeze(1)
+            xg = x_ext.index_select(0, flat)  # [R, H]
+            dyg = dy_ext.index_select(0, flat)  # [R, H]
+            al = ea_ext[:, e].index_select(0, flat)[:, None]  # [R, 1] fp32, 0 for padding
+
+            # gate/up values: the checkpoint, or the forward's projection recomputed (API ref.)
+            if ckpt_gu is not None:
+                g, u = _gate_up_rows(ckpt_gu, bl, order)  # [R, I] each
+            else:
+                assert wfwd_q is not None
+                g, u = project_gate_up(nm.q(xg, -1, g_fwd), wfwd_q, None, cfg.clamp_limits, nm)
+            # P1 elementwise (spec §6 P1.3): act, dphi, dga = bf16(dphi·U), Hm = bf16(act·U)
+            sig = torch.sigmoid(g)
+            if ckpt_act is not None:
+                act = _rows(ckpt_act, bl, order)
+            else:
+                act = nm.rb(g * sig)
+            dphi = torch.rsub(sig, 1.0).mul_(g).add_(1.0).mul_(sig)  # σ(1 + g(1 − σ)), fp32
+            dga = nm.rb(nm.rb(dphi) * u)
+            del sig, dphi
+            hm = _rows(ckpt_h, bl, order) if ckpt_h is not None else nm.rb(act * u)
+
+            # P1 matmul: contraction over H (dY per token row, W_d per row i), fp32
+            d = nm.q(dyg, -1, g1) @ wd_q.t()  # [R, I], un-scaled
+            # affinity grad from the un-scaled D; LNC2: two fp32 halves over I, then added
+            da = (d[:, :half] * hm[:, :half]).sum(1) + (d[:, half:] * hm[:, half:]).sum(1)
+            dea.index_copy_(0, flat.index_select(0, vsel) * E + e, nm.bf(da.index_select(0, vsel)))
+            if on_i:
+                ds = d.mul_(al)  # Ds = D·α in fp32 (spec §6 P1.6)
+                dys = dyg
+            else:  # ON_H: the P1 operand is output_grad·α (API reference)
+                if ckpt_dys is not None:
+                    dys = ckpt_dys.index_select(0, bl).index_select(1, order.perm).reshape(R, H)
+                    dys = dys * vrow[:, None].to(dys.dtype)  # padding rows contribute zero
+                else:
+                    dys = nm.rb(dyg.to(torch.float32) * al)
+                ds = nm.q(dys, -1, g1) @ wd_q.t()
+            del d
+            dgu = torch.empty(R, 2 * I, dtype=sd, device=dev)  # [R, 2I] = [dG | dU]
+            torch.mul(ds, dga, out=dgu[:, :I])  # fp32 product, rounded once on the store
+            torch.mul(ds, act, out=dgu[:, I:])
+            del ds, dga
+            mask_nl, mask_l = clamp_masks(g, u, cfg.clamp_limits)
+            if mask_nl is not None:
+                dgu[:, :I] *= mask_nl
+            if mask_l is not None:
+                dgu[:, I:] *= mask_l
+            del g, u, act
+            if on_i:  # P4 operand S = bf16(Hm·α), or the checkpoint
+                p4_rhs = _rows(ckpt_s, bl, order) if ckpt_s is not None else nm.rb(hm * al)
+            else:
+                p4_rhs = hm
+            del hm
+
+            # P2: contraction over 2I; rows kept (bf16) for the ordered scatter below
+            r = nm.q(dgu, -1, g2) @ wcat_q.t()  # [R, H] fp32
+            r_valid.index_copy_(
+                0,
+                compact.index_select(0, pos.index_select(0, vsel)),
+                nm.rb(r.index_select(0, vsel)),
+            )
+            del r
+
+            # P3: dW_gu[e] += X^T dGU and P4: dW_d[e] += S^T dY (ON_H: Hm^T dYs), one matmul
+            # per block with the MX groups along the block's tokens (operands token-last)
+            dgu_t = order.q(dgu.view(nb, B, 2 * I).transpose(1, 2), g3)  # [nb, 2I, B]
+            x_t = order.q(xg.view(nb, B, H).transpose(1, 2), g3)  # [nb, H, B]
+            for k in range(nb):  # block order: bf16 read-add-write of the accumulator
+                acc_gu = _acc_block(acc_gu, torch.mm(dgu_t[k], x_t[k].t()), nm)  # [2I, H]
+            del dgu_t, x_t
+            s_t = order.q(p4_rhs.view(nb, B, I).transpose(1, 2), g4)  # [nb, I, B]
+            dy_t = order.q(dys.view(nb, B, H).transpose(1, 2), g4)  # [nb, H, B]
+            for k in range(nb):
+                acc_d = _acc_block(acc_d, torch.mm(s_t[k], dy_t[k].t()), nm)  # [I, H]
+            del s_t, dy_t, p4_rhs
+
+            if cfg.bias:  # spec §6 "Bias": per 128-token tile fp32 sums, bf16 running sums
+                prod = nm.rb(dyg * nm.rb(al))  # bf16(dY·bf16(α)), [R, H]
+                bd_blocks = _tile_bias_sum(prod, nb, B, order, nm)  # [nb, H]
+                bgu_blocks = _tile_bias_sum(dgu, nb, B, order, nm)  # [nb, 2I]
+                for k in range(nb):
+                    acc_bd = _acc_block(acc_bd, bd_blocks[k], nm)
+                    acc_bgu = _acc_block(acc_bgu, bgu_blocks[k], nm)
+            del dgu, xg, dyg, dys
+        assert acc_gu is not None and acc_d is not None
+        dwgu[e] = acc_gu
+        dwd[e] = acc_d
+        if cfg.bias:
+            assert dbgu is not None and dbd is not None
+            assert acc_bgu is not None and acc_bd is not None
+            dbgu[e] = acc_bgu
+            dbd[e] = acc_bd
+
+    # P2 results into the hidden-state grad, in block order (spec §6 P2)
+    hsg = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    ordered_scatter(
+        hsg,
+        plan.idx.reshape(-1).index_select(0, vpos),
+        r_valid,
+        cfg.accumulate_hidden_states_grad,
+        nm,
+    )
+
+    ea_dtype = ea.dtype
+    outputs: list[torch.Tensor] = [
+        nm.out(hsg, x.dtype),
+        nm.out(dea.view(T * E, 1), ea_dtype),
+        nm.out(dwgu.transpose(1, 2).reshape(E, H, 2, I), torch.bfloat16),
+        nm.out(dwd, torch.bfloat16),
+    ]
+    if cfg.bias:
+        assert dbgu is not None and dbd is not None
+        outputs += [nm.out(dbgu.view(E, 2, I), cfg.compute_dtype), nm.out(dbd, cfg.compute_dtype)]
+    return tuple(t.contiguous() if t.dtype == torch.float32 else t for t in outputs)
+
+
+def _check_prequant(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
+    if t.dtype not in (torch.uint32, torch.int32):
+        raise BwdValidationError(
+            f"{name}: pre-quantized (scales given) data must be x4 uint32/int32 words, got {t.dtype}"
+        )
+    ck.check_shape(name, t, shape)
+
+
+def _check_scales(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise BwdValidationError(f"{name}: expected dtype uint8 (E8M0 bytes), got {t.dtype}")
+
+
+def _check_combinations(
+    cfg: MXFP8MOEBwdConfig,
+    on_i: bool,
+    ckpt_gu: torch.Tensor | None,
+    ckpt_act: torch.Tensor | None,
+    ckpt_h: torch.Tensor | None,
+    ckpt_s: torch.Tensor | None,
+    ckpt_dys: torch.Tensor | None,
+    gu_scales: torch.Tensor | None,
+) -> None:
+    """Checkpoint combinations of the API reference (errata 3)."""
+    if ckpt_gu is None:
+        for name, t in (("gate_act_checkpoint_T", ckpt_act), ("intermediate_checkpoint_T", ckpt_h)):
+            if t is None:
+                raise BwdValidationError(
+                    f"{name}: required when gate_up_proj_act_checkpoint_T is None, got None"
+                )
+        if gu_scales is not None:
+            raise BwdValidationError(
+                "gate_up_proj_act_checkpoint_T: required with a pre-quantized gate/up weight "
+                "(G/U cannot be recomputed from weights quantized along 2I), got None"
+            )
+        if cfg.bias:
+            raise BwdValidationError(
+                "gate_up_proj_act_checkpoint_T: required when config.bias=True (the backward has "
+                "no bias values to recompute G/U), got None"
+            )
+    if on_i and ckpt_dys is not None:
+        raise BwdValidationError(
+            "down_proj_act_checkpoint: must be None under AFFINITY_ON_I, got a tensor"
+        )
+    if not on_i and ckpt_s is not None:
+        raise BwdValidationError(
+            "scaled_intermediate_checkpoint_T: must be None under AFFINITY_ON_H, got a tensor"
+        )
+
+
+def blockwise_mm_bwd_mxfp8(
+    hidden_states: Any,
+    expert_affinities_masked: Any,
+    gate_up_proj_weight: Any,
+    down_proj_weight: Any,
+    token_position_to_id: Any,
+    block_to_expert: Any,
+    output_hidden_states_grad: Any,
+    block_size: int = 4096,
+    gate_up_proj_act_checkpoint_T: Any = None,
+    gate_act_checkpoint_T: Any = None,
+    intermediate_checkpoint_T: Any = None,
+    scaled_intermediate_checkpoint_T: Any = None,
+    down_proj_act_checkpoint: Any = None,
+    config: MXFP8MOEBwdConfig | None = None,
+    gate_up_weight_scales: Any = None,
+    down_weight_scales: Any = None,
+    num_valid_tokens: Any = None,
+    *,
+    backend: str = "reference",
+    emulate: Emulate | str = Emulate.KERNEL,
+) -> tuple[torch.Tensor, ...]:
+    """MXFP8 backward pass of a blockwise, dropless Mixture-of-Experts MLP (SwiGLU experts).
+
+    Arguments follow the device kernel's API (bwd spec §1 notation; E from
+    ``down_proj_weight.shape[0]``, I from the weights, ``N = len(token_position_to_id) // B``):
+
+    Args:
+        hidden_states: ``[T, H]`` bf16 or fp16 (fp16 is used as its bf16 rounding, §14.5).
+        expert_affinities_masked: ``[T*E, 1]``, entry ``t*E + e`` (0 = not routed); read as fp32.
+        gate_up_proj_weight: ``[E, H, 2, I]`` (gate ``[:, :, 0]``, up ``[:, :, 1]``), or
+            pre-quantized x4 ``[E, 2I/4, H]`` (uint32/int32) when `gate_up_weight_scales` is given.
+        down_proj_weight: ``[E, I, H]``, or pre-quantized x4 ``[E, H/4, I]`` with `down_weight_scales`.
+        token_position_to_id: ``[N*B]`` int; ids outside ``[0, T)`` are padding (needs
+            ``config.skip_dma.skip_token``). Not read with ``single_expert_dense``.
+        block_to_expert: ``[N, 1]`` int. Not read with ``single_expert_dense``.
+        output_hidden_states_grad: ``[T, H]`` bf16 or fp16.
+        block_size: B, one of 128 … 4096.
+        gate_up_proj_act_checkpoint_T: ``[N, 2, I, B]`` clamped bf16 gate/up pre-activations. If
+            None, `gate_act_checkpoint_T` and `intermediate_checkpoint_T` are required (API
+            reference) and G/U — still needed for φ'(G)·U and the clamp masks — are recomputed
+            from `hidden_states` with the forward's quantized projection (§2.4: config
+            ``quant_scheme``, phase-1 ``tile_k``, ``config.clamp_limits``; no fast-DMA chunking).
+            Not possible with a pre-quantized gate/up weight or ``config.bias`` (rejected).
+        gate_act_checkpoint_T: ``[N, I, B]`` φ(G); None -> ``bf16(silu(G))``.
+        intermediate_checkpoint_T: ``[N, I, B]`` Hm; None -> ``bf16(act·U)``.
+        scaled_intermediate_checkpoint_T: ``[N, I, B]`` S (ON_I only): phase 4's operand as given;
+            None -> ``bf16(Hm·α)``.
+        down_proj_act_checkpoint: ``[N, B, H]`` output_grad·α (ON_H only, API reference): phase
+            1's left operand; None -> ``bf16(dY·α)``. Its padding rows are treated as zero.
+        config: `MXFP8MOEBwdConfig`; None = the default (single-expert dense, E = 1). Routed
+            inputs need e.g. ``MXFP8MOEBwdConfig.routed(top_k)``.
+        gate_up_weight_scales, down_weight_scales: E8M0 scales of pre-quantized weights, in the
+            layout ``phase2_config`` / ``phase1_config.enable_scale_packing`` selects (§5.5; see
+            `prequantize_weights`). Results are bit-identical to on-the-fly quantization.
+        num_valid_tokens: ``[1]`` int32: the leading rows of `hidden_states` that are real.
+            Only with ``single_expert_dense``; rejected with `scaled_intermediate_checkpoint_T` or
+            ``config.bias``. Clamped to ``[0, T]`` (negative -> 0). Choices where the API is
+            silent: blocks ``b < ceil(count / B)`` are processed and, inside the last partial
+            block, rows ``>= count`` are masked as padding, so they add nothing to the weight
+            grads (the result equals a full run with those rows zeroed); count = 0 gives zero
+            weight grads. Rows of ``hidden_states_grad`` and entries of the affinity grad past the
+            count are UNDEFINED on the device; the reference writes zeros there.
+        backend: ``"reference"`` (this CPU/CUDA torch emulation), or another registered backend
+            (``"auto"``: neuron when available, else reference).
+        emulate: reference only. ``"kernel"`` (MXFP8 + bf16 rounding points of §6) or
+            ``"exact"`` (fp32, no quantization or rounding; outputs fp32).
+
+    Returns:
+        ``(hidden_states_grad [T, H], expert_affinities_masked_grad [T*E, 1],
+        gate_up_proj_weight_grad [E, H, 2, I], down_proj_weight_grad [E, I, H])`` and, when
+        ``config.bias``, ``(gate_and_up_proj_bias_grad [E, 2, I], down_proj_bias_grad [E, H])``.
+        Dtypes: hidden grad as `hidden_states`, affinity grad as the affinities (both
+        bf16-rounded), weight and bias grads bf16; all fp32 with ``emulate="exact"``.
+
+    Numerics (bwd spec §4.2, §6), per block in order, ``mx`` = MXFP8 matmul, fp32 accumulate:
+    ``D = mx(dY, W_d)`` (groups along H); ``act = bf16(φ(G))``, ``Hm = bf16(act·U)``,
+    ``dA = Σ_i D·Hm`` (no bias term, §2.3) -> ``bf16``; ``Ds = D·α``;
+    ``dG = bf16(Ds·bf16(φ'(G)·U))·mask_nl``, ``dU = bf16(Ds·act)·mask_l``;
+    P2 ``bf16(mx([dG|dU], W_gu))`` (groups along 2I) written or read-add-written
+    (``accumulate_hidden_states_grad``; otherwise the last write wins for top-k > 1);
+    P3/P4 ``bf16(mx(·, ·))`` with groups along the block's tokens, accumulated across the
+    expert's blocks as ``bf16(acc + C)``; bias grads as in §6. Masks use strict inequalities on
+    the checkpoint values.
+
+    Further documented choices: the affinity grad of every non-routed pair is 0, also for odd
+    E > 1 (errata 6: the device leaves part of it un-zeroed); signed zeros and the device's
+    fp32 summation order are not modelled; a (token, expert) pair listed twice is outside the
+    contract (which write wins is unspecified); ``skip_grad_initialization`` has no effect (fresh zero
+    outputs); LNC2-only launch checks do not apply to the reference.
+    """
+    name = backends.resolve_name(KERNEL_NAME, backend)
+    fn = backends.get(KERNEL_NAME, name)
+    args = (
+        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
+        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
+        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
+        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
+        gate_up_weight_scales, down_weight_scales, num_valid_tokens,
+    )  # fmt: skip
+    if name == "reference":
+        return fn(*args, emulate=emulate)
+    if as_emulate(emulate) is not Emulate.KERNEL:
+        raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
+    return fn(*args)

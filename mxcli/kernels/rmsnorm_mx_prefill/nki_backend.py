@@ -1,0 +1,252 @@
+"""The ``sim`` and ``neuron`` backends of ``rmsnorm_mx_prefill``: the NKI kernel (`nki_kernel`)
+launched through `mxcli.kernels.nki_runtime`.
+
+Both take the reference's parameters (same order, same defaults) and return the reference's
+list of torch tensors (prefill spec §2.2): the packed rows as ``torch.float8_e4m3fn`` (the kernel
+writes raw bytes), then index / affinities / residual / norm as the reference does, on the device
+of ``hidden_states``. Arguments are validated with the contract before any launch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mxcli.kernels import nki_runtime
+from mxcli.kernels.nki_runtime import DTypeName, SimEngine, SimResult
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
+
+KERNEL = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel"
+
+
+def _prepare(
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None,
+    router_bias: torch.Tensor | None,
+    eps: float,
+    top_k: int,
+    router_act_fn: Any,
+    n_group: int,
+    topk_group: int,
+    routed_scaling_factor: float,
+    qmx_output_dtype: Any,
+    pack_scales: bool,
+    pack_affinities: bool,
+    unpadded_hidden_size: int | None,
+    residual: torch.Tensor | None,
+    emit_norm_bf16: bool,
+    hidden_interleaved: bool,
+) -> tuple[PrefillConfig, list[Any]]:
+    """Validate (prefill spec §2.3) and build the kernel's positional arguments."""
+    cfg = validate(
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        eps,
+        top_k,
+        router_act_fn,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        qmx_output_dtype,
+        pack_scales,
+        pack_affinities,
+        unpadded_hidden_size,
+        residual,
+        emit_norm_bf16,
+        hidden_interleaved,
+    )
+    args = [
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        cfg.eps,
+        cfg.top_k,
+        RouterActFnType(cfg.act),
+        cfg.n_group,
+        cfg.topk_group,
+        cfg.routed_scaling_factor,
+        DTypeName(cfg.qmx.value),  # nl.float8_e4m3fn_x4 / nl.float8_e5m2_x4 of the runtime
+        cfg.pack_scales,
+        cfg.pack_affinities,
+        cfg.unpadded_hidden_size,
+        residual,
+        cfg.emit_norm_bf16,
+        cfg.hidden_interleaved,
+    ]
+    return cfg, args
+
+
+def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+    """The packed rows as fp8 (the kernel's HBM tensor holds raw bytes), all on `device`."""
+    first = outputs[0]
+    if first.dtype != torch.float8_e4m3fn:
+        first = first.contiguous().view(torch.uint8).view(torch.float8_e4m3fn)
+    return [t.to(device) for t in [first, *outputs[1:]]]
+
+
+def launch_sim(
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None = None,
+    router_bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    top_k: int = 1,
+    router_act_fn: Any = RouterActFnType.SIGMOID,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    qmx_output_dtype: Any = "float8_e4m3fn_x4",
+    pack_scales: bool = True,
+    pack_affinities: bool = False,
+    unpadded_hidden_size: int | None = None,
+    residual: torch.Tensor | None = None,
+    emit_norm_bf16: bool = False,
+    hidden_interleaved: bool = False,
+    *,
+    lnc: int = 1,
+    check_only: bool = False,
+    engine: SimEngine | str = SimEngine.AUTO,
+    check_capacity: bool = True,
+) -> SimResult:
+    """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
+    reference's form, the interpreter's counters, the engine that ran).
+
+    `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every hardware
+    rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are zeros).
+    """
+    _, args = _prepare(
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        eps,
+        top_k,
+        router_act_fn,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        qmx_output_dtype,
+        pack_scales,
+        pack_affinities,
+        unpadded_hidden_size,
+        residual,
+        emit_norm_bf16,
+        hidden_interleaved,
+    )
+    res = nki_runtime.run_sim(
+        KERNEL,
+        args,
+        lnc=lnc,
+        check_only=check_only,
+        engine=engine,
+        check_capacity=check_capacity,
+        # the programs never communicate (disjoint token ranges): running them one after the
+        # other is exact, and avoids the interpreter's shared_hbm allocation race under LNC 2
+        serialize_programs=True,
+    )
+    res.outputs = _finish(res.outputs, hidden_states.device)
+    return res
+
+
+def run_sim(
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None = None,
+    router_bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    top_k: int = 1,
+    router_act_fn: Any = RouterActFnType.SIGMOID,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    qmx_output_dtype: Any = "float8_e4m3fn_x4",
+    pack_scales: bool = True,
+    pack_affinities: bool = False,
+    unpadded_hidden_size: int | None = None,
+    residual: torch.Tensor | None = None,
+    emit_norm_bf16: bool = False,
+    hidden_interleaved: bool = False,
+    *,
+    lnc: int = 1,
+    engine: SimEngine | str = SimEngine.AUTO,
+) -> list[torch.Tensor]:
+    """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
+
+    Same parameters and outputs as `rmsnorm_mx_prefill_reference`; `lnc` (1 or 2) splits the
+    tokens over two programs, `engine` forces a simulator (`SimEngine`).
+    """
+    return launch_sim(
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        eps,
+        top_k,
+        router_act_fn,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        qmx_output_dtype,
+        pack_scales,
+        pack_affinities,
+        unpadded_hidden_size,
+        residual,
+        emit_norm_bf16,
+        hidden_interleaved,
+        lnc=lnc,
+        engine=engine,
+    ).outputs
+
+
+def run_neuron(
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None = None,
+    router_bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    top_k: int = 1,
+    router_act_fn: Any = RouterActFnType.SIGMOID,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    qmx_output_dtype: Any = "float8_e4m3fn_x4",
+    pack_scales: bool = True,
+    pack_affinities: bool = False,
+    unpadded_hidden_size: int | None = None,
+    residual: torch.Tensor | None = None,
+    emit_norm_bf16: bool = False,
+    hidden_interleaved: bool = False,
+    *,
+    lnc: int | None = None,
+) -> list[torch.Tensor]:
+    """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
+
+    `lnc` defaults to ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError`
+    naming what is missing when the Neuron SDK or a device is absent.
+    """
+    _, args = _prepare(
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        eps,
+        top_k,
+        router_act_fn,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        qmx_output_dtype,
+        pack_scales,
+        pack_affinities,
+        unpadded_hidden_size,
+        residual,
+        emit_norm_bf16,
+        hidden_interleaved,
+    )
+    outputs = nki_runtime.run_neuron(KERNEL, args, lnc=lnc)
+    return _finish(outputs, hidden_states.device)

@@ -1,0 +1,299 @@
+"""Kernel-faithful torch reference of ``rmsnorm_mx_prefill`` (prefill spec §3-§5).
+
+Reproduces the Trn3 kernel's numerics (every rounding point of §3.3, the NEURON MX scale rule,
+first-occurrence top-K, NOAUX_TC in fp32) and its byte layout (§4). Arithmetic runs in fp32 with
+explicit rounds to the compute dtype ``cd`` where the kernel rounds. Tokens are independent, so
+the work runs in chunks of tokens: memory is linear in T and intermediates stay cache-sized.
+
+Not bit-exact by nature (spec §1, §9): the hardware's rsqrt / sigmoid / exp approximations and
+its fp32 accumulation orders (sum of squares, router matmul).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import torch
+
+from mxcli.kernels.rmsnorm_mx_prefill.contract import (
+    PrefillConfig,
+    RouterActFnType,
+    validate,
+)
+from mxcli.kernels.rmsnorm_mx_prefill.router import (
+    LogitAccumulation,
+    noaux_tc_affinities,
+    prepare_router_matrix,
+    router_raw_logits,
+    topk_affinities,
+)
+from mxcli.kernels.rmsnorm_mx_prefill.router_weights import unarrange_router_weights
+from mxcli.mx import ScaleRule, prefill_scale_offsets, quantize_mx
+
+# Tokens per work chunk on CPU: at least 128 (the router matmul loses efficiency below that),
+# more for small H so per-op overhead stays small. Results do not depend on it.
+_MIN_CHUNK_TOKENS = 128
+_CHUNK_ELEMS = 1 << 21
+# Tokens per routing chunk (top-K / NOAUX_TC on [chunk, E] logits).
+_ROUTE_CHUNK_TOKENS = 2048
+
+
+class HoleFill(enum.Enum):
+    """Bytes the reference writes where the kernel leaves the row unwritten (spec §4.2, §4.3).
+
+    - ``ZERO`` (default): scale-region holes and the affinity-row pad are 0x00 (what the
+      consumer-side layout helper upstream writes; hardware content is unspecified).
+    - ``UNFOLDED_FF``: with ``pack_scales=False`` the scale-region holes are 0xFF (the kernel's
+      staging-buffer memset of the unfolded path); folded holes and pads stay 0x00.
+    """
+
+    ZERO = "zero"
+    UNFOLDED_FF = "unfolded_ff"
+
+
+def _deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Spec §3.1: ``x_nat[4p + q] = x_stored[q*(H/4) + p]`` over the whole row."""
+    T, H = x.shape
+    return x.view(T, 4, H // 4).transpose(1, 2).reshape(T, H)
+
+
+def _sequential_sum(v: torch.Tensor) -> torch.Tensor:
+    acc = v[..., 0].clone()
+    for j in range(1, v.shape[-1]):
+        acc += v[..., j]
+    return acc
+
+
+def rmsnorm_mx_prefill_reference(
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None = None,
+    router_bias: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    top_k: int = 1,
+    router_act_fn: RouterActFnType | str | int = RouterActFnType.SIGMOID,
+    n_group: int = 1,
+    topk_group: int = 1,
+    routed_scaling_factor: float = 1.0,
+    qmx_output_dtype: Any = "float8_e4m3fn_x4",
+    pack_scales: bool = True,
+    pack_affinities: bool = False,
+    unpadded_hidden_size: int | None = None,
+    residual: torch.Tensor | None = None,
+    emit_norm_bf16: bool = False,
+    hidden_interleaved: bool = False,
+    *,
+    emulate_upstream_ref_bias_bug: bool = False,
+    hole_fill: HoleFill = HoleFill.ZERO,
+    scale_rule: ScaleRule = ScaleRule.NEURON,
+    logit_accumulation: LogitAccumulation = LogitAccumulation.FLAT,
+    token_chunk: int | None = None,
+) -> list[torch.Tensor]:
+    """The ``reference`` backend of `rmsnorm_mx_prefill` (same positional signature).
+
+    Keyword-only extras, all defaulting to the kernel's behaviour:
+
+    - `emulate_upstream_ref_bias_bug`: NOAUX_TC adds the bias before the sigmoid too, like the
+      upstream golden (spec §5.3); for golden-for-golden comparisons only.
+    - `hole_fill`: content of the bytes the kernel never writes (`HoleFill`).
+    - `scale_rule`: ``ScaleRule.OCP`` gives the legacy emax-8 scale bytes (spec §3.4).
+    - `logit_accumulation`: fp32 accumulation order of the router matmul (`LogitAccumulation`).
+    - `token_chunk`: tokens per work chunk (performance only). The packed rows, residual and
+      norm outputs do not depend on it; router logits come from a BLAS fp32 matmul whose
+      summation order may change with the chunk (last-bit differences, spec §5.1).
+    """
+    cfg = validate(
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        eps,
+        top_k,
+        router_act_fn,
+        n_group,
+        topk_group,
+        routed_scaling_factor,
+        qmx_output_dtype,
+        pack_scales,
+        pack_affinities,
+        unpadded_hidden_size,
+        residual,
+        emit_norm_bf16,
+        hidden_interleaved,
+    )
+    hole = HoleFill(hole_fill)
+    rule = ScaleRule(scale_rule)
+    acc = LogitAccumulation(logit_accumulation)
+    return _run(
+        cfg,
+        hidden_states,
+        gamma,
+        router_weights,
+        router_bias,
+        residual,
+        emulate_upstream_ref_bias_bug=bool(emulate_upstream_ref_bias_bug),
+        hole=hole,
+        rule=rule,
+        acc=acc,
+        token_chunk=token_chunk,
+    )
+
+
+def _run(
+    cfg: PrefillConfig,
+    hidden_states: torch.Tensor,
+    gamma: torch.Tensor,
+    router_weights: torch.Tensor | None,
+    router_bias: torch.Tensor | None,
+    residual: torch.Tensor | None,
+    *,
+    emulate_upstream_ref_bias_bug: bool,
+    hole: HoleFill,
+    rule: ScaleRule,
+    acc: LogitAccumulation,
+    token_chunk: int | None,
+) -> list[torch.Tensor]:
+    T, H, E, K = cfg.T, cfg.H, cfg.num_experts, cfg.top_k
+    geo = cfg.geometry
+    dev = hidden_states.device
+    cd = cfg.compute_dtype
+    in_dtype = hidden_states.dtype
+    f32 = torch.float32
+
+    hs = hidden_states.reshape(T, H)  # [T, H] stored order
+    res = residual.reshape(T, H) if residual is not None else None
+    g = gamma.reshape(H).to(f32)  # [H] natural order
+    # §3.2: the mean is a multiply by the fp32 immediate 1/N; eps is the rsqrt bias (fp32)
+    inv_n = torch.tensor(1.0 / cfg.unpadded_hidden_size, dtype=f32, device=dev)
+    eps32 = torch.tensor(cfg.eps, dtype=f32, device=dev)
+
+    # --- outputs (§2.2) ---
+    packed = torch.empty((T, geo.row_region), dtype=torch.uint8, device=dev)
+    offsets = H + prefill_scale_offsets(H, cfg.pack_scales).to(dev)  # [H/32] absolute bytes
+    out_index = torch.empty((T, K), dtype=torch.int32, device=dev) if cfg.returns_index else None
+    aff_dtype = f32 if cfg.act is RouterActFnType.NOAUX_TC else torch.bfloat16
+    out_aff = torch.empty((T, E), dtype=aff_dtype, device=dev) if cfg.returns_affinities else None
+    out_res = (
+        torch.empty((T, H), dtype=residual.dtype, device=dev) if residual is not None else None
+    )
+    out_norm = torch.empty((T, H), dtype=torch.bfloat16, device=dev) if cfg.emit_norm_bf16 else None
+    # the region after the codes: scale bytes + holes (+ affinity tail + pad); holes per HoleFill
+    tail_fill = torch.zeros(geo.row_region - H, dtype=torch.uint8, device=dev)
+    if hole is HoleFill.UNFOLDED_FF and not cfg.pack_scales:
+        tail_fill[: geo.scale_region] = 0xFF
+
+    w_mat = bias32 = logits = None
+    if router_weights is not None:
+        w_nat = unarrange_router_weights(router_weights, cfg.act)  # [H, E] natural rows (§6.1)
+        w_mat = prepare_router_matrix(w_nat, acc)
+        if router_bias is not None:
+            bias32 = router_bias.reshape(E).to(f32)
+        logits = torch.empty((T, E), dtype=f32, device=dev)  # raw * inv_rms, fp32
+
+    chunk = token_chunk or max(_MIN_CHUNK_TOKENS, _CHUNK_ELEMS // H)
+    if dev.type == "cuda" and token_chunk is None:
+        chunk = max(chunk, 8192)  # a GPU wants big launches; memory stays linear in T
+    chunk = max(1, min(chunk, T))
+    # Work buffers reused by every chunk ([chunk, H]): fp32 x, fp32 scratch, fp32 a, and one cd
+    # buffer holding a, then y (a lives on in fp32 for the router).
+    xf_buf = torch.empty((chunk, H), dtype=f32, device=dev)
+    tmp_buf = torch.empty((chunk, H), dtype=f32, device=dev)
+    af_buf = torch.empty((chunk, H), dtype=f32, device=dev)
+    a_buf = torch.empty((chunk, H), dtype=cd, device=dev)
+    xs_buf = torch.empty((chunk, H), dtype=in_dtype, device=dev) if res is not None else None
+
+    for t0 in range(0, T, chunk):
+        t1 = min(T, t0 + chunk)
+        n = t1 - t0
+        xf, tmp, af, a = xf_buf[:n], tmp_buf[:n], af_buf[:n], a_buf[:n]
+        x = hs[t0:t1]  # [n, H] in_dtype, stored order
+        if res is not None:
+            # §3.1: the DMA adds in fp32 and writes the sum in the input dtype (one RNE)
+            assert xs_buf is not None and out_res is not None
+            xf.copy_(x)
+            tmp.copy_(res[t0:t1])
+            xs = xs_buf[:n]
+            xs.copy_(xf.add_(tmp))
+            out_res[t0:t1] = xs  # stored (interleaved) order, converted to residual.dtype
+            x = xs
+        if cfg.hidden_interleaved:
+            # §3.1: x_nat[4p + q] = x_stored[q*(H/4) + p], de-interleaved while widening
+            xf.view(n, H // 4, 4).copy_(x.view(n, 4, H // 4).transpose(1, 2))
+        else:
+            xf.copy_(x)  # [n, H] fp32, natural order (exact widening)
+
+        # §3.2: fp32 sum of squares over the full padded H, 512-blocks chained in order
+        torch.mul(xf, xf, out=tmp)
+        ss = _sequential_sum(tmp.view(n, geo.num_h512, 512).sum(dim=2))
+        inv_rms = torch.rsqrt(ss * inv_n + eps32)  # [n] fp32
+        inv_col = inv_rms.unsqueeze(1)
+
+        if out_norm is not None:
+            # §3.5: fp32 x*inv_rms*gamma (fp32 inv_rms, not the cd one), one bf16 rounding
+            torch.mul(xf, inv_col, out=tmp)
+            out_norm[t0:t1] = tmp.mul_(g)
+
+        # §3.3: three roundings to cd: a = R(x*g); r = R(inv); y = R(a*r)
+        torch.mul(xf, g, out=af)
+        a.copy_(af)
+        af.copy_(a)  # af: the cd values of a in fp32 (router input too, §5.1)
+        r = inv_rms.to(cd).to(f32).unsqueeze(1)
+        torch.mul(af, r, out=tmp)
+        y = a
+        y.copy_(tmp)  # [n, H] cd, what quantize_mx sees
+
+        # §3.4 / §4: codes in natural order, one scale byte per 32 contiguous elements
+        codes, scales = quantize_mx(y, -1, elem=cfg.qmx.elem, rule=rule, scheme="1x32")
+        rows = packed[t0:t1]
+        rows[:, :H] = codes
+        rows[:, H:] = tail_fill
+        rows[:, offsets] = scales
+
+        if w_mat is not None:
+            assert logits is not None
+            # §5.1: logits from the gamma-only activations; inv_rms applied after the matmul
+            lg = logits[t0:t1]
+            lg.copy_(router_raw_logits(af, w_mat, acc))
+            lg.mul_(inv_col)
+
+    if logits is not None:
+        # Routing runs on big token chunks: its many small ops are overhead-bound.
+        for t0 in range(0, T, _ROUTE_CHUNK_TOKENS):
+            t1 = min(T, t0 + _ROUTE_CHUNK_TOKENS)
+            lg = logits[t0:t1]  # [n, E] fp32
+            if cfg.act is RouterActFnType.NOAUX_TC:
+                assert bias32 is not None
+                aff = noaux_tc_affinities(
+                    lg,
+                    bias32,
+                    cfg.n_group,
+                    cfg.topk_group,
+                    K,
+                    cfg.routed_scaling_factor,
+                    emulate_upstream_ref_bias_bug=emulate_upstream_ref_bias_bug,
+                )
+            else:
+                if bias32 is not None:
+                    lg = lg + bias32  # §5.1: bias after the inv_rms scale
+                idx, aff = topk_affinities(lg, K, cfg.act)
+                assert out_index is not None
+                out_index[t0:t1] = idx
+            if out_aff is not None:
+                out_aff[t0:t1] = aff
+            else:
+                # §4.3: little-endian affinity bytes in the row tail (bf16 or fp32)
+                nbytes = E * geo.aff_bytes
+                tail = packed[t0:t1, geo.affin_off : geo.affin_off + nbytes]
+                tail.copy_(aff.contiguous().view(torch.uint8))
+
+    outputs: list[torch.Tensor] = [packed.view(torch.float8_e4m3fn)]
+    if out_index is not None:
+        outputs.append(out_index)
+    if out_aff is not None:
+        outputs.append(out_aff)
+    if out_res is not None:
+        outputs.append(out_res)
+    if out_norm is not None:
+        outputs.append(out_norm)
+    return outputs

@@ -1,0 +1,200 @@
+"""File-level verification.
+
+- ``verify OUT --golden GOLDEN`` (`compare_files`): two output files, tensor by tensor, plus
+  their provenance: the two files must agree on the kernel kwargs and on the sha256 of every
+  input (when both record them), since comparing outputs of different inputs proves nothing.
+- ``verify OUT --inputs IN`` (`check_run`): one run's outputs against independent exact math of
+  its inputs, within the MXFP8 bounds of `mxcli.verification.exact`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from mxcli.errors import InputError
+from mxcli.tensorio import BWD as BWD_KERNEL
+from mxcli.tensorio import KERNEL_IO, OUTPUTS_FORMAT, kernel_io, read_file, resolve_kwargs
+from mxcli.verification.compare import fail_report
+from mxcli.verification.policy import compare_outputs, profile_for_backend
+from mxcli.verification.report import CaseResult
+
+CHECK = "output vs golden"
+
+
+def compare_files(
+    output: str | os.PathLike[str],
+    golden: str | os.PathLike[str],
+    *,
+    profile: str = "auto",
+    overrides: Mapping[str, Any] | None = None,
+    exact: bool = False,
+) -> CaseResult:
+    """Compare output file ``output`` with ``golden``; unreadable files raise ``InputError``."""
+    t0 = time.perf_counter()
+    out = read_file(output)
+    gold = read_file(golden)
+    if out.kernel and gold.kernel and out.kernel != gold.kernel:
+        raise InputError(
+            f"{out.path}: outputs of {out.kernel}, but the golden {gold.path} is of {gold.kernel}"
+        )
+    kernel = gold.kernel or out.kernel
+    if kernel is not None and kernel not in KERNEL_IO:
+        raise InputError(f"{gold.path}: unknown kernel {kernel!r} in the metadata")
+    for f in (out, gold):
+        fmt = f.metadata.get("format")
+        if fmt is not None and fmt != OUTPUTS_FORMAT:
+            raise InputError(
+                f"{f.path}: not an output file (format {fmt!r}, expected {OUTPUTS_FORMAT})"
+            )
+    if profile == "auto":
+        profile = (
+            "hardware"
+            if "hardware"
+            in (
+                profile_for_backend(str(out.metadata.get("backend"))),
+                profile_for_backend(str(gold.metadata.get("backend"))),
+            )
+            else "strict"
+        )
+
+    result = CaseResult(case="golden", kernel=kernel or "-")
+    result.info.update(
+        output=str(out.path), golden=str(gold.path), profile=profile,
+        output_backend=out.metadata.get("backend"), golden_backend=gold.metadata.get("backend"),
+    )  # fmt: skip
+    result.reports += _provenance(out.metadata, gold.metadata)
+
+    kwargs: dict[str, Any] = {}
+    geometry: dict[str, Any] = {}
+    if kernel is not None:
+        kwargs = resolve_kwargs(kernel_io(kernel), gold.kwargs)
+        geo = gold.meta_json("geometry") or out.meta_json("geometry") or {}
+        if isinstance(geo, Mapping) and geo.get("hidden_size"):
+            geometry = {"hidden": int(geo["hidden_size"]), "num_experts": geo.get("num_experts")}
+    result.reports += compare_outputs(
+        kernel or "", out.tensors, gold.tensors, kwargs, profile=profile, overrides=overrides,
+        exact=exact, check=CHECK, **geometry,
+    )  # fmt: skip
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _provenance(out: Mapping[str, str], gold: Mapping[str, str]) -> list[Any]:
+    reports = []
+    for key, what in (("kwargs", "kernel kwargs"), ("input_sha256", "input sha256")):
+        a, b = out.get(key), gold.get(key)
+        if a is None or b is None:
+            continue
+        try:
+            ja, jb = json.loads(a), json.loads(b)
+        except json.JSONDecodeError:
+            ja, jb = a, b
+        if ja != jb:
+            diff = (
+                sorted(k for k in set(ja) | set(jb) if ja.get(k) != jb.get(k))
+                if isinstance(ja, dict) and isinstance(jb, dict)
+                else []
+            )
+            detail = f" ({', '.join(diff)})" if diff else ""
+            reports.append(fail_report(f"metadata.{key}", CHECK, f"{what} differ{detail}"))
+    return reports
+
+
+def bwd_exact_weights(tensors: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """bf16-valued weights of a bwd input: as given, or dequantized when pre-quantized."""
+    w = {k: tensors[k] for k in ("gate_up_proj_weight", "down_proj_weight")}
+    if "gate_up_weight_scales" not in tensors and "down_weight_scales" not in tensors:
+        return w
+    from mxcli.kernels.blockwise_moe import (
+        MXFP8MOEBwdConfig,
+        PrequantizedWeights,
+        ScaleLayout,
+        dequantize_weights,
+    )
+    from mxcli.kernels.blockwise_moe.numerics import Grouping
+
+    cfg = config if config is not None else MXFP8MOEBwdConfig()
+    p1, p2 = cfg.phase1_config, cfg.phase2_config  # filled by the config's validation
+    assert p1 is not None and p2 is not None
+    gu, gu_s = tensors["gate_up_proj_weight"], tensors.get("gate_up_weight_scales")
+    d, d_s = tensors["down_proj_weight"], tensors.get("down_weight_scales")
+    H = int(tensors["hidden_states"].shape[-1])
+    pq = PrequantizedWeights(
+        gu if gu_s is not None else None, gu_s, d if d_s is not None else None, d_s,
+        Grouping.for_phase(p2), Grouping.for_phase(p1, H, cfg.fast_dma_transpose),
+        ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED,
+        ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED,
+    )  # fmt: skip
+    gu_deq, d_deq = dequantize_weights(pq)
+    if gu_deq is not None:
+        w["gate_up_proj_weight"] = gu_deq
+    if d_deq is not None:
+        w["down_proj_weight"] = d_deq
+    return w
+
+
+def check_run(
+    output: str | os.PathLike[str],
+    inputs: str | os.PathLike[str],
+) -> CaseResult:
+    """``verify OUT --inputs IN``: the outputs of a run against independent exact math of its
+    inputs (`mxcli.verification.exact`); the input hashes recorded in OUT must match IN."""
+    from mxcli.tensorio import kernel_io, metadata_kwargs, tensor_sha256
+    from mxcli.verification.exact import CHECK as EXACT_CHECK
+    from mxcli.verification.exact import check_bwd, check_prefill
+
+    t0 = time.perf_counter()
+    out = read_file(output)
+    inp = read_file(inputs)
+    kernel = out.kernel or inp.kernel
+    if kernel not in KERNEL_IO:
+        raise InputError(f"{out.path}: no kernel recorded in the metadata")
+    if inp.kernel not in (None, kernel):
+        raise InputError(
+            f"{inp.path}: inputs of {inp.kernel}, but {out.path} holds {kernel} outputs"
+        )
+    result = CaseResult(case="exact", kernel=kernel)
+    result.info.update(
+        output=str(out.path), inputs=str(inp.path), backend=out.metadata.get("backend")
+    )
+    recorded = out.meta_json("input_sha256")
+    if isinstance(recorded, Mapping):
+        wrong = sorted(
+            k
+            for k, h in recorded.items()
+            if k in inp.tensors and tensor_sha256(inp.tensors[k]) != h
+        )
+        missing = sorted(k for k in recorded if k not in inp.tensors)
+        if wrong or missing:
+            detail = ", ".join(wrong + [f"{m} (missing)" for m in missing])
+            result.reports.append(
+                fail_report(
+                    "metadata.input_sha256",
+                    EXACT_CHECK,
+                    f"{inp.path} is not the input of {out.path}: {detail}",
+                )
+            )
+            result.seconds = time.perf_counter() - t0
+            return result
+    io = kernel_io(kernel)
+    # the kwargs the run used (recorded in OUT), else those of the input file
+    kwargs = resolve_kwargs(io, metadata_kwargs(io, inp.metadata), out.kwargs)
+    tensors = dict(inp.tensors)
+    if kernel == BWD_KERNEL:
+        missing_w = [k for k in ("gate_up_proj_weight", "down_proj_weight") if k not in tensors]
+        if missing_w:
+            raise InputError(
+                f"{inp.path}: missing {', '.join(missing_w)} (given by --weights at "
+                "run time?); the exact check needs the input file to hold them"
+            )
+        result.reports += check_bwd(
+            tensors, kwargs, out.tensors, bwd_exact_weights(tensors, kwargs.get("config"))
+        )
+    else:
+        result.reports += check_prefill(tensors, kwargs, out.tensors)
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,108 @@
+"""``verify --suite``: for every case, generate inputs, run the backend, compare with the
+reference, and check the reference against independent exact math (`mxcli.verification.exact`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mxcli.errors import MxcliError
+from mxcli.tensorio import BWD, PREFILL, kernel_io, resolve_kwargs, run_kernel
+from mxcli.verification.cases import Case
+from mxcli.verification.exact import check_bwd, check_prefill
+from mxcli.verification.policy import compare_outputs, profile_for_backend
+from mxcli.verification.report import CaseResult
+
+
+def resolve_backends(backend: str, cases: Sequence[Case]) -> dict[str, str]:
+    """The concrete backend per kernel of ``cases``; raises a user error if one cannot run."""
+    from mxcli.kernels import backends
+    from mxcli.tensorio import kernel_api
+
+    out: dict[str, str] = {}
+    for kernel in sorted({c.kernel for c in cases}):
+        kernel_api(kernel)
+        name = backends.resolve_name(kernel, backend)
+        reason = backends.unavailable_reason(kernel, name)
+        if reason is not None:
+            raise backends.BackendUnavailableError(
+                f"backend: {name!r} cannot run {kernel} here: {reason}"
+            )
+        out[kernel] = name
+    return out
+
+
+def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
+    """One case: inputs, reference (on ``device``), backend vs reference, reference vs exact."""
+    result = CaseResult(case=case.name, kernel=case.kernel)
+    t0 = time.perf_counter()
+    try:
+        inputs = case.make()
+        io = kernel_io(case.kernel)
+        kwargs = resolve_kwargs(io, inputs.kwargs)
+        ref = run_kernel(case.kernel, inputs.tensors, kwargs, backend="reference", device=device)
+        result.info["reference_s"] = round(ref.seconds, 4)
+        geometry = _geometry(case.kernel, inputs.tensors)
+        if backend != "reference":
+            got = run_kernel(case.kernel, inputs.tensors, kwargs, backend=backend)
+            result.info[f"{backend}_s"] = round(got.seconds, 4)
+            result.reports += compare_outputs(
+                case.kernel, got.outputs, ref.outputs, kwargs,
+                profile=profile_for_backend(backend), check=f"{backend} vs reference", **geometry,
+            )  # fmt: skip
+        else:
+            result.info["note"] = "backend is the reference: only the exact-math check applies"
+        if case.kernel == PREFILL:
+            result.reports += check_prefill(inputs.tensors, kwargs, ref.outputs)
+        else:
+            result.reports += check_bwd(
+                inputs.tensors, kwargs, ref.outputs, inputs.extras["weights"]
+            )
+    except MxcliError as exc:
+        result.error = f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # a backend bug fails its case, not the whole suite
+        result.error = f"{type(exc).__name__}: {exc}"
+        result.info["traceback"] = _traceback()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _traceback() -> str:
+    import traceback
+
+    return traceback.format_exc(limit=8)
+
+
+def _geometry(kernel: str, tensors: dict[str, Any]) -> dict[str, Any]:
+    if kernel != PREFILL:
+        return {}
+    w = tensors.get("router_weights")
+    return {
+        "hidden": int(tensors["hidden_states"].shape[-1]),
+        "num_experts": int(w.shape[1]) if w is not None else None,
+    }
+
+
+def run_suite(
+    cases: Sequence[Case],
+    backend: str = "auto",
+    *,
+    device: str = "cpu",
+    on_case: Callable[[Case, CaseResult | None], None] | None = None,
+) -> list[CaseResult]:
+    """Run ``cases`` on ``backend`` (``auto`` allowed); ``on_case`` is told before and after each."""
+    names = resolve_backends(backend, cases)
+    results = []
+    for case in cases:
+        if on_case is not None:
+            on_case(case, None)
+        res = run_case(case, names[case.kernel], device=device)
+        res.info["backend"] = names[case.kernel]
+        results.append(res)
+        if on_case is not None:
+            on_case(case, res)
+    return results
+
+
+__all__ = ["BWD", "PREFILL", "resolve_backends", "run_case", "run_suite"]

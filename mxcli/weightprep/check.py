@@ -1,0 +1,180 @@
+"""``--check``: re-read a written layer and compare it with the source checkpoint.
+
+Per rank and tensor: bf16 weights, gamma and the router bias must equal the source exactly;
+the router weight, un-arranged with the kernel's own `unarrange_router_weights`, must equal the
+source's natural-order weight exactly (and its padding rows be zero); MXFP8 weights are decoded
+with `dequantize_weights` and reported as SQNR (dB) against the bf16 source. Everything is read
+an expert chunk at a time, like the conversion.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.blockwise_moe.prequant import (
+    PrequantizedWeights,
+    ScaleLayout,
+    dequantize_weights,
+)
+from mxcli.kernels.rmsnorm_mx_prefill import unarrange_router_weights
+from mxcli.mx import ScaleRule
+from mxcli.weightprep.checkpoint import CheckpointReader, open_safetensors
+from mxcli.weightprep.convert import _tp_slice, pad_rows, read_prefill
+from mxcli.weightprep.families import Fused, Scratch
+from mxcli.weightprep.plan import Plan, layer_file, tensor_name
+
+
+class _Stat:
+    """Running exactness / error energy of one output tensor against its source."""
+
+    def __init__(self) -> None:
+        self.exact = True
+        self.max_abs = 0.0
+        self.signal = 0.0
+        self.noise = 0.0
+
+    def add(self, out: torch.Tensor, ref: torch.Tensor) -> None:
+        o, r = out.to(torch.float32), ref.to(torch.float32)
+        if o.shape != r.shape:
+            self.exact = False
+            self.max_abs = math.inf
+            return
+        both_nan = torch.isnan(o) & torch.isnan(r)
+        d = torch.where(both_nan, torch.zeros_like(o), o - r)
+        if out.dtype == ref.dtype:  # same dtype: the bytes must agree (-0 vs 0, NaN payloads)
+            same = torch.equal(out.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8))
+        else:  # a decoded MXFP8 weight vs its bf16 source: the values must agree
+            same = bool((d == 0).all()) and torch.equal(torch.isnan(o), torch.isnan(r))
+        self.exact = self.exact and same
+        if d.numel():
+            self.max_abs = max(self.max_abs, float(d.abs().max()))
+        self.signal += float(torch.where(both_nan, torch.zeros_like(r), r).double().pow(2).sum())
+        self.noise += float(d.double().pow(2).sum())
+
+    def result(self, sqnr: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"exact": self.exact, "max_abs_diff": self.max_abs}
+        if sqnr:
+            if self.noise == 0.0:
+                out["sqnr_db"] = None  # no error at all (infinite SQNR)
+            elif self.signal == 0.0:
+                out["sqnr_db"] = -math.inf
+            else:
+                out["sqnr_db"] = round(10.0 * math.log10(self.signal / self.noise), 3)
+        return out
+
+
+def _dequant(plan: Plan, data: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+    layout = ScaleLayout(plan.options.scale_layout)
+    pq = PrequantizedWeights(
+        data[prefix + "gate_up_proj_weight_mxfp8"],
+        data[prefix + "gate_up_weight_scales"],
+        data[prefix + "down_proj_weight_mxfp8"],
+        data[prefix + "down_weight_scales"],
+        Grouping(),  # WRAPX, tile_k 512, as written (fast_dma_transpose=False)
+        Grouping(),
+        layout,
+        layout,
+        ScaleRule(plan.options.scale_rule),
+    )
+    gu, dn = dequantize_weights(pq)
+    assert gu is not None and dn is not None
+    return gu, dn
+
+
+class _RankCheck:
+    """Comparisons of one rank's output file against the source, accumulated per tensor key."""
+
+    def __init__(self, plan: Plan, layer: int, f: Any, keys: set[str]) -> None:
+        self.plan, self.layer, self.f, self.keys = plan, layer, f, keys
+        self.stats = {k: _Stat() for k in keys}
+
+    def rows(self, key: str, a: int, b: int) -> torch.Tensor:
+        return self.f.get_slice(tensor_name(self.layer, key))[a:b]
+
+    def whole(self, key: str) -> torch.Tensor:
+        return self.f.get_tensor(tensor_name(self.layer, key))
+
+    def prefill(self, src: dict[str, torch.Tensor]) -> None:
+        Hp = self.plan.H_padded
+        self.stats["gamma"].add(self.whole("gamma"), pad_rows(src["gamma"], Hp))
+        natural = unarrange_router_weights(self.whole("router_weights"), self.plan.model.router.act_fn)  # [Hp, E]
+        self.stats["router_weights"].add(natural, pad_rows(src["router_natural"], Hp))
+        if "router_bias" in self.keys:
+            self.stats["router_bias"].add(self.whole("router_bias"), src["router_bias"])
+
+    def mlp(self, prefix: str, gu: torch.Tensor, dn: torch.Tensor, a: int, b: int) -> None:
+        """Experts ``a:b`` of this rank: bf16 outputs exactly, MXFP8 outputs decoded."""
+        st = self.stats
+        if prefix + "gate_up_proj_weight" in self.keys:
+            st[prefix + "gate_up_proj_weight"].add(self.rows(prefix + "gate_up_proj_weight", a, b), gu)
+            st[prefix + "down_proj_weight"].add(self.rows(prefix + "down_proj_weight", a, b), dn)
+        if prefix + "gate_up_proj_weight_mxfp8" in self.keys:
+            names = ("gate_up_proj_weight_mxfp8", "gate_up_weight_scales", "down_proj_weight_mxfp8", "down_weight_scales")
+            dgu, ddn = _dequant(self.plan, {prefix + n: self.rows(prefix + n, a, b) for n in names}, prefix)
+            st[prefix + "gate_up_proj_weight_mxfp8"].add(dgu, gu)
+            st[prefix + "down_proj_weight_mxfp8"].add(ddn, dn)
+
+    def add(self, key: str, out: torch.Tensor, ref: torch.Tensor) -> None:
+        self.stats[key].add(out, ref)
+
+    def result(self, order: list[str]) -> dict[str, Any]:
+        return {k: self.stats[k].result("_mxfp8" in k) for k in order if k not in _UNCHECKED}
+
+
+def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> dict[str, Any]:
+    """Per rank, per tensor key: ``{"exact", "max_abs_diff"[, "sqnr_db"]}`` (see module doc)."""
+    fam = plan.model.family
+    m = plan.model
+    H, I = m.H, m.I  # noqa: E741 (spec notation)
+    p = plan.layer_prefix(layer)
+    src = read_prefill(rd, plan, layer)
+    results: dict[str, Any] = {}
+    step = plan.chunk_experts()
+    scratch = Scratch()
+    for rank, outs in zip(plan.ranks, plan.outputs, strict=True):
+        with open_safetensors(out_root / rank.dir / layer_file(layer)) as f:
+            rc = _RankCheck(plan, layer, f, {o.key for o in outs})
+            rc.prefill(src)
+            if fam.shared and m.shared_I and rank.shared_i_range:
+                gu, dn = fam.shared.mlp.load(rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_")
+                rc.mlp("shared_expert.", *_tp_slice(gu, dn, *rank.shared_i_range, scratch), 0, 1)
+                if fam.shared.gate_weight:
+                    rc.add("shared_expert_gate_weight", rc.whole("shared_expert_gate_weight"), rd.get(p + fam.shared.gate_weight))
+            (e_lo, e_hi), (i0, i1) = rank.expert_range, rank.i_range
+            for e0 in range(e_lo, e_hi, step):
+                e1 = min(e_hi, e0 + step)
+                gu, dn = fam.experts.load(rd, p, e0, e1, H, I, m.fp8_block, scratch)
+                rc.mlp("", *_tp_slice(gu, dn, i0, i1, scratch), e0 - e_lo, e1 - e_lo)
+                if isinstance(fam.experts, Fused):
+                    gub, db = fam.experts.load_biases(rd, p, e0, e1, I)
+                    if gub is not None:
+                        rc.add("gate_up_proj_bias", rc.rows("gate_up_proj_bias", e0 - e_lo, e1 - e_lo), gub[..., i0:i1])
+                    if db is not None:
+                        rc.add("down_proj_bias", rc.rows("down_proj_bias", e0 - e_lo, e1 - e_lo), db)
+            results[str(rank.rank)] = rc.result([o.key for o in outs])
+    return results
+
+
+# The scale tensors are checked through their data tensor's SQNR.
+_UNCHECKED = {
+    pre + k for pre in ("", "shared_expert.") for k in ("gate_up_weight_scales", "down_weight_scales")
+}
+
+
+def summarize(check: dict[str, Any]) -> dict[str, Any]:
+    """Worst values over ranks: ``{key: {"exact": all exact, "sqnr_db": min}}``."""
+    out: dict[str, Any] = {}
+    for per_rank in check.values():
+        for key, r in per_rank.items():
+            s = out.setdefault(key, {"exact": True})
+            s["exact"] = s["exact"] and r["exact"]
+            if "sqnr_db" in r:
+                cur = s.get("sqnr_db", "unset")
+                v = r["sqnr_db"]
+                if cur == "unset" or (v is not None and (cur is None or v < cur)):
+                    s["sqnr_db"] = v
+    return out

@@ -1,0 +1,500 @@
+"""Planning: what `prep-weights` will read and write, decided from config.json and the shard
+headers alone (no tensor data).
+
+`build_plan` validates everything it can before a byte is written: the family and its config
+keys, TP/EP divisibility, the multiple-of-128 rules, and every source tensor's presence and
+shape for every selected layer. The `Plan` then lists, per rank, the output tensors of a layer
+with their shapes, dtypes and byte counts, and estimates the peak memory.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxcli.errors import InputError
+from mxcli.kernels.blockwise_moe.prequant import scale_rows
+from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
+from mxcli.weightprep.families import (
+    ConfigError,
+    Fused,
+    ModelConfig,
+    check_shape,
+    detect_family,
+    fp8_scale_shape,
+    resolve_config,
+)
+from mxcli.weightprep.writer import TensorSpec
+
+FORMATS = ("bf16", "mxfp8")
+SCALE_LAYOUTS = ("packed", "unpacked")
+SCALE_RULES = ("neuron", "ocp")
+PREFILL_H_MULTIPLE = 512  # prefill spec §1: H is a multiple of 512
+KERNEL_MULTIPLE = 128  # bwd spec §5.3: wrapX chunks are multiples of 128
+# Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
+CHUNK_BYTES = 64 << 20
+# Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
+_CHUNK_PEAK_FACTOR = 6
+_BASE_RSS = 400 << 20
+
+
+@dataclass(frozen=True)
+class PrepOptions:
+    """User choices of one `prep-weights` run (the CLI flags)."""
+
+    tp: int = 1
+    ep: int = 1
+    formats: tuple[str, ...] = FORMATS
+    scale_layout: str = "packed"
+    scale_rule: str = "neuron"
+    layers: str | None = None  # "3-10,12"; None or "all" = every MoE layer
+    model_type: str | None = None  # None or "auto" = config.json's model_type
+    workers: int = 1
+    threads: int = 0  # torch intra-op threads per worker; 0 = auto (`threads_per_worker`)
+    check: bool = False
+    chunk_bytes: int = CHUNK_BYTES
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.ep < 1 or self.workers < 1 or self.threads < 0:
+            raise InputError(
+                f"--tp, --ep and --workers must be >= 1 and --threads >= 0, got tp={self.tp} ep={self.ep} "
+                f"workers={self.workers} threads={self.threads}"
+            )
+        bad = [f for f in self.formats if f not in FORMATS]
+        if bad or not self.formats:
+            raise InputError(f"--formats: expected a comma list of {', '.join(FORMATS)}, got {','.join(self.formats) or 'nothing'}")
+        if self.scale_layout not in SCALE_LAYOUTS:
+            raise InputError(f"--scale-layout: expected packed or unpacked, got {self.scale_layout!r}")
+        if self.scale_rule not in SCALE_RULES:
+            raise InputError(f"--scale-rule: expected neuron or ocp, got {self.scale_rule!r}")
+
+    def threads_per_worker(self) -> int:
+        """``threads``, or auto: CPUs / workers (at most 8), but 1 when the host is already busy
+        (1-minute load average >= CPUs): torch's threads then mostly wait for each other, and a
+        single thread per worker measured 3-5x faster."""
+        import os
+
+        if self.threads:
+            return self.threads
+        cpus = os.cpu_count() or 1
+        try:
+            busy = os.getloadavg()[0] >= cpus
+        except OSError:
+            busy = False
+        return 1 if busy else max(1, min(8, cpus // self.workers))
+
+    def settings(self) -> dict[str, Any]:
+        """The choices that shape the outputs (a resumed run must repeat them)."""
+        return {
+            "tp": self.tp,
+            "ep": self.ep,
+            "formats": list(self.formats),
+            "scale_layout": self.scale_layout,
+            "scale_rule": self.scale_rule,
+            "elem": "e4m3fn",
+            "quant_scheme": "wrapx",
+            "tile_k": 512,
+        }
+
+
+def parse_formats(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(p.strip().lower() for p in text.split(",") if p.strip()))
+
+
+def parse_layers(spec: str | None, num_layers: int) -> list[int] | None:
+    """``"3-10,12"`` -> sorted layer indices (inclusive ranges); None/"all" -> None."""
+    if spec is None or spec.strip().lower() in ("", "all"):
+        return None
+    out: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        m = re.fullmatch(r"(\d+)(?:\s*-\s*(\d+))?", part)
+        if not m:
+            raise InputError(f"--layers: expected e.g. '3-10' or '0,2,5-7', got {spec!r}")
+        a = int(m.group(1))
+        b = int(m.group(2)) if m.group(2) is not None else a
+        if b < a:
+            raise InputError(f"--layers: range {part!r} is empty")
+        if b >= num_layers:
+            raise InputError(f"--layers: layer {b} out of range (the model has {num_layers} layers, 0-{num_layers - 1})")
+        out.update(range(a, b + 1))
+    return sorted(out)
+
+
+@dataclass(frozen=True)
+class Rank:
+    """One output rank: a TP slice of I and an EP range of experts."""
+
+    rank: int
+    tp_rank: int
+    ep_rank: int
+    i_range: tuple[int, int]
+    expert_range: tuple[int, int]
+    shared_i_range: tuple[int, int] | None
+
+    @property
+    def dir(self) -> str:
+        return f"rank{self.rank}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rank": self.rank,
+            "tp_rank": self.tp_rank,
+            "ep_rank": self.ep_rank,
+            "dir": self.dir,
+            "intermediate_range": list(self.i_range),
+            "expert_range": list(self.expert_range),
+            "shared_intermediate_range": list(self.shared_i_range) if self.shared_i_range else None,
+        }
+
+
+@dataclass(frozen=True)
+class Output:
+    """One output tensor of a layer on a rank (name without the ``layers.{L}.`` prefix)."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    kernel_arg: str  # the kernel argument it feeds
+    layout: str  # human description of the layout
+
+    @property
+    def nbytes(self) -> int:
+        return TensorSpec(self.key, self.dtype, self.shape).nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.key, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes,
+                "kernel_arg": self.kernel_arg, "layout": self.layout}
+
+
+def tensor_name(layer: int, key: str) -> str:
+    return f"layers.{layer}.{key}"
+
+
+def layer_file(layer: int) -> str:
+    return f"layer_{layer:03d}.safetensors"
+
+
+def mxfp8_outputs(prefix: str, E: int, H: int, I: int, layout: str, data_arg: str, scale_arg: str) -> list[Output]:  # noqa: E741
+    """Pre-quantized x4 data + E8M0 scales of a gate/up and a down weight (bwd spec §5.5)."""
+    packed = layout == "packed"
+    lay = f"wrapX/512 groups along K, x4 little-endian words, {layout} scales"
+    gu, d = prefix + "gate_up", prefix + "down"
+    return [
+        Output(gu + "_proj_weight_mxfp8", "U32", (E, 2 * I // 4, H), data_arg.replace("*", "gate_up"),
+               "[E, 2I/4, H] x4 of W_gu[e].reshape(H, 2I).T; " + lay),
+        Output(gu + "_weight_scales", "U8", (E, scale_rows(2 * I, layout), H), scale_arg.replace("*", "gate_up"),
+               f"[E, {'ceil(2I/2048)*128' if packed else '2I/4'}, H] E8M0 bytes"),
+        Output(d + "_proj_weight_mxfp8", "U32", (E, H // 4, I), data_arg.replace("*", "down"),
+               "[E, H/4, I] x4 of W_d[e].T; " + lay),
+        Output(d + "_weight_scales", "U8", (E, scale_rows(H, layout), I), scale_arg.replace("*", "down"),
+               f"[E, {'ceil(H/2048)*128' if packed else 'H/4'}, I] E8M0 bytes"),
+    ]
+
+
+@dataclass
+class Plan:
+    """Everything a run will do; `to_dict` is the ``--dry-run --json`` output."""
+
+    source: Path
+    model: ModelConfig
+    options: PrepOptions
+    layers: list[int]  # selected MoE layers
+    skipped_dense: list[int]  # selected by --layers but not MoE
+    prefix: str  # decoder layer name prefix, "{L}" = layer
+    ranks: list[Rank]
+    outputs: list[list[Output]]  # per rank
+    source_tensors: dict[int, list[str]]  # per layer
+    source_bytes: dict[int, int]  # per layer, as stored
+    source_bf16_bytes: int  # one layer's expert weights as bf16 (routed + shared)
+    gamma_dtype: str
+    router_dtype: str
+    router_bias_dtype: str | None
+    source_format: str  # "bf16" | "fp8-block" | "mxfp4" | ...
+    model_type: str = ""  # config.json's model_type
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def H(self) -> int:
+        return self.model.H
+
+    @property
+    def H_padded(self) -> int:
+        return -(-self.model.H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+
+    @property
+    def I_tp(self) -> int:
+        return self.model.I // self.options.tp
+
+    @property
+    def shared_I_tp(self) -> int | None:
+        Is = self.model.shared_I
+        return Is // self.options.tp if Is else None
+
+    def layer_prefix(self, layer: int) -> str:
+        return self.prefix.format(L=layer)
+
+    def output_bytes_per_layer(self) -> int:
+        return sum(o.nbytes for outs in self.outputs for o in outs)
+
+    def chunk_experts(self) -> int:
+        per_expert = 3 * self.H * self.model.I * 2
+        e_rank = self.ranks[0].expert_range[1] - self.ranks[0].expert_range[0]
+        return max(1, min(e_rank, self.options.chunk_bytes // max(1, per_expert)))
+
+    def estimated_peak_bytes(self) -> int:
+        per_expert = 3 * self.H * self.model.I * 2
+        chunk = self.chunk_experts() * per_expert
+        shared = 3 * self.H * (self.model.shared_I or 0) * 2
+        return _BASE_RSS + self.options.workers * _CHUNK_PEAK_FACTOR * max(chunk, shared)
+
+    def to_dict(self) -> dict[str, Any]:
+        m = self.model
+        r = m.router
+        return {
+            "source": str(self.source),
+            "family": m.family.name,
+            "model_type": self.model_type,
+            "source_format": self.source_format,
+            "num_layers": m.num_layers,
+            "moe_layers": m.moe_layers(),
+            "layers": self.layers,
+            "skipped_dense_layers": self.skipped_dense,
+            "num_experts": m.E,
+            "hidden_size": m.H,
+            "padded_hidden_size": self.H_padded,
+            "intermediate_size": m.I,
+            "intermediate_size_per_rank": self.I_tp,
+            "shared_intermediate_size": m.shared_I,
+            "top_k": m.values["top_k"],
+            "options": self.options.settings()
+            | {"workers": self.options.workers, "threads": self.options.threads_per_worker(), "check": self.options.check},
+            "router": {
+                "act_fn": r.act_fn,
+                "top_k": r.top_k,
+                "n_group": r.n_group,
+                "topk_group": r.topk_group,
+                "routed_scaling_factor": r.routed_scaling_factor,
+                "exact": r.exact,
+                "notes": list(r.notes),
+                "backward_notes": list(r.bwd_notes),
+            },
+            "ranks": [rk.to_dict() for rk in self.ranks],
+            "outputs_per_layer": {rk.dir: [o.to_dict() for o in outs] for rk, outs in zip(self.ranks, self.outputs, strict=True)},
+            "source_bytes": sum(self.source_bytes.values()),
+            "output_bytes": self.output_bytes_per_layer() * len(self.layers),
+            "source_bf16_bytes_per_layer": self.source_bf16_bytes,
+            "estimated_peak_memory_bytes": self.estimated_peak_bytes(),
+            "notes": self.notes,
+        }
+
+
+def _check_multiple(what: str, value: int, multiple: int, hint: str = "") -> None:
+    if value % multiple:
+        raise InputError(f"{what} ({value}) must be a multiple of {multiple}{hint}")
+
+
+def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
+    E, I, Is = m.E, m.I, m.shared_I  # noqa: E741
+    if I % opts.tp:
+        raise InputError(f"intermediate size I ({I}) is not divisible by --tp {opts.tp}")
+    _check_multiple("hidden size H", m.H, KERNEL_MULTIPLE, " (kernel tiles)")
+    _check_multiple(f"I_TP = I/tp = {I}/{opts.tp}", I // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)")
+    if Is:
+        if Is % opts.tp:
+            raise InputError(f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}")
+        _check_multiple(f"shared I_TP = {Is}/{opts.tp}", Is // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)")
+    if E % opts.ep:
+        raise InputError(f"number of experts E ({E}) is not divisible by --ep {opts.ep}")
+    it, et = I // opts.tp, E // opts.ep
+    ist = Is // opts.tp if Is else 0
+    return [
+        Rank(
+            rank=ep * opts.tp + tp,
+            tp_rank=tp,
+            ep_rank=ep,
+            i_range=(tp * it, (tp + 1) * it),
+            expert_range=(ep * et, (ep + 1) * et),
+            shared_i_range=(tp * ist, (tp + 1) * ist) if Is else None,
+        )
+        for ep in range(opts.ep)
+        for tp in range(opts.tp)
+    ]
+
+
+def _outputs(plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank: Rank) -> list[Output]:
+    H, E = m.H, m.E
+    Hp = -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+    e0, e1 = rank.expert_range
+    Er = e1 - e0
+    It = rank.i_range[1] - rank.i_range[0]
+    act = m.router.act_fn
+    pad = f", rows {H}..{Hp - 1} zero" if Hp != H else ""
+    outs = [
+        Output("gamma", plan_args["gamma_dtype"], (Hp,), "gamma", f"[H] natural order{pad}"),
+        Output("router_weights", plan_args["router_dtype"], (Hp, E), "router_weights",
+               f"[H, E] arranged for {act} (prefill spec §6.1){pad}"),
+    ]
+    if plan_args["router_bias_dtype"]:
+        outs.append(Output("router_bias", plan_args["router_bias_dtype"], (E,), "router_bias", "[E]"))
+    fam = m.family
+    if "bf16" in opts.formats:
+        outs += [
+            Output("gate_up_proj_weight", "BF16", (Er, H, 2, It), "gate_up_proj_weight", "[E, H, 2, I_TP] gate=0, up=1"),
+            Output("down_proj_weight", "BF16", (Er, It, H), "down_proj_weight", "[E, I_TP, H]"),
+        ]
+    if "mxfp8" in opts.formats:
+        outs += mxfp8_outputs("", Er, H, It, opts.scale_layout, "*_proj_weight", "*_weight_scales")
+    if isinstance(fam.experts, Fused):
+        if fam.experts.gate_up_bias:
+            outs.append(Output("gate_up_proj_bias", plan_args["bias_dtype"], (Er, 2, It), "gate_up_bias", "[E, 2, I_TP] gate=0, up=1"))
+        if fam.experts.down_bias:
+            outs.append(Output("down_proj_bias", plan_args["bias_dtype"], (Er, H), "down_bias",
+                               "[E, H] (full on every TP rank: add once after the reduction)"))
+    if rank.shared_i_range:
+        Ist = rank.shared_i_range[1] - rank.shared_i_range[0]
+        if "bf16" in opts.formats:
+            outs += [
+                Output("shared_expert.gate_up_proj_weight", "BF16", (1, H, 2, Ist), "gate_up_proj_weight",
+                       "[1, H, 2, Is_TP] single-expert dense stack"),
+                Output("shared_expert.down_proj_weight", "BF16", (1, Ist, H), "down_proj_weight", "[1, Is_TP, H]"),
+            ]
+        if "mxfp8" in opts.formats:
+            outs += mxfp8_outputs("shared_expert.", 1, H, Ist, opts.scale_layout, "*_proj_weight", "*_weight_scales")
+        if fam.shared and fam.shared.gate_weight:
+            outs.append(Output("shared_expert_gate_weight", plan_args["shared_gate_dtype"], (1, H), "-",
+                               "[1, H] sigmoid gate of the shared expert (not a kernel input)"))
+    return outs
+
+
+def _dtype_for_16bit(dtype: str) -> str:
+    return dtype if dtype in ("BF16", "F16") else "BF16"
+
+
+def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = None) -> Plan:
+    """Validate the checkpoint against the family and options; list what a run would write."""
+    ckpt = ckpt or Checkpoint(source)
+    fam = detect_family(ckpt.config, opts.model_type)
+    m = resolve_config(ckpt.config, fam)
+    moe = m.moe_layers()
+    selected = parse_layers(opts.layers, m.num_layers)
+    if selected is None:
+        layers, dense = moe, []
+    else:
+        layers = [L for L in selected if L in moe]
+        dense = [L for L in selected if L not in moe]
+    if not layers:
+        what = f"--layers {opts.layers}" if opts.layers else "the config"
+        raise InputError(f"no MoE layer selected ({what}; MoE layers: {_ranges(moe) or 'none'})")
+    ranks = _ranks(m, opts)
+
+    prefix = _detect_prefix(ckpt, fam, layers[0])
+    H, E, I, Is = m.H, m.E, m.I, m.shared_I  # noqa: E741
+    source_tensors: dict[int, list[str]] = {}
+    source_bytes: dict[int, int] = {}
+    formats_seen: set[str] = set()
+    for L in layers:
+        p = prefix.format(L=L)
+        expected: dict[str, tuple[tuple[int, ...], str]] = {
+            p + fam.gamma: ((H,), f"hidden_size={H}"),
+            p + fam.router_weight: ((E, H), f"experts={E}, hidden_size={H}"),
+        }
+        if fam.router_bias:
+            expected[p + fam.router_bias] = ((E,), f"experts={E}")
+        if isinstance(fam.experts, Fused):
+            experts = fam.experts.expected(p, E, H, I, ckpt)
+            why = f"experts={E}, hidden_size={H}, intermediate={I}"
+        else:
+            experts = fam.experts.expected(p, E, H, I)
+            why = f"hidden_size={H}, intermediate={I}"
+        for n, s in experts.items():
+            expected[n] = (s, why)
+        if fam.shared and Is:
+            for n, s in fam.shared.mlp.expected(p, 1, H, Is).items():
+                expected[n.replace("{e}", "")] = (s, f"hidden_size={H}, shared intermediate={Is}")
+            if fam.shared.gate_weight:
+                expected[p + fam.shared.gate_weight] = ((1, H), f"hidden_size={H}")
+        names = list(expected)
+        for name, (shape, why) in expected.items():
+            check_shape(ckpt, name, shape, why)
+            info = ckpt.info(name)
+            if info.dtype in FP8_SOURCE_DTYPES:
+                if m.fp8_block is None:
+                    raise ConfigError(f"{name}: FP8 weight, but config.json has no fp8 quantization_config")
+                sname = name + "_scale_inv"
+                check_shape(ckpt, sname, fp8_scale_shape(info.shape, m.fp8_block), f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks")
+                names.append(sname)
+        for name in experts:  # the routed experts' storage format, as reported in the plan
+            dtype = ckpt.info(name).dtype
+            formats_seen.add(
+                "fp8-block" if dtype in FP8_SOURCE_DTYPES else "mxfp4" if name.endswith(("_blocks", "_scales"))
+                else dtype.lower()
+            )  # fmt: skip
+        source_tensors[L] = names
+        source_bytes[L] = sum(ckpt.info(n).nbytes for n in names)
+
+    p0 = prefix.format(L=layers[0])
+    args: dict[str, Any] = {
+        "gamma_dtype": ckpt.info(p0 + fam.gamma).dtype,
+        "router_dtype": _dtype_for_16bit(ckpt.info(p0 + fam.router_weight).dtype),
+        "router_bias_dtype": ckpt.info(p0 + fam.router_bias).dtype if fam.router_bias else None,
+        "bias_dtype": None,
+        "shared_gate_dtype": None,
+    }
+    if isinstance(fam.experts, Fused) and fam.experts.gate_up_bias:
+        args["bias_dtype"] = ckpt.info(p0 + fam.experts.gate_up_bias).dtype
+    if fam.shared and fam.shared.gate_weight and Is:
+        args["shared_gate_dtype"] = ckpt.info(p0 + fam.shared.gate_weight).dtype
+    outputs = [_outputs(args, m, opts, rk) for rk in ranks]
+
+    notes = list(fam.notes)
+    if -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE != H:
+        notes.append(f"H={H} is zero-padded to {-(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE} for the prefill kernel (unpadded_hidden_size={H})")
+    if args["router_dtype"] != ckpt.info(p0 + fam.router_weight).dtype:
+        notes.append(f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)")
+    if dense:
+        notes.append(f"dense (not MoE) layers skipped: {_ranges(dense)}")
+    src_fmt = "+".join(sorted(formats_seen)) or "bf16"
+    return Plan(
+        source=ckpt.root.resolve(),
+        model=m,
+        options=opts,
+        layers=layers,
+        skipped_dense=dense,
+        prefix=prefix,
+        ranks=ranks,
+        outputs=outputs,
+        source_tensors=source_tensors,
+        source_bytes=source_bytes,
+        source_bf16_bytes=3 * H * (E * I + (Is or 0)) * 2,
+        gamma_dtype=args["gamma_dtype"],
+        router_dtype=args["router_dtype"],
+        router_bias_dtype=args["router_bias_dtype"],
+        source_format=src_fmt,
+        model_type=str(ckpt.config.get("model_type") or fam.name),
+        notes=notes,
+    )
+
+
+def _detect_prefix(ckpt: Checkpoint, fam: Any, layer: int) -> str:
+    for p in fam.prefixes:
+        if ckpt.has(p.format(L=layer) + fam.router_weight):
+            return str(p)
+    # not found under any prefix: report the tensor under the first one
+    ckpt.info(fam.prefixes[0].format(L=layer) + fam.router_weight)
+    raise AssertionError("unreachable")
+
+
+def _ranges(xs: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    out: list[str] = []
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)

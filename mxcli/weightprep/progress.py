@@ -1,0 +1,83 @@
+"""Progress on stderr: a rich bar over the source bytes, and one line per finished layer."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from mxcli.weightprep.plan import Plan
+from mxcli.weightprep.runner import Reporter
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+class RichReporter(Reporter):
+    """Bar over the bf16 bytes of the layers to convert; a line per layer with its throughput."""
+
+    def __init__(self, console: Console | None = None) -> None:
+        self.console = console or Console(stderr=True)
+        self.progress: Progress | None = None
+        self.task: Any = None
+        self.plan: Plan | None = None
+        self._t = time.perf_counter()
+
+    def start(self, plan: Plan, layers: list[int], skipped: list[int]) -> None:
+        self.plan = plan
+        if skipped:
+            self.console.print(f"resume: {len(skipped)} layer(s) already complete, skipped")
+        self.progress = Progress(
+            TextColumn("[bold]prep-weights[/] {task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self.progress.start()
+        total = plan.source_bf16_bytes * len(layers)
+        self.task = self.progress.add_task(f"0/{len(layers)} layers", total=total)
+        self._n, self._total_layers = 0, len(layers)
+        self._t = time.perf_counter()
+
+    def advance(self, nbytes: int) -> None:
+        if self.progress is not None:
+            self.progress.advance(self.task, nbytes)
+
+    def layer_done(self, layer: int, record: dict[str, Any]) -> None:
+        assert self.plan is not None
+        self._n += 1
+        secs = max(float(record.get("seconds") or 0.0), 1e-9)
+        gbps = self.plan.source_bf16_bytes / secs / 1e9
+        if self.progress is not None:
+            self.progress.update(
+                self.task, description=f"{self._n}/{self._total_layers} layers (layer {layer}: {gbps:.2f} GB/s)"
+            )
+        msg = f"layer {layer}: {_gb(self.plan.source_bf16_bytes)} in {secs:.1f} s ({gbps:.2f} GB/s)"
+        if record.get("check"):
+            from mxcli.weightprep.check import summarize
+
+            s = summarize(record["check"])
+            sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
+            exact = all(v["exact"] for k, v in s.items() if "_mxfp8" not in k)
+            msg += f"; check: {'exact' if exact else 'MISMATCH'} bf16/router"
+            if sq:
+                msg += f", MXFP8 SQNR >= {min(sq):.1f} dB"
+        (self.progress.console if self.progress else self.console).print(msg)
+
+    def finish(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None

@@ -1,0 +1,519 @@
+"""Running a conversion: output-folder policy, resume, workers, progress, the manifest.
+
+`prepare_weights` is the whole ``mxcli prep-weights`` command without its argument parsing:
+
+1. plan (`build_plan`; validates everything, reads no tensor data); ``dry_run`` stops here;
+2. refuse an existing output folder unless ``force`` (start over) or ``resume`` (keep the
+   layers whose files still match the manifest's sha256, redo the others);
+3. convert the selected layers, one at a time or ``workers`` at a time in separate processes;
+   each finished layer is recorded in the manifest at once (written atomically), so an
+   interrupted run loses at most the layers in flight and ``--resume`` picks up from there;
+4. optionally ``check`` each layer against the source; hash the source files meanwhile.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import fcntl
+import hashlib
+import multiprocessing as mp
+import os
+import resource
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from mxcli import __version__
+from mxcli.errors import InputError, MxcliError, OutputExistsError
+from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
+from mxcli.weightprep.manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    ManifestError,
+    read_manifest_json,
+)
+from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
+from mxcli.weightprep.writer import remove_stale_temporaries, sha256_tensor, write_index, write_json
+
+LOCK_NAME = ".prep-weights.lock"
+
+
+class Reporter:
+    """Progress callbacks; the CLI passes one that drives a rich progress bar on stderr."""
+
+    def start(self, plan: Plan, layers: list[int], skipped: list[int]) -> None: ...
+
+    def advance(self, nbytes: int) -> None: ...
+
+    def layer_done(self, layer: int, record: dict[str, Any]) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+# -- source hashing -----------------------------------------------------------------------------
+
+
+def _file_sha256(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(bufsize)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _stat_entry(path: Path) -> dict[str, Any]:
+    st = path.stat()
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": None}
+
+
+class SourceHasher(threading.Thread):
+    """sha256 of the source files in a background thread (hashlib and file reads release the GIL)."""
+
+    def __init__(self, root: Path, files: dict[str, dict[str, Any]]) -> None:
+        super().__init__(daemon=True, name="prep-weights-hash")
+        self.root = root
+        self.files = files
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            for name, entry in self.files.items():
+                if entry.get("sha256") is None:
+                    entry["sha256"] = _file_sha256(self.root / name)
+        except BaseException as exc:  # reported by the caller
+            self.error = exc
+
+
+# -- manifest -----------------------------------------------------------------------------------
+
+
+def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    m = plan.model
+    r = m.router
+    return {
+        "format": FORMAT,
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "mxcli", "version": __version__},
+        "root": ".",
+        "rank_view": None,
+        "source": {
+            "path": str(plan.source),
+            "family": m.family.name,
+            "model_type": plan.model_type,
+            "source_format": plan.source_format,
+            "files": source_files,
+            "config": m.used,
+        },
+        "model": {
+            "num_layers": m.num_layers,
+            "moe_layers": m.moe_layers(),
+            "num_experts": m.E,
+            "hidden_size": m.H,
+            "padded_hidden_size": plan.H_padded,
+            "intermediate_size": m.I,
+            "shared_intermediate_size": m.shared_I,
+            "top_k": int(m.values["top_k"]),
+        },
+        "settings": {**plan.options.settings(), "fast_dma_transpose": False},
+        "router": {
+            "act_fn": r.act_fn,
+            "top_k": r.top_k,
+            "n_group": r.n_group,
+            "topk_group": r.topk_group,
+            "routed_scaling_factor": r.routed_scaling_factor,
+            "exact": r.exact,
+            "notes": list(r.notes),
+            "backward_notes": list(r.bwd_notes),
+        },
+        "notes": list(plan.notes),
+        "ranks": [rk.to_dict() for rk in plan.ranks],
+        "layers": {},
+    }
+
+
+def _rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
+    view = dict(manifest)
+    view["root"] = ".."
+    view["rank_view"] = rank
+    view["ranks"] = [r for r in manifest["ranks"] if r["rank"] == rank]
+    layers = {}
+    for L, entry in manifest["layers"].items():
+        e = dict(entry)
+        e["ranks"] = {k: v for k, v in entry["ranks"].items() if int(k) == rank}
+        if e.get("check"):
+            e["check"] = {k: v for k, v in entry["check"].items() if int(k) == rank}
+        layers[L] = e
+    view["layers"] = layers
+    return view
+
+
+def save_manifest(out: Path, manifest: dict[str, Any]) -> None:
+    """Write OUT/manifest.json and, per rank, its index and rank-view manifest (all atomic)."""
+    manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda kv: int(kv[0])))
+    for rk in manifest["ranks"]:
+        r = rk["rank"]
+        rdir = out / rk["dir"]
+        rdir.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for entry in manifest["layers"].values():
+            fe = entry["ranks"].get(str(r))
+            if fe is None:
+                continue
+            fname = Path(fe["file"]).name
+            for t in fe["tensors"].values():
+                weight_map[t["name"]] = fname
+            total += int(fe["bytes"])
+        write_index(rdir / INDEX_NAME, weight_map, total, {"format": FORMAT, "rank": r})
+        write_json(rdir / MANIFEST_NAME, _rank_view(manifest, r))
+    write_json(out / MANIFEST_NAME, manifest)
+
+
+@contextlib.contextmanager
+def _locked(out: Path) -> Iterator[None]:
+    """Exclusive lock on the output folder (runs on several hosts may share it with --resume)."""
+    with (out / LOCK_NAME).open("a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _record_layer(out: Path, manifest: dict[str, Any], record: dict[str, Any]) -> None:
+    """Merge one finished layer into the manifest on disk (re-read under the lock, so parallel
+    runs on other layers are kept) and into `manifest`."""
+    with _locked(out):
+        path = out / MANIFEST_NAME
+        if path.is_file():
+            on_disk = read_manifest_json(path)
+            for k, v in on_disk["layers"].items():
+                manifest["layers"].setdefault(k, v)
+            for name, f in on_disk["source"]["files"].items():
+                mine = manifest["source"]["files"].get(name)
+                if mine is not None and mine.get("sha256") is None and f.get("sha256"):
+                    mine["sha256"] = f["sha256"]
+        manifest["layers"][str(record["layer"])] = record
+        save_manifest(out, manifest)
+
+
+# -- output folder policy -----------------------------------------------------------------------
+
+_COMPARED_SETTINGS = ("tp", "ep", "formats", "scale_layout", "scale_rule", "elem", "quant_scheme", "tile_k")
+
+
+def _check_writable(out: Path) -> None:
+    parent = out if out.exists() else out.parent
+    if not parent.exists():
+        raise MxcliError(f"{out}: parent folder {parent} does not exist")
+    if not parent.is_dir():
+        raise MxcliError(f"{out}: cannot write there, {parent} is not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise MxcliError(f"{out}: output folder {parent} is not writable")
+
+
+def _open_output(
+    out: Path, plan: Plan, source_files: dict[str, dict[str, Any]], resume: bool, force: bool
+) -> dict[str, Any]:
+    """Create or reuse the output folder; return the manifest to extend."""
+    if resume and force:
+        raise InputError("--resume and --force exclude each other (--force starts over)")
+    _check_writable(out)
+    fresh = new_manifest(plan, source_files)
+    if not out.exists():
+        out.mkdir()
+        return fresh
+    if not out.is_dir():
+        raise OutputExistsError(f"{out}: exists and is not a folder")
+    mpath = out / MANIFEST_NAME
+    if resume and mpath.is_file():
+        old = read_manifest_json(mpath)
+        _check_compatible(old, fresh, plan)
+        for rk in plan.ranks:
+            remove_stale_temporaries(out / rk.dir)
+        fresh["layers"] = dict(old["layers"])
+        for name, f in old["source"]["files"].items():
+            if name in fresh["source"]["files"] and f.get("sha256"):
+                fresh["source"]["files"][name]["sha256"] = f["sha256"]
+        return fresh
+    if any(out.iterdir()) and not (resume or force):
+        raise OutputExistsError(f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)")
+    if force:
+        _remove_previous_outputs(out)
+    return fresh
+
+
+def _remove_previous_outputs(out: Path) -> None:
+    """--force: delete what an earlier prep-weights run wrote here (its manifest lists it)."""
+    mpath = out / MANIFEST_NAME
+    if not mpath.is_file():
+        return
+    with contextlib.suppress(ManifestError):
+        old = read_manifest_json(mpath)
+        for rk in old.get("ranks", []):
+            rdir = out / str(rk.get("dir", ""))
+            if rdir.is_dir() and rdir.name.startswith("rank"):
+                shutil.rmtree(rdir)
+        mpath.unlink()
+
+
+def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) -> None:
+    where = "--resume"
+    if old["source"]["family"] != fresh["source"]["family"]:
+        raise InputError(f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)")
+    for key in _COMPARED_SETTINGS:
+        a, b = old["settings"].get(key), fresh["settings"].get(key)
+        if a != b:
+            raise InputError(f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)")
+    for name, f in fresh["source"]["files"].items():
+        o = old["source"]["files"].get(name)
+        if o is not None and (o["size"] != f["size"] or o["mtime_ns"] != f["mtime_ns"]):
+            raise InputError(f"{where}: source file {name} changed since the output was written (use --force)")
+
+
+def layer_is_complete(out: Path, record: dict[str, Any] | None, plan: Plan) -> bool:
+    """True when every rank file of the layer exists and each tensor matches its sha256."""
+    if record is None:
+        return False
+    expected = {str(rk.rank): {o.key for o in outs} for rk, outs in zip(plan.ranks, plan.outputs, strict=True)}
+    if set(record.get("ranks", {})) != set(expected):
+        return False
+    for r, fe in record["ranks"].items():
+        path = out / fe["file"]
+        if set(fe["tensors"]) != expected[r] or not path.is_file():
+            return False
+        try:
+            with open_safetensors(path) as f:
+                for t in fe["tensors"].values():
+                    if sha256_tensor(f.get_tensor(t["name"])) != t["sha256"]:
+                        return False
+        except Exception:
+            return False
+    return True
+
+
+# -- workers ------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _torch_threads(n: int) -> Iterator[None]:
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(source: str, opts: PrepOptions, threads: int, queue: Any) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    ckpt = Checkpoint(source)
+    _WORKER.update(ckpt=ckpt, plan=build_plan(source, opts, ckpt), queue=queue)
+
+
+def _worker_layer(layer: int, out: str) -> dict[str, Any]:
+    queue = _WORKER["queue"]
+    return convert_and_check(_WORKER["plan"], _WORKER["ckpt"], layer, Path(out), lambda n: queue.put(n))
+
+
+def convert_and_check(
+    plan: Plan, ckpt: Checkpoint, layer: int, out: Path, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    """Convert one layer (and check it when the options ask); its manifest record."""
+    from mxcli.weightprep.convert import convert_layer
+
+    with ckpt.reader() as rd:
+        record = convert_layer(plan, rd, layer, out, progress)
+    record["check"] = None
+    if plan.options.check:
+        from mxcli.weightprep.check import check_layer
+
+        with ckpt.reader() as rd:
+            record["check"] = check_layer(plan, rd, layer, out)
+    record["peak_rss_bytes"] = peak_rss_bytes()
+    return record
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process.
+
+    Linux ``VmHWM`` where available: ``ru_maxrss`` of a child process also counts the memory its
+    parent had when it forked, which would hide what the child itself used.
+    """
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+
+def prepare_weights(
+    source: str | Path,
+    output: str | Path | None,
+    options: PrepOptions,
+    *,
+    dry_run: bool = False,
+    resume: bool = False,
+    force: bool = False,
+    reporter: Reporter | None = None,
+) -> dict[str, Any]:
+    """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict."""
+    ckpt = Checkpoint(source)
+    plan = build_plan(source, options, ckpt)
+    if dry_run:
+        return {"dry_run": True, "plan": plan.to_dict()}
+    if output is None:
+        raise InputError("OUTPUT folder is required (or use --dry-run)")
+    out = Path(output)
+    rep = reporter or Reporter()
+
+    # config, index and the shards the selected layers read
+    touched = sorted({ckpt.info(n).file for L in plan.layers for n in plan.source_tensors[L]})
+    extra = ["config.json"] + ([INDEX_NAME] if ckpt.index_name else [])
+    source_files = {name: _stat_entry(ckpt.root / name) for name in extra + touched}
+    try:
+        return _run(ckpt, plan, out, source_files, options, resume, force, rep)
+    except OSError as exc:  # disk full, permissions, ...: the output could not be written
+        if isinstance(exc, MxcliError):  # OutputExistsError is a FileExistsError
+            raise
+        raise MxcliError(f"{out}: cannot write ({exc.strerror or exc})") from None
+
+
+def _run(
+    ckpt: Checkpoint,
+    plan: Plan,
+    out: Path,
+    source_files: dict[str, dict[str, Any]],
+    options: PrepOptions,
+    resume: bool,
+    force: bool,
+    rep: Reporter,
+) -> dict[str, Any]:
+    manifest = _open_output(out, plan, source_files, resume, force)
+
+    todo, done = [], []
+    for L in plan.layers:
+        if resume and layer_is_complete(out, manifest["layers"].get(str(L)), plan):
+            done.append(L)
+        else:
+            manifest["layers"].pop(str(L), None)
+            todo.append(L)
+
+    hasher = SourceHasher(ckpt.root, manifest["source"]["files"])
+    hasher.start()
+    t0 = time.perf_counter()
+    records: dict[int, dict[str, Any]] = {}
+    rep.start(plan, todo, done)
+    try:
+        if options.workers <= 1 or len(todo) <= 1:
+            with _torch_threads(options.threads_per_worker()):
+                for L in todo:
+                    rec = convert_and_check(plan, ckpt, L, out, rep.advance)
+                    _record_layer(out, manifest, rec)
+                    records[L] = rec
+                    rep.layer_done(L, rec)
+        else:
+            _run_pool(plan.source, options, out, todo, manifest, records, rep)
+        hasher.join()
+        if hasher.error is not None:
+            raise MxcliError(f"{ckpt.root}: cannot hash the source files ({hasher.error})")
+        with _locked(out):
+            save_manifest(out, _merge_on_disk(out, manifest))
+    finally:
+        rep.finish()
+    seconds = time.perf_counter() - t0
+    converted_bytes = plan.source_bf16_bytes * len(todo)
+    result: dict[str, Any] = {
+        "output": str(out),
+        "manifest": str(out / MANIFEST_NAME),
+        "family": plan.model.family.name,
+        "router_act_fn": plan.model.router.act_fn,
+        "router_exact": plan.model.router.exact,
+        "layers_written": todo,
+        "layers_skipped": done,
+        "ranks": len(plan.ranks),
+        "files": [f"{rk.dir}/{layer_file(L)}" for L in plan.layers for rk in plan.ranks],
+        "source_bf16_bytes": converted_bytes,
+        "output_bytes": plan.output_bytes_per_layer() * len(todo),
+        "seconds": round(seconds, 3),
+        "throughput_gbps": round(converted_bytes / seconds / 1e9, 4) if seconds > 0 and todo else None,
+        "peak_rss_bytes": max([peak_rss_bytes()] + [int(r.get("peak_rss_bytes") or 0) for r in records.values()]),
+        "notes": list(plan.notes) + list(plan.model.router.notes) + list(plan.model.router.bwd_notes),
+    }
+    if options.check:
+        from mxcli.weightprep.check import summarize
+
+        result["check"] = {str(L): summarize(r["check"]) for L, r in records.items() if r.get("check")}
+    return result
+
+
+def _merge_on_disk(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    path = out / MANIFEST_NAME
+    if path.is_file():
+        for k, v in read_manifest_json(path)["layers"].items():
+            manifest["layers"].setdefault(k, v)
+    return manifest
+
+
+def _run_pool(
+    source: str | Path,
+    options: PrepOptions,
+    out: Path,
+    todo: list[int],
+    manifest: dict[str, Any],
+    records: dict[int, dict[str, Any]],
+    rep: Reporter,
+) -> None:
+    workers = min(options.workers, len(todo))
+    threads = options.threads_per_worker()
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as mgr:
+        queue = mgr.Queue()
+        with cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_worker_init,
+            initargs=(str(source), options, threads, queue),
+        ) as pool:  # fmt: skip
+            futures = {pool.submit(_worker_layer, L, str(out)): L for L in todo}
+            pending = set(futures)
+            try:
+                while pending:
+                    finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+                    _drain(queue, rep)
+                    for fut in finished:
+                        rec = fut.result()
+                        _record_layer(out, manifest, rec)
+                        records[futures[fut]] = rec
+                        rep.layer_done(futures[fut], rec)
+            except BaseException:
+                for fut in pending:
+                    fut.cancel()
+                raise
+            _drain(queue, rep)
+
+
+def _drain(queue: Any, rep: Reporter) -> None:
+    import queue as q
+
+    while True:
+        try:
+            rep.advance(queue.get_nowait())
+        except q.Empty:
+            return

@@ -1,0 +1,68 @@
+"""Human-readable text of a plan (``--dry-run``) and of a run's result (stdout)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+def _ranges(xs: list[int]) -> str:
+    from mxcli.weightprep.plan import _ranges as r
+
+    return r(xs) or "none"
+
+
+def format_plan(plan: dict[str, Any]) -> str:
+    r = plan["router"]
+    o = plan["options"]
+    lines = [
+        f"source        {plan['source']}",
+        f"family        {plan['family']} (model_type {plan['model_type']}, weights {plan['source_format']})",
+        f"MoE layers    {_ranges(plan['moe_layers'])} of {plan['num_layers']}; converting {_ranges(plan['layers'])}",
+        f"experts       E={plan['num_experts']} top_k={plan['top_k']}  H={plan['hidden_size']}"
+        + (f" (padded to {plan['padded_hidden_size']} for prefill)" if plan["padded_hidden_size"] != plan["hidden_size"] else "")
+        + f"  I={plan['intermediate_size']} (I_TP={plan['intermediate_size_per_rank']})"
+        + (f"  shared I={plan['shared_intermediate_size']}" if plan["shared_intermediate_size"] else ""),
+        f"parallel      tp={o['tp']} ep={o['ep']} -> {len(plan['ranks'])} rank(s); workers={o['workers']}",
+        f"router        {r['act_fn']} top_k={r['top_k']}"
+        + (f" n_group={r['n_group']} topk_group={r['topk_group']} routed_scaling_factor={r['routed_scaling_factor']}" if r["act_fn"] == "NOAUX_TC" else "")
+        + ("" if r["exact"] else "  [NOT EXACT]"),
+        f"formats       {','.join(o['formats'])}; scales {o['scale_layout']}, rule {o['scale_rule']}",
+    ]
+    for note in r["notes"] + r["backward_notes"] + plan["notes"]:
+        lines.append(f"note          {note}")
+    first = next(iter(plan["outputs_per_layer"]))
+    lines.append(f"outputs per layer and rank ({first} shown):")
+    for t in plan["outputs_per_layer"][first]:
+        lines.append(f"  {t['name']:<40} {t['dtype']:<5} {str(t['shape']):<24} {_gb(t['bytes'])}")
+    lines += [
+        f"total         read {_gb(plan['source_bytes'])}, write {_gb(plan['output_bytes'])}",
+        f"peak memory   ~{_gb(plan['estimated_peak_memory_bytes'])} (estimate)",
+    ]
+    return "\n".join(lines)
+
+
+def format_result(res: dict[str, Any]) -> str:
+    lines = [
+        f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
+        + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
+        f"router {res['router_act_fn']}" + ("" if res["router_exact"] else " (not exact: see manifest notes)"),
+    ]
+    if res.get("throughput_gbps"):
+        lines.append(
+            f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s "
+            f"({res['throughput_gbps']:.3f} GB/s), peak RSS {_gb(res['peak_rss_bytes'])}"
+        )
+    for L, s in (res.get("check") or {}).items():
+        bad = [k for k, v in s.items() if not v["exact"] and "_mxfp8" not in k]
+        sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
+        lines.append(
+            f"check layer {L}: "
+            + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
+            + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
+        )
+    lines.append(f"manifest {res['manifest']}")
+    return "\n".join(lines)

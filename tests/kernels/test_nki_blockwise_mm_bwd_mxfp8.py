@@ -1,0 +1,382 @@
+"""The NKI kernel of ``blockwise_mm_bwd_mxfp8`` on the interpreter (``sim`` backend) vs the
+reference.
+
+Contract (issue 8): the backward has no MX-code or index outputs; every output (hidden-state
+grad, affinity grad, weight and bias grads, all bf16-rounded) must be within a relative L2 of
+1e-3 of the reference. That is the fp32 accumulation-order tolerance: the kernel accumulates
+MX matmuls tile by tile in PSUM and sums the affinity grad as a ones-matmul, the reference in
+one torch matmul, so a bf16 rounding occasionally lands on the other side (observed ~1e-5).
+It is far tighter than the MXFP8 error itself: a wrong quantization group moves results by
+~1e-2 (checked below with a deliberately mismatched grouping).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mxcli.kernels import backends, nki_runtime
+from mxcli.kernels.backends import BackendUnavailableError
+from mxcli.kernels.blockwise_moe import (
+    BwdValidationError,
+    ClampLimits,
+    MatmulMxfp8KernelConfig,
+    MXFP8MOEBwdConfig,
+    QuantScheme,
+    SkipMode,
+    blockwise_mm_bwd_mxfp8,
+    build_block_plan,
+    prequantize_weights,
+)
+from mxcli.kernels.blockwise_moe.config import AffinityOption
+from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
+from mxcli.kernels.blockwise_moe.numerics import silu
+
+REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
+KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"
+NAMES = ("hidden_states_grad", "affinity_grad", "gate_up_grad", "down_grad", "bias_gu", "bias_d")
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    a32, b32 = a.float(), b.float()
+    return float((a32 - b32).norm() / b32.norm().clamp_min(1e-30))
+
+
+def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
+    """Shapes and dtypes equal, every output within REL_L2; returns the worst error."""
+    assert len(out) == len(ref)
+    worst = 0.0
+    for name, a, r in zip(NAMES, out, ref, strict=False):
+        assert a.shape == r.shape, name
+        assert a.dtype == r.dtype, name
+        assert torch.isfinite(a.float()).all(), name
+        assert r.float().norm() > 0, f"{name}: degenerate case (all-zero reference)"
+        err = rel_l2(a, r)
+        assert err <= REL_L2, f"{name}: relative L2 {err:.2e} > {REL_L2}"
+        worst = max(worst, err)
+    return worst
+
+
+def case(
+    T: int,
+    H: int,
+    E: int,
+    B: int,
+    K: int,
+    I: int,  # noqa: E741
+    **mk: Any,
+) -> dict[str, Any]:
+    return make_bwd_inputs(T, H, E, B, K, I, **mk).kwargs()
+
+
+def both(args: dict[str, Any], cfg: MXFP8MOEBwdConfig, lnc: int) -> tuple[Any, Any]:
+    ref = blockwise_mm_bwd_mxfp8(**args, config=cfg)
+    out = run_sim(**args, config=cfg, lnc=lnc)
+    return out, ref
+
+
+# -- the simplest complete path and its discrimination --------------------------------------
+
+
+def test_routed_lnc1_matches_reference() -> None:
+    """Routed, on-the-fly quantization, gate/up checkpoint, AFFINITY_ON_I, LNC 1 (T=256,
+    H=512, I=256, E=2, B=128, top-1: 3 blocks, the last one pure padding)."""
+    args = case(256, 512, 2, 128, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1)
+    out, ref = both(args, cfg, lnc=1)
+    compare(out, ref)
+    # affinity grad of non-routed (token, expert) pairs is exactly zero (bwd spec §4.3)
+    routed = args["expert_affinities_masked"].float() != 0
+    assert (out[1].float()[~routed] == 0).all()
+    # REL_L2 separates the kernel from anything without the MXFP8 numerics: against the
+    # unquantized fp32 reference every output misses by > 10x REL_L2, so a skipped or
+    # mis-scaled quantization cannot pass. (A changed wrapX group membership alone moves
+    # rel-L2 only by ~1e-4: e4m3 keeps 3 mantissa bits over 17 binades below the group
+    # maximum, so grouping shows through subnormals only; see the next test.)
+    exact = blockwise_mm_bwd_mxfp8(**args, config=cfg, emulate="exact")
+    for name, a, r in zip(NAMES, out, exact, strict=False):
+        assert rel_l2(a, r) > 10 * REL_L2, name
+
+
+def test_wrong_tile_k_changes_results() -> None:
+    """Grouping reaches the kernel: with values spread over 2^-20..1 (so subnormals occur),
+    the kernel with phase-1 tile_k 256 (H=512 as two 256-chunks) matches the reference with
+    the same config, and its affinity-grad bits differ from the default (512) grouping's."""
+    args = case(256, 512, 2, 128, 1, 256)
+    g = torch.Generator().manual_seed(1)
+    spread = 2.0 ** (-20 * torch.rand(256, 512, generator=g))
+    dy = args["output_hidden_states_grad"].float() * spread
+    args["output_hidden_states_grad"] = dy.to(torch.bfloat16)
+    cfg256 = MXFP8MOEBwdConfig.routed(top_k=1, phase1_config=MatmulMxfp8KernelConfig(tile_k=256))
+    out256 = run_sim(**args, config=cfg256, lnc=1)
+    compare(out256, blockwise_mm_bwd_mxfp8(**args, config=cfg256))
+    ref512 = blockwise_mm_bwd_mxfp8(**args, config=MXFP8MOEBwdConfig.routed(top_k=1))
+    routed = args["expert_affinities_masked"].float().reshape(-1) != 0
+    differ = (ref512[1].reshape(-1) != out256[1].reshape(-1))[routed].float().mean()
+    assert differ > 0.005
+
+
+def test_public_api_dispatches_to_sim() -> None:
+    """``blockwise_mm_bwd_mxfp8(..., backend="sim")`` runs this kernel (LNC 2 by default)."""
+    assert backends.unavailable_reason("blockwise_mm_bwd_mxfp8", "sim") is None
+    args = case(256, 512, 2, 128, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1)
+    out = blockwise_mm_bwd_mxfp8(**args, config=cfg, backend="sim")
+    compare(out, blockwise_mm_bwd_mxfp8(**args, config=cfg))
+
+
+# -- the other configuration options --------------------------------------------------------
+
+
+def test_lnc2_topk2_accumulate_bias_clamps() -> None:
+    """LNC 2 (SHARD_ON_FREE), top-2 with hidden-grad read-add-write, bias grads, both clamp
+    masks (the checkpoint is clamped, so many values sit exactly on a limit), B=256."""
+    cl = ClampLimits(-1.0, 1.0, -0.5, 0.5)
+    args = case(256, 512, 2, 256, 2, 256, bias=True, clamp_limits=cl)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2, bias=True, clamp_limits=cl)
+    out, ref = both(args, cfg, lnc=2)
+    assert len(out) == 6
+    compare(out, ref)
+    ckpt = args["gate_up_proj_act_checkpoint_T"]
+    assert (ckpt[:, 0] == 1.0).any() and (ckpt[:, 1] == 0.5).any()  # masks are exercised
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_prequantized_weights(packed: bool) -> None:
+    """Pre-quantized x4 weights with packed / unpacked scales (bwd spec §5.5); H=640 and
+    I=384 give 512+128 and 512+256 wrapX remainders."""
+    args = case(128, 640, 2, 128, 1, 384)
+    pc = lambda: MatmulMxfp8KernelConfig(enable_scale_packing=packed)  # noqa: E731
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1, phase1_config=pc(), phase2_config=pc())
+    pq = prequantize_weights(args["gate_up_proj_weight"], args["down_proj_weight"], config=cfg)
+    args.update(pq.as_kwargs())
+    assert args["gate_up_proj_weight"].dtype == torch.uint32
+    out, ref = both(args, cfg, lnc=2 if packed else 1)
+    compare(out, ref)
+
+
+def test_dense_with_token_count() -> None:
+    """single_expert_dense with num_valid_tokens: rows past the count are padding (zero grads,
+    the reference's choice for the UNDEFINED rows), weight grads exclude them."""
+    args = case(512, 512, 1, 256, 1, 256, dense=True)
+    args["num_valid_tokens"] = torch.tensor([300], dtype=torch.int32)
+    cfg = MXFP8MOEBwdConfig()
+    out, ref = both(args, cfg, lnc=2)
+    compare(out, ref)
+    assert (out[0][300:] == 0).all() and (out[1][300:] == 0).all()
+
+
+def test_dense_full() -> None:
+    """single_expert_dense without a count: contiguous loads, weights quantized once, block 0
+    writes the weight grads."""
+    args = case(512, 512, 1, 256, 1, 256, dense=True)
+    out, ref = both(args, MXFP8MOEBwdConfig(), lnc=1)
+    compare(out, ref)
+
+
+def test_optional_checkpoints_fp16_and_fp32_affinities() -> None:
+    """gate_act / intermediate / scaled_intermediate checkpoints are used as given (the scaled
+    one deliberately differs from Hm*alpha); fp16 activations and fp32 affinities keep their
+    dtypes; B=256 > T=128."""
+    args = case(128, 512, 1, 256, 1, 256)
+    c = args["gate_up_proj_act_checkpoint_T"].float()
+    hm = silu(c[:, 0]) * c[:, 1]
+    args["gate_act_checkpoint_T"] = silu(c[:, 0]).to(torch.bfloat16)
+    args["intermediate_checkpoint_T"] = hm.to(torch.bfloat16)
+    args["scaled_intermediate_checkpoint_T"] = (hm * 0.5).to(torch.bfloat16)
+    args["hidden_states"] = args["hidden_states"].half()
+    args["output_hidden_states_grad"] = args["output_hidden_states_grad"].half()
+    args["expert_affinities_masked"] = args["expert_affinities_masked"].float()
+    out, ref = both(args, MXFP8MOEBwdConfig.routed(top_k=1), lnc=1)
+    assert out[0].dtype == torch.float16 and out[1].dtype == torch.float32
+    compare(out, ref)
+
+
+def test_remainder_chunks_odd_tile_split() -> None:
+    """H = I = 384 (wrapX 256+128 chunks), B=512, top-2, LNC 2 (odd tile counts: the two
+    cores get 2 and 1 tiles of I and of H)."""
+    args = case(256, 384, 2, 512, 2, 384)
+    out, ref = both(args, MXFP8MOEBwdConfig.routed(top_k=2), lnc=2)
+    compare(out, ref)
+
+
+@pytest.mark.parametrize("prequantized", [False, True])
+def test_streamed_weights(monkeypatch: pytest.MonkeyPatch, prequantized: bool) -> None:
+    """With no SBUF budget for resident weights, the quantized weights are spilled to the HBM
+    scratch (or read from the pre-quantized inputs) and streamed per window; same results."""
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    monkeypatch.setattr(mod, "RESIDENT_BUDGET", 0)
+    args = case(256, 512, 2, 256, 2, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
+    if prequantized:
+        pq = prequantize_weights(args["gate_up_proj_weight"], args["down_proj_weight"], config=cfg)
+        args.update(pq.as_kwargs())
+    out, ref = both(args, cfg, lnc=2)
+    compare(out, ref)
+
+
+# -- validation -------------------------------------------------------------------------------
+
+
+def test_padding_without_skip_token_is_rejected() -> None:
+    args = case(256, 512, 2, 128, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1, skip_dma=SkipMode(skip_token=False))
+    with pytest.raises(BwdValidationError, match="skip_token"):
+        run_sim(**args, config=cfg)
+
+
+def test_bad_expert_id_and_shape_are_rejected() -> None:
+    args = case(256, 512, 2, 128, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1)
+    bad = dict(args, block_to_expert=torch.full_like(args["block_to_expert"], 2))
+    with pytest.raises(BwdValidationError, match="block_to_expert"):
+        run_sim(**bad, config=cfg)
+    bad = dict(args, output_hidden_states_grad=args["output_hidden_states_grad"][:, :256])
+    with pytest.raises(BwdValidationError, match="output_hidden_states_grad: expected shape"):
+        run_sim(**bad, config=cfg)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ({"quant_scheme": QuantScheme.MX1X32}, "WRAPX"),
+        ({"affinity_option": AffinityOption.AFFINITY_ON_H}, "AFFINITY_ON_I"),
+    ],
+)
+def test_unimplemented_options_are_named(override: dict[str, Any], match: str) -> None:
+    """Options the reference has but this kernel does not raise a one-line ValueError."""
+    args = case(256, 512, 2, 128, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1, **override)
+    with pytest.raises(ValueError, match=match):
+        run_sim(**args, config=cfg, lnc=1)
+
+
+def test_missing_checkpoint_is_named() -> None:
+    args = case(256, 512, 2, 128, 1, 256)
+    args["gate_up_proj_act_checkpoint_T"] = None
+    c = make_bwd_inputs(256, 512, 2, 128, 1, 256).gate_up_proj_act_checkpoint_T
+    args["gate_act_checkpoint_T"] = c[:, 0]
+    args["intermediate_checkpoint_T"] = c[:, 1]
+    with pytest.raises(ValueError, match="gate_up_proj_act_checkpoint_T"):
+        run_sim(**args, config=MXFP8MOEBwdConfig.routed(top_k=1), lnc=1)
+
+
+def test_neuron_backend_lists_what_is_missing() -> None:
+    if nki_runtime.neuron_unavailable_reason() is None:  # pragma: no cover - Trainium host
+        pytest.skip("a Neuron device is present")
+    args = case(256, 512, 2, 128, 1, 256)
+    with pytest.raises(BackendUnavailableError, match="missing .*Neuron device"):
+        run_neuron(**args, config=MXFP8MOEBwdConfig.routed(top_k=1))
+
+
+def test_kernel_source_is_plain_nki() -> None:
+    """The kernel imports the real NKI modules (never the interpreter) and calls only ISA ops
+    of the api spec §10 checklist for the MoE backward."""
+    tree = ast.parse(KERNEL_FILE.read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert {"nki", "nki.isa", "nki.language"} <= imported
+    assert not any("nkisim" in m for m in imported)
+    used = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "nisa"
+    }
+    allowed = {
+        "dma_copy", "nc_transpose", "tensor_copy", "tensor_tensor", "tensor_scalar",
+        "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",
+        "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode",
+    }  # fmt: skip
+    assert used <= allowed, used - allowed
+    assert {"quantize_mx", "nc_matmul_mx", "nc_transpose", "core_barrier"} <= used
+
+
+# -- check-only mode ---------------------------------------------------------------------------
+
+
+def _zero_case(T: int, H: int, I: int, B: int, E: int, K: int) -> dict[str, Any]:  # noqa: E741
+    """Shape-only inputs for check-only runs (values are not computed there)."""
+    g = torch.Generator().manual_seed(0)
+    choices = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    tpi, b2e = build_block_plan(choices, E, B)
+    N = b2e.shape[0]
+    z = lambda *s: torch.zeros(*s, dtype=torch.bfloat16)  # noqa: E731
+    return dict(
+        hidden_states=z(T, H), expert_affinities_masked=z(T * E, 1),
+        gate_up_proj_weight=z(E, H, 2, I), down_proj_weight=z(E, I, H),
+        token_position_to_id=tpi, block_to_expert=b2e, output_hidden_states_grad=z(T, H),
+        block_size=B, gate_up_proj_act_checkpoint_T=z(N, 2, I, B),
+    )  # fmt: skip
+
+
+def test_check_only_medium_shape_counts() -> None:
+    """Check-only mode (every rule, SBUF/PSUM capacity) at H=1024, I=512, B=1024, E=4: the
+    counters equal the kernel's compulsory MX work (2*B*H*I per phase and block, 4 phases)."""
+    T, H, I, B, E, K = 512, 1024, 512, 1024, 4, 2  # noqa: E741
+    args = _zero_case(T, H, I, B, E, K)
+    res = launch_sim(**args, config=MXFP8MOEBwdConfig.routed(top_k=K), lnc=2, check_only=True)
+    c = res.report.counters
+    N = args["block_to_expert"].shape[0]
+    # P1: B*H*I, P2: B*2I*H, P3: B*H*2I, P4: B*I*H multiply-adds per block
+    assert c.mx_matmul_flops == N * 2 * 6 * B * H * I
+    assert 0 < c.peak_sbuf_bytes <= 245752 and 0 < c.peak_psum_bytes <= 16384
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lnc", [2, 1])
+def test_check_only_production_shape(lnc: int) -> None:
+    """Issue 8: check-only at the spec's largest backward shape, H=4096, I=1536, B=4096, E=16
+    (T=4096, top-2: 17 blocks), within the Trn3 SBUF and PSUM budgets."""
+    T, H, I, B, E, K = 4096, 4096, 1536, 4096, 16, 2  # noqa: E741
+    args = _zero_case(T, H, I, B, E, K)
+    res = launch_sim(**args, config=MXFP8MOEBwdConfig.routed(top_k=K), lnc=lnc, check_only=True)
+    c = res.report.counters
+    assert c.mx_matmul_flops == 17 * 2 * 6 * B * H * I
+    for prog in res.report.programs:
+        assert prog.peak_sbuf_bytes <= 245752 and prog.peak_psum_bytes <= 16384
+
+
+# -- wider numerics (slow) ---------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_fast_dma_transpose_and_tile_k_mix() -> None:
+    """Errata 1 (H=896: the last 384 rows of phase 1 are one 384-chunk) with per-phase tile_k
+    256/128/256, B=1024 (two 512-token windows), top-2."""
+    t = lambda k: MatmulMxfp8KernelConfig(tile_k=k)  # noqa: E731
+    cfg = MXFP8MOEBwdConfig.routed(
+        top_k=2, fast_dma_transpose=True, phase2_config=t(256), phase3_config=t(128),
+        phase4_config=t(256),
+    )  # fmt: skip
+    args = case(512, 896, 2, 1024, 2, 256)
+    out, ref = both(args, cfg, lnc=1)
+    compare(out, ref)
+    plain = blockwise_mm_bwd_mxfp8(**args, config=MXFP8MOEBwdConfig.routed(top_k=2))
+    assert rel_l2(plain[3], ref[3]) > REL_L2  # the 384-chunk grouping is really different
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "T, H, E, B, K, I, bias",
+    [
+        (1024, 1024, 4, 512, 4, 256, False),
+        (1024, 2048, 2, 256, 2, 128, True),
+        (512, 1024, 1, 512, 1, 384, False),
+    ],
+)
+def test_upstream_table_shapes(T: int, H: int, E: int, B: int, K: int, I: int, bias: bool) -> None:  # noqa: E741
+    """Shapes from the upstream baseline table (bwd spec §11.4), LNC 2."""
+    args = case(T, H, E, B, K, I, bias=bias)
+    out, ref = both(args, MXFP8MOEBwdConfig.routed(top_k=K, bias=bias), lnc=2)
+    compare(out, ref)

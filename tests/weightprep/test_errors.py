@@ -1,0 +1,190 @@
+"""Every user error: one `error:` line on stderr, exit code 2, no traceback, nothing written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from mxcli.cli import app
+from mxcli.weightprep.synthetic import build_checkpoint
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("base") / "q", intermediate_size=256).path
+
+
+def clone(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    for k, v in changes.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    r = CliRunner().invoke(app, ["prep-weights", *map(str, args)])
+    return r.exit_code, r.stdout, r.stderr
+
+
+def assert_user_error(args: list, pattern: str, out: Path | None = None) -> None:
+    code, stdout, stderr = run_cli(*args)
+    assert code == 2, (code, stdout, stderr)
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    import re
+
+    assert re.search(pattern, lines[0]), lines[0]
+    if out is not None:
+        assert not out.exists() or not any(out.rglob("*.safetensors"))
+
+
+def test_missing_config_key(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    edit_config(src, num_experts=None)
+    assert_user_error([src, tmp_path / "o"], r"config.json: missing key 'num_experts'", tmp_path / "o")
+
+
+def test_unsupported_model_type(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    edit_config(src, model_type="llama")
+    assert_user_error([src, tmp_path / "o"], r"model_type 'llama' is not a supported MoE family")
+    assert_user_error([base, tmp_path / "o", "--model-type", "gpt2"], r"--model-type 'gpt2' is not supported")
+    edit_config(src, model_type=None)
+    assert_user_error([src, tmp_path / "o"], r"missing key 'model_type'")
+
+
+def test_model_type_override(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    edit_config(src, model_type=None)
+    code, stdout, _ = run_cli(src, "--dry-run", "--json", "--model-type", "qwen3_moe")
+    assert code == 0 and json.loads(stdout)["family"] == "qwen3_moe"
+
+
+def test_unsupported_config_values(tmp_path: Path) -> None:
+    ds = build_checkpoint("deepseek_v3", tmp_path / "ds")
+    edit_config(ds.path, scoring_func="softmax")
+    assert_user_error([ds.path, tmp_path / "o"], r"scoring_func='softmax' is not supported")
+    edit_config(ds.path, scoring_func="sigmoid", quantization_config={"quant_method": "awq"})
+    assert_user_error([ds.path, tmp_path / "o"], r"quant_method 'awq' is not supported")
+
+
+def test_tensor_missing_from_every_shard(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    del tensors[name]
+    save_file(tensors, str(shard))
+    assert_user_error([src, tmp_path / "o"], rf"{name}: tensor missing from the checkpoint \(model.safetensors.index.json maps it to")
+    del index["weight_map"][name]
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert_user_error([src, tmp_path / "o"], rf"{name}: tensor missing .*not in any of the 3 shard")
+
+
+def test_shape_disagrees_with_config(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    edit_config(src, moe_intermediate_size=384)
+    assert_user_error([src, tmp_path / "o"], r"model.layers.0.mlp.experts.0.gate_proj.weight .*expected shape \[384, 256\], got \[256, 256\]")
+
+
+def test_dims_not_multiple_of_128(tmp_path: Path) -> None:
+    odd = build_checkpoint("mixtral", tmp_path / "h192", hidden_size=192, num_layers=1)
+    assert_user_error([odd.path, tmp_path / "o"], r"hidden size H \(192\) must be a multiple of 128")
+
+
+def test_tp_errors(base: Path, tmp_path: Path) -> None:
+    assert_user_error([base, tmp_path / "o", "--tp", "3"], r"I \(256\) is not divisible by --tp 3")
+    assert_user_error([base, tmp_path / "o", "--tp", "4"], r"I_TP = I/tp = 256/4 \(64\) must be a multiple of 128")
+    assert_user_error([base, tmp_path / "o", "--ep", "3"], r"E \(8\) is not divisible by --ep 3")
+
+
+def test_truncated_and_corrupt_shards(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    shard = src / "model-00002-of-00003.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert_user_error([src, tmp_path / "o"], r"model-00002-of-00003.safetensors: truncated or corrupt safetensors file")
+    shard.write_bytes(data[:8] + b"{not json" + data[17:])
+    assert_user_error([src, tmp_path / "o"], r"model-00002-of-00003.safetensors: corrupt safetensors header")
+    shard.write_bytes(b"\x01\x02")
+    assert_user_error([src, tmp_path / "o"], r"truncated or corrupt safetensors file")
+
+
+def test_missing_shard_and_config(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "s")
+    (src / "model-00003-of-00003.safetensors").unlink()
+    assert_user_error([src, tmp_path / "o"], r"shard listed in model.safetensors.index.json is missing")
+    (src / "config.json").unlink()
+    assert_user_error([src, tmp_path / "o"], r"config.json: not found")
+    assert_user_error([tmp_path / "nope", tmp_path / "o"], r"checkpoint folder not found")
+
+
+def test_unwritable_output(base: Path, tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert_user_error([base, afile / "out"], r"cannot write|not writable|not a folder|does not exist")
+    assert_user_error([base, tmp_path / "missing" / "out"], r"parent folder .* does not exist")
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o500)
+        try:
+            assert_user_error([base, ro / "out"], r"not writable")
+        finally:
+            ro.chmod(0o700)
+
+
+def test_existing_output_refused(base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep").write_text("k")
+    assert_user_error([base, out], r"output folder exists and is not empty \(use --force")
+
+
+def test_bad_flags(base: Path, tmp_path: Path) -> None:
+    assert_user_error([base, tmp_path / "o", "--layers", "3-x"], r"--layers: expected")
+    assert_user_error([base, tmp_path / "o", "--layers", "0-9"], r"--layers: layer 9 out of range")
+    assert_user_error([base, tmp_path / "o", "--formats", "fp16"], r"--formats")
+    assert_user_error([base, tmp_path / "o", "--scale-layout", "tiled"], r"--scale-layout")
+    assert_user_error([base, tmp_path / "o", "--scale-rule", "rceil"], r"--scale-rule")
+    assert_user_error([base, tmp_path / "o", "--tp", "0"], r"--tp")
+    assert_user_error([base], r"OUTPUT folder is required")
+
+
+def test_dry_run_writes_nothing(base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    code, stdout, _ = run_cli(base, out, "--dry-run", "--json", "--tp", "2")
+    assert code == 0 and not out.exists()
+    plan = json.loads(stdout)
+    assert plan["layers"] == [0, 1] and plan["router"]["act_fn"] == "SOFTMAX"
+    assert plan["intermediate_size_per_rank"] == 128 and len(plan["ranks"]) == 2
+    shapes = {t["name"]: t["shape"] for t in plan["outputs_per_layer"]["rank1"]}
+    assert shapes["gate_up_proj_weight"] == [8, 256, 2, 128] and shapes["router_weights"] == [512, 8]
+    assert plan["estimated_peak_memory_bytes"] > 0 and plan["output_bytes"] > 0
+    code, stdout, _ = run_cli(base, "--dry-run")
+    assert code == 0 and "SOFTMAX" in stdout and "peak memory" in stdout
+
+
+def test_run_json_result(base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    code, stdout, stderr = run_cli(base, out, "--json", "--formats", "bf16", "--check")
+    assert code == 0, stderr
+    res = json.loads(stdout)
+    assert res["layers_written"] == [0, 1] and res["check"]["0"]["router_weights"]["exact"]
+    assert "layer 1:" in stderr  # per-layer progress lines go to stderr
