@@ -56,14 +56,12 @@ class _Stat:
         self.noise += float(d.double().pow(2).sum())
 
     def result(self, sqnr: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"exact": self.exact, "max_abs_diff": self.max_abs}
+        """JSON-safe numbers: ``max_abs_diff`` null for a shape mismatch, ``sqnr_db`` null when
+        there is no error (infinite SQNR) or no signal."""
+        out: dict[str, Any] = {"exact": self.exact, "max_abs_diff": self.max_abs if math.isfinite(self.max_abs) else None}
         if sqnr:
-            if self.noise == 0.0:
-                out["sqnr_db"] = None  # no error at all (infinite SQNR)
-            elif self.signal == 0.0:
-                out["sqnr_db"] = -math.inf
-            else:
-                out["sqnr_db"] = round(10.0 * math.log10(self.signal / self.noise), 3)
+            ok = self.noise > 0.0 and self.signal > 0.0 and math.isfinite(self.noise)
+            out["sqnr_db"] = round(10.0 * math.log10(self.signal / self.noise), 3) if ok else None
         return out
 
 

@@ -32,6 +32,7 @@ Folder layout::
                         "layer", "prefill_kwargs": {"router_act_fn", "top_k", "n_group",
                             "topk_group", "routed_scaling_factor", "unpadded_hidden_size", "eps"},
                         "router_exact", "notes", "source_tensors", "source_bytes", "seconds",
+                        "peak_rss_bytes",
                         "ranks": {"<r>": {"file", "bytes",
                             "tensors": {key: {"name", "dtype", "shape", "sha256",
                                               "kernel_arg", "layout"}}}},
