@@ -72,9 +72,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--formats", default="bf16,mxfp8")
     ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (0 = CPUs / workers)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads per worker (0 = CPUs / workers)"
+    )
     ap.add_argument("--workers", type=int, default=1)
-    ap.add_argument("--workdir", type=Path, default=None, help="keep files here (default: a temp dir)")
+    ap.add_argument(
+        "--workdir", type=Path, default=None, help="keep files here (default: a temp dir)"
+    )
     args = ap.parse_args()
 
     from mxcli.weightprep.synthetic import build_checkpoint

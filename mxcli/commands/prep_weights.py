@@ -12,22 +12,48 @@ from mxcli.errors import report_user_errors
 
 @report_user_errors
 def main(
-    source: Path = typer.Argument(..., help="Hugging Face checkpoint folder (config.json + safetensors)."),
+    source: Path = typer.Argument(
+        ..., help="Hugging Face checkpoint folder (config.json + safetensors)."
+    ),
     output: Path = typer.Argument(None, help="Output folder (not needed with --dry-run)."),
-    model_type: str = typer.Option("auto", "--model-type", help="Model family; auto = config.json's model_type."),
-    layers: str = typer.Option("all", "--layers", help="Layers to convert, e.g. 3-10 or 0,2,5-7 (dense ones are skipped)."),
+    model_type: str = typer.Option(
+        "auto", "--model-type", help="Model family; auto = config.json's model_type."
+    ),
+    layers: str = typer.Option(
+        "all", "--layers", help="Layers to convert, e.g. 3-10 or 0,2,5-7 (dense ones are skipped)."
+    ),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel ranks: I is sliced contiguously."),
-    ep: int = typer.Option(1, "--ep", help="Expert-parallel ranks: experts are split contiguously."),
-    formats: str = typer.Option("bf16,mxfp8", "--formats", help="Backward weight formats: bf16, mxfp8 or both."),
-    scale_layout: str = typer.Option("packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."),
-    scale_rule: str = typer.Option("neuron", "--scale-rule", help="E8M0 scale rule: neuron (Trn3) or ocp."),
-    workers: int = typer.Option(1, "--workers", help="Layers converted in parallel (memory grows with it)."),
-    threads: int = typer.Option(0, "--threads", help="Torch threads per worker; 0 = auto (CPUs / workers, 1 on a busy host)."),
+    ep: int = typer.Option(
+        1, "--ep", help="Expert-parallel ranks: experts are split contiguously."
+    ),
+    formats: str = typer.Option(
+        "bf16,mxfp8", "--formats", help="Backward weight formats: bf16, mxfp8 or both."
+    ),
+    scale_layout: str = typer.Option(
+        "packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."
+    ),
+    scale_rule: str = typer.Option(
+        "neuron", "--scale-rule", help="E8M0 scale rule: neuron (Trn3) or ocp."
+    ),
+    workers: int = typer.Option(
+        1, "--workers", help="Layers converted in parallel (memory grows with it)."
+    ),
+    threads: int = typer.Option(
+        0,
+        "--threads",
+        help="Torch threads per worker; 0 = auto (CPUs / workers, 1 on a busy host).",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-    json_out: bool = typer.Option(False, "--json", help="Print the plan or result as JSON on stdout."),
-    resume: bool = typer.Option(False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."),
+    json_out: bool = typer.Option(
+        False, "--json", help="Print the plan or result as JSON on stdout."
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."
+    ),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output folder."),
-    check: bool = typer.Option(False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."),
+    check: bool = typer.Option(
+        False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
+    ),
 ) -> None:
     """Convert a Hugging Face MoE checkpoint into the tensors the prefill and backward kernels read."""
     from mxcli.weightprep.plan import PrepOptions, parse_formats
@@ -44,7 +70,9 @@ def main(
         from mxcli.weightprep.progress import RichReporter
 
         reporter = RichReporter()
-    res = prepare_weights(source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter)
+    res = prepare_weights(
+        source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter
+    )
     if json_out:
         typer.echo(json.dumps(res.get("plan", res), indent=2))
     else:

@@ -46,7 +46,9 @@ class _Stat:
         both_nan = torch.isnan(o) & torch.isnan(r)
         d = torch.where(both_nan, torch.zeros_like(o), o - r)
         if out.dtype == ref.dtype:  # same dtype: the bytes must agree (-0 vs 0, NaN payloads)
-            same = torch.equal(out.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8))
+            same = torch.equal(
+                out.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
+            )
         else:  # a decoded MXFP8 weight vs its bf16 source: the values must agree
             same = bool((d == 0).all()) and torch.equal(torch.isnan(o), torch.isnan(r))
         self.exact = self.exact and same
@@ -58,14 +60,19 @@ class _Stat:
     def result(self, sqnr: bool) -> dict[str, Any]:
         """JSON-safe numbers: ``max_abs_diff`` null for a shape mismatch, ``sqnr_db`` null when
         there is no error (infinite SQNR) or no signal."""
-        out: dict[str, Any] = {"exact": self.exact, "max_abs_diff": self.max_abs if math.isfinite(self.max_abs) else None}
+        out: dict[str, Any] = {
+            "exact": self.exact,
+            "max_abs_diff": self.max_abs if math.isfinite(self.max_abs) else None,
+        }
         if sqnr:
             ok = self.noise > 0.0 and self.signal > 0.0 and math.isfinite(self.noise)
             out["sqnr_db"] = round(10.0 * math.log10(self.signal / self.noise), 3) if ok else None
         return out
 
 
-def _dequant(plan: Plan, data: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _dequant(
+    plan: Plan, data: dict[str, torch.Tensor], prefix: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     layout = ScaleLayout(plan.options.scale_layout)
     pq = PrequantizedWeights(
         data[prefix + "gate_up_proj_weight_mxfp8"],
@@ -99,7 +106,9 @@ class _RankCheck:
     def prefill(self, src: dict[str, torch.Tensor]) -> None:
         Hp = self.plan.H_padded
         self.stats["gamma"].add(self.whole("gamma"), pad_rows(src["gamma"], Hp))
-        natural = unarrange_router_weights(self.whole("router_weights"), self.plan.model.router.act_fn)  # [Hp, E]
+        natural = unarrange_router_weights(
+            self.whole("router_weights"), self.plan.model.router.act_fn
+        )  # [Hp, E]
         self.stats["router_weights"].add(natural, pad_rows(src["router_natural"], Hp))
         if "router_bias" in self.keys:
             self.stats["router_bias"].add(self.whole("router_bias"), src["router_bias"])
@@ -108,11 +117,20 @@ class _RankCheck:
         """Experts ``a:b`` of this rank: bf16 outputs exactly, MXFP8 outputs decoded."""
         st = self.stats
         if prefix + "gate_up_proj_weight" in self.keys:
-            st[prefix + "gate_up_proj_weight"].add(self.rows(prefix + "gate_up_proj_weight", a, b), gu)
+            st[prefix + "gate_up_proj_weight"].add(
+                self.rows(prefix + "gate_up_proj_weight", a, b), gu
+            )
             st[prefix + "down_proj_weight"].add(self.rows(prefix + "down_proj_weight", a, b), dn)
         if prefix + "gate_up_proj_weight_mxfp8" in self.keys:
-            names = ("gate_up_proj_weight_mxfp8", "gate_up_weight_scales", "down_proj_weight_mxfp8", "down_weight_scales")
-            dgu, ddn = _dequant(self.plan, {prefix + n: self.rows(prefix + n, a, b) for n in names}, prefix)
+            names = (
+                "gate_up_proj_weight_mxfp8",
+                "gate_up_weight_scales",
+                "down_proj_weight_mxfp8",
+                "down_weight_scales",
+            )
+            dgu, ddn = _dequant(
+                self.plan, {prefix + n: self.rows(prefix + n, a, b) for n in names}, prefix
+            )
             st[prefix + "gate_up_proj_weight_mxfp8"].add(dgu, gu)
             st[prefix + "down_proj_weight_mxfp8"].add(ddn, dn)
 
@@ -138,10 +156,16 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
             rc = _RankCheck(plan, layer, f, {o.key for o in outs})
             rc.prefill(src)
             if fam.shared and m.shared_I and rank.shared_i_range:
-                gu, dn = fam.shared.mlp.load(rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_")
+                gu, dn = fam.shared.mlp.load(
+                    rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_"
+                )
                 rc.mlp("shared_expert.", *_tp_slice(gu, dn, *rank.shared_i_range, scratch), 0, 1)
                 if fam.shared.gate_weight:
-                    rc.add("shared_expert_gate_weight", rc.whole("shared_expert_gate_weight"), rd.get(p + fam.shared.gate_weight))
+                    rc.add(
+                        "shared_expert_gate_weight",
+                        rc.whole("shared_expert_gate_weight"),
+                        rd.get(p + fam.shared.gate_weight),
+                    )
             (e_lo, e_hi), (i0, i1) = rank.expert_range, rank.i_range
             for e0 in range(e_lo, e_hi, step):
                 e1 = min(e_hi, e0 + step)
@@ -150,16 +174,24 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
                 if isinstance(fam.experts, Fused):
                     gub, db = fam.experts.load_biases(rd, p, e0, e1, I)
                     if gub is not None:
-                        rc.add("gate_up_proj_bias", rc.rows("gate_up_proj_bias", e0 - e_lo, e1 - e_lo), gub[..., i0:i1])
+                        rc.add(
+                            "gate_up_proj_bias",
+                            rc.rows("gate_up_proj_bias", e0 - e_lo, e1 - e_lo),
+                            gub[..., i0:i1],
+                        )
                     if db is not None:
-                        rc.add("down_proj_bias", rc.rows("down_proj_bias", e0 - e_lo, e1 - e_lo), db)
+                        rc.add(
+                            "down_proj_bias", rc.rows("down_proj_bias", e0 - e_lo, e1 - e_lo), db
+                        )
             results[str(rank.rank)] = rc.result([o.key for o in outs])
     return results
 
 
 # The scale tensors are checked through their data tensor's SQNR.
 _UNCHECKED = {
-    pre + k for pre in ("", "shared_expert.") for k in ("gate_up_weight_scales", "down_weight_scales")
+    pre + k
+    for pre in ("", "shared_expert.")
+    for k in ("gate_up_weight_scales", "down_weight_scales")
 }
 
 

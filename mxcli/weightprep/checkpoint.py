@@ -108,7 +108,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
         with path.open("rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({size} bytes, no header)")
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors file ({size} bytes, no header)"
+                )
             (n,) = struct.unpack("<Q", head)
             if n > _MAX_HEADER or n > size - 8:
                 raise CheckpointError(
@@ -132,7 +134,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             dtype, shape, (b, e) = entry["dtype"], entry["shape"], entry["data_offsets"]
             shape = [int(d) for d in shape]
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{path}: corrupt safetensors header (bad entry for {name!r})") from None
+            raise CheckpointError(
+                f"{path}: corrupt safetensors header (bad entry for {name!r})"
+            ) from None
         if dtype not in _ST_DTYPES:
             raise CheckpointError(f"{path}: tensor {name!r} has unsupported dtype {dtype!r}")
         if e - b != st_nbytes(dtype, shape) or b < 0:
@@ -179,13 +183,17 @@ class Checkpoint:
             header, _ = read_safetensors_header(self.root / fname)
             for name, entry in header.items():
                 if name != "__metadata__":
-                    self._infos[name] = TensorInfo(name, fname, entry["dtype"], tuple(entry["shape"]))
+                    self._infos[name] = TensorInfo(
+                        name, fname, entry["dtype"], tuple(entry["shape"])
+                    )
 
     # -- folder structure ---------------------------------------------------------------------
     def _read_config(self) -> dict[str, Any]:
         path = self.root / "config.json"
         if not path.is_file():
-            raise CheckpointError(f"{path}: not found (a Hugging Face checkpoint has a config.json)")
+            raise CheckpointError(
+                f"{path}: not found (a Hugging Face checkpoint has a config.json)"
+            )
         try:
             config = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
@@ -199,14 +207,18 @@ class Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
             return {str(k): str(v) for k, v in weight_map.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            raise CheckpointError(f"{index}: not a valid index (expected a 'weight_map' object)") from None
+            raise CheckpointError(
+                f"{index}: not a valid index (expected a 'weight_map' object)"
+            ) from None
 
     def _shard_files(self) -> list[str]:
         if self._index_map:
             names = sorted(set(self._index_map.values()))
             for name in names:
                 if not (self.root / name).is_file():
-                    raise CheckpointError(f"{self.root / name}: shard listed in {INDEX_NAME} is missing")
+                    raise CheckpointError(
+                        f"{self.root / name}: shard listed in {INDEX_NAME} is missing"
+                    )
             return names
         if (self.root / SINGLE_NAME).is_file():
             return [SINGLE_NAME]
@@ -261,7 +273,9 @@ class CheckpointReader:
             try:
                 h = open_safetensors(path).__enter__()
             except Exception as exc:  # safetensors raises its own error type
-                raise CheckpointError(f"{path}: truncated or corrupt safetensors file ({exc})") from None
+                raise CheckpointError(
+                    f"{path}: truncated or corrupt safetensors file ({exc})"
+                ) from None
             self._open[fname] = h
         return h
 
@@ -273,7 +287,9 @@ class CheckpointReader:
         except MxcliError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"{self.ckpt.root / info.file}: cannot read {name} ({exc})") from None
+            raise CheckpointError(
+                f"{self.ckpt.root / info.file}: cannot read {name} ({exc})"
+            ) from None
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """``tensor[start:stop]`` along dim 0, reading only those rows."""
@@ -283,7 +299,9 @@ class CheckpointReader:
         except MxcliError:
             raise
         except Exception as exc:
-            raise CheckpointError(f"{self.ckpt.root / info.file}: cannot read {name} ({exc})") from None
+            raise CheckpointError(
+                f"{self.ckpt.root / info.file}: cannot read {name} ({exc})"
+            ) from None
 
     def close(self) -> None:
         handles, self._open = self._open, {}

@@ -59,7 +59,9 @@ def read_prefill(rd: CheckpointReader, plan: Plan, layer: int) -> dict[str, torc
     p = plan.layer_prefix(layer)
     out = {
         "gamma": rd.get(p + fam.gamma),
-        "router_natural": t2(rd.get(p + fam.router_weight)).to(torch_dtype(plan.router_dtype)),  # [E, H] -> [H, E]
+        "router_natural": t2(rd.get(p + fam.router_weight)).to(
+            torch_dtype(plan.router_dtype)
+        ),  # [E, H] -> [H, E]
     }
     if fam.router_bias:
         out["router_bias"] = rd.get(p + fam.router_bias)
@@ -72,7 +74,9 @@ def prefill_outputs(src: dict[str, torch.Tensor], plan: Plan) -> dict[str, torch
     out = {
         "gamma": pad_rows(src["gamma"], Hp),  # [Hp]
         # prefill spec §6.1: swizzle (+ the NOAUX_TC partition transpose)
-        "router_weights": arrange_router_weights(pad_rows(src["router_natural"], Hp), plan.model.router.act_fn),
+        "router_weights": arrange_router_weights(
+            pad_rows(src["router_natural"], Hp), plan.model.router.act_fn
+        ),
     }
     if "router_bias" in src:
         out["router_bias"] = src["router_bias"].contiguous()
@@ -120,7 +124,12 @@ class _Out:
 
 
 def _tp_slice(
-    gate_up: torch.Tensor, down: torch.Tensor, i0: int, i1: int, scratch: Scratch | None = None, key: str = "tp_"
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    i0: int,
+    i1: int,
+    scratch: Scratch | None = None,
+    key: str = "tp_",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One TP rank's ``[..., i0:i1]`` of ``gate_up [c, H, 2, I]`` and ``down [c, I, H]``, contiguous."""
     if i0 == 0 and i1 == gate_up.shape[-1]:
@@ -157,7 +166,12 @@ def convert_layer(
             path = out_root / rank.dir / layer_file(layer)
             path.parent.mkdir(parents=True, exist_ok=True)
             specs = [TensorSpec(tensor_name(layer, o.key), o.dtype, o.shape) for o in outs]
-            md = {**metadata, "rank": str(rank.rank), "tp_rank": str(rank.tp_rank), "ep_rank": str(rank.ep_rank)}
+            md = {
+                **metadata,
+                "rank": str(rank.rank),
+                "tp_rank": str(rank.tp_rank),
+                "ep_rank": str(rank.ep_rank),
+            }
             writers[rank.rank] = stack.enter_context(streaming_file(path, specs, md))
         queue = WriteQueue()
         stack.callback(queue.close)  # unwinds before the files close
@@ -169,10 +183,15 @@ def convert_layer(
 
         if fam.shared and m.shared_I:
             sc = Scratch()  # never reused: its writes need no fence
-            gu, dn = fam.shared.mlp.load(rd, p, 0, 1, H, m.shared_I, m.fp8_block, sc)  # [1, H, 2, Is], [1, Is, H]
+            gu, dn = fam.shared.mlp.load(
+                rd, p, 0, 1, H, m.shared_I, m.fp8_block, sc
+            )  # [1, H, 2, Is], [1, Is, H]
             for rank in plan.ranks:
                 assert rank.shared_i_range is not None
-                outs_by_rank[rank.rank].mlp("shared_expert.", *_tp_slice(gu, dn, *rank.shared_i_range, sc, f"tp{rank.rank}_"))
+                outs_by_rank[rank.rank].mlp(
+                    "shared_expert.",
+                    *_tp_slice(gu, dn, *rank.shared_i_range, sc, f"tp{rank.rank}_"),
+                )
             if fam.shared.gate_weight:
                 g = rd.get(p + fam.shared.gate_weight)
                 for dst in outs_by_rank.values():
@@ -196,14 +215,22 @@ def convert_layer(
                 sc = scratches[k % 2]
                 if fences[k % 2] is not None:
                     fences[k % 2].result()
-                gu, dn = fam.experts.load(rd, p, e0, e1, H, I, m.fp8_block, sc)  # [c, H, 2, I], [c, I, H]
-                biases = fam.experts.load_biases(rd, p, e0, e1, I) if isinstance(fam.experts, Fused) else (None, None)
+                gu, dn = fam.experts.load(
+                    rd, p, e0, e1, H, I, m.fp8_block, sc
+                )  # [c, H, 2, I], [c, I, H]
+                biases = (
+                    fam.experts.load_biases(rd, p, e0, e1, I)
+                    if isinstance(fam.experts, Fused)
+                    else (None, None)
+                )
                 for rank in ranks:
                     i0, i1 = rank.i_range
                     dst = outs_by_rank[rank.rank]
                     dst.mlp("", *_tp_slice(gu, dn, i0, i1, sc, f"tp{rank.rank}_"))
                     if biases[0] is not None:
-                        dst.write("gate_up_proj_bias", biases[0][..., i0:i1].contiguous())  # [c, 2, I_TP]
+                        dst.write(
+                            "gate_up_proj_bias", biases[0][..., i0:i1].contiguous()
+                        )  # [c, 2, I_TP]
                     if biases[1] is not None:
                         dst.write("down_proj_bias", biases[1])  # [c, H]
                 fences[k % 2] = queue.fence()

@@ -99,7 +99,9 @@ def load_weight(rd: CheckpointReader, name: str, fp8_block: tuple[int, int] | No
         scale_name = name + "_scale_inv"
         if not rd.ckpt.has(scale_name):
             raise ConfigError(f"{name}: FP8 weight without its {scale_name} (cannot dequantize)")
-        return dequant_fp8_block(rd.get(name), rd.get(scale_name), fp8_block or (128, 128), name=name)
+        return dequant_fp8_block(
+            rd.get(name), rd.get(scale_name), fp8_block or (128, 128), name=name
+        )
     return _to_bf16(rd.get(name))
 
 
@@ -124,8 +126,16 @@ class PerExpert:
         return out
 
     def load(
-        self, rd: CheckpointReader, prefix: str, e0: int, e1: int, H: int, I: int, fp8_block: Any,  # noqa: E741
-        scratch: Scratch | None = None, key: str = "",
+        self,
+        rd: CheckpointReader,
+        prefix: str,
+        e0: int,
+        e1: int,
+        H: int,
+        I: int,  # noqa: E741
+        fp8_block: Any,  # noqa: E741
+        scratch: Scratch | None = None,
+        key: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``e0:e1`` as ``(gate_up [c, H, 2, I], down [c, I, H])`` bf16, in `scratch`
         buffers (valid until the next load with the same `key`) when one is given."""
@@ -134,8 +144,12 @@ class PerExpert:
         gate_up = sc.get(key + "gate_up", (c, H, 2, I), torch.bfloat16)  # [c, H, 2, I]
         down = sc.get(key + "down", (c, I, H), torch.bfloat16)  # [c, I, H]
         for j, e in enumerate(range(e0, e1)):
-            gate_up[j, :, 0, :] = sc.transpose(load_weight(rd, prefix + self.gate.format(e=e), fp8_block))
-            gate_up[j, :, 1, :] = sc.transpose(load_weight(rd, prefix + self.up.format(e=e), fp8_block))
+            gate_up[j, :, 0, :] = sc.transpose(
+                load_weight(rd, prefix + self.gate.format(e=e), fp8_block)
+            )
+            gate_up[j, :, 1, :] = sc.transpose(
+                load_weight(rd, prefix + self.up.format(e=e), fp8_block)
+            )
             down[j] = sc.transpose(load_weight(rd, prefix + self.down.format(e=e), fp8_block))
         return gate_up, down
 
@@ -161,14 +175,21 @@ class Fused:
         return ckpt.has(prefix + self.gate_up + "_blocks")
 
     def expected(
-        self, prefix: str, E: int, H: int, I: int, ckpt: Checkpoint | None = None  # noqa: E741
+        self,
+        prefix: str,
+        E: int,
+        H: int,
+        I: int,  # noqa: E741
+        ckpt: Checkpoint | None = None,  # noqa: E741
     ) -> dict[str, tuple[int, ...]]:
         out: dict[str, tuple[int, ...]] = {}
         if ckpt is not None and self.mxfp4(ckpt, prefix):
             # MXFP4 stores out x in, 32 values (16 bytes) per block along `in`
             for n, (o, i) in ((self.gate_up, (2 * I, H)), (self.down, (H, I))):
                 if i % 32:
-                    raise InputError(f"{prefix + n}: MXFP4 needs its input dim ({i}) a multiple of 32")
+                    raise InputError(
+                        f"{prefix + n}: MXFP4 needs its input dim ({i}) a multiple of 32"
+                    )
                 out[prefix + n + "_blocks"] = (E, o, i // 32, 16)
                 out[prefix + n + "_scales"] = (E, o, i // 32)
         else:
@@ -187,15 +208,27 @@ class Fused:
         return x.view(*x.shape[:-1], 2, I)
 
     def load(
-        self, rd: CheckpointReader, prefix: str, e0: int, e1: int, H: int, I: int, fp8_block: Any,  # noqa: E741
-        scratch: Scratch | None = None, key: str = "",
+        self,
+        rd: CheckpointReader,
+        prefix: str,
+        e0: int,
+        e1: int,
+        H: int,
+        I: int,  # noqa: E741
+        fp8_block: Any,  # noqa: E741
+        scratch: Scratch | None = None,
+        key: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``e0:e1`` as ``(gate_up [c, H, 2, I], down [c, I, H])`` bf16 (see `PerExpert.load`)."""
         sc = scratch or Scratch()
         if self.mxfp4(rd.ckpt, prefix):
             gu_name, d_name = prefix + self.gate_up, prefix + self.down
-            gu_oi = decode_mxfp4(rd.get_rows(gu_name + "_blocks", e0, e1), rd.get_rows(gu_name + "_scales", e0, e1))
-            d_oi = decode_mxfp4(rd.get_rows(d_name + "_blocks", e0, e1), rd.get_rows(d_name + "_scales", e0, e1))
+            gu_oi = decode_mxfp4(
+                rd.get_rows(gu_name + "_blocks", e0, e1), rd.get_rows(gu_name + "_scales", e0, e1)
+            )
+            d_oi = decode_mxfp4(
+                rd.get_rows(d_name + "_blocks", e0, e1), rd.get_rows(d_name + "_scales", e0, e1)
+            )
             gu = t2(gu_oi)  # [c, 2I, H] -> [c, H, 2I] (transformers: transpose(1, 2))
             down = t2(d_oi)  # [c, H, I] -> [c, I, H]
         else:
@@ -206,11 +239,18 @@ class Fused:
         return gate_up, down
 
     def load_biases(
-        self, rd: CheckpointReader, prefix: str, e0: int, e1: int, I: int  # noqa: E741
+        self,
+        rd: CheckpointReader,
+        prefix: str,
+        e0: int,
+        e1: int,
+        I: int,  # noqa: E741
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         gub = db = None
         if self.gate_up_bias:
-            gub = self._split_2i(rd.get_rows(prefix + self.gate_up_bias, e0, e1), I).contiguous()  # [c, 2, I]
+            gub = self._split_2i(
+                rd.get_rows(prefix + self.gate_up_bias, e0, e1), I
+            ).contiguous()  # [c, 2, I]
         if self.down_bias:
             db = rd.get_rows(prefix + self.down_bias, e0, e1).contiguous()  # [c, H]
         return gub, db
@@ -235,7 +275,9 @@ def _all_layers(v: dict[str, Any], L: int) -> bool:
 
 def _qwen_layers(v: dict[str, Any], L: int) -> bool:
     step = int(v["decoder_sparse_step"])
-    return v["num_experts"] > 0 and L not in v["mlp_only_layers"] and step > 0 and (L + 1) % step == 0
+    return (
+        v["num_experts"] > 0 and L not in v["mlp_only_layers"] and step > 0 and (L + 1) % step == 0
+    )
 
 
 def _deepseek_layers(v: dict[str, Any], L: int) -> bool:
@@ -271,9 +313,13 @@ def _qwen_router(v: dict[str, Any]) -> RouterSpec:
 
 def _deepseek_router(v: dict[str, Any]) -> RouterSpec:
     if v["scoring_func"] != "sigmoid":
-        raise ConfigError(f"config.json: scoring_func={v['scoring_func']!r} is not supported (expected 'sigmoid')")
+        raise ConfigError(
+            f"config.json: scoring_func={v['scoring_func']!r} is not supported (expected 'sigmoid')"
+        )
     if v["topk_method"] != "noaux_tc":
-        raise ConfigError(f"config.json: topk_method={v['topk_method']!r} is not supported (expected 'noaux_tc')")
+        raise ConfigError(
+            f"config.json: topk_method={v['topk_method']!r} is not supported (expected 'noaux_tc')"
+        )
     E, G = v["num_experts"], int(v["n_group"])
     if G <= 0 or E % G:
         raise ConfigError(f"config.json: n_routed_experts ({E}) is not divisible by n_group ({G})")
@@ -281,7 +327,9 @@ def _deepseek_router(v: dict[str, Any]) -> RouterSpec:
     exact = True
     if not v["norm_topk_prob"]:
         exact = False
-        notes.append("norm_topk_prob=false: the kernel's NOAUX_TC always renormalises the selected weights")
+        notes.append(
+            "norm_topk_prob=false: the kernel's NOAUX_TC always renormalises the selected weights"
+        )
     return RouterSpec(
         "NOAUX_TC",
         v["top_k"],
@@ -329,7 +377,9 @@ def with_kernel_limits(spec: RouterSpec, E: int) -> RouterSpec:
         problems.append(f"topk_group={spec.topk_group} > {MAX_GROUPS}")
     if not problems:
         return spec
-    note = "exceeds the prefill kernel's router limits (" + ", ".join(problems) + "): not expressible"
+    note = (
+        "exceeds the prefill kernel's router limits (" + ", ".join(problems) + "): not expressible"
+    )
     return RouterSpec(**{**spec.__dict__, "exact": False, "notes": (*spec.notes, note)})
 
 
@@ -390,7 +440,10 @@ FAMILIES: dict[str, Family] = {
         Family(
             name="qwen2_moe",
             model_types=("qwen2_moe",),
-            keys={**_QWEN_KEYS, "shared_intermediate_size": ("shared_expert_intermediate_size", REQUIRED)},
+            keys={
+                **_QWEN_KEYS,
+                "shared_intermediate_size": ("shared_expert_intermediate_size", REQUIRED),
+            },
             prefixes=("model.layers.{L}.",),
             gamma="post_attention_layernorm.weight",
             router_weight="mlp.gate.weight",
@@ -407,7 +460,9 @@ FAMILIES: dict[str, Family] = {
                 "shared_intermediate_size",
                 gate_weight="mlp.shared_expert_gate.weight",
             ),
-            notes=("the shared expert output is scaled by sigmoid(x @ shared_expert_gate.T) (written, not applied by the kernels)",),
+            notes=(
+                "the shared expert output is scaled by sigmoid(x @ shared_expert_gate.T) (written, not applied by the kernels)",
+            ),
         ),
         Family(
             name="mixtral",
@@ -507,7 +562,11 @@ FAMILIES: dict[str, Family] = {
             gamma="post_attention_layernorm.weight",
             router_weight="feed_forward.router.weight",
             router_bias=None,
-            experts=Fused("feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj", interleaved=False),
+            experts=Fused(
+                "feed_forward.experts.gate_up_proj",
+                "feed_forward.experts.down_proj",
+                interleaved=False,
+            ),
             is_moe_layer=_llama4_layers,
             router=_llama4_router,
             shared=Shared(
@@ -532,14 +591,20 @@ def detect_family(config: dict[str, Any], model_type: str | None = None) -> Fami
     if model_type and model_type != "auto":
         fam = _BY_MODEL_TYPE.get(model_type)
         if fam is None:
-            raise ConfigError(f"--model-type {model_type!r} is not supported (supported: {supported})")
+            raise ConfigError(
+                f"--model-type {model_type!r} is not supported (supported: {supported})"
+            )
         return fam
     mt = config.get("model_type")
     if mt is None:
-        raise ConfigError(f"config.json: missing key 'model_type' (or pass --model-type: {supported})")
+        raise ConfigError(
+            f"config.json: missing key 'model_type' (or pass --model-type: {supported})"
+        )
     fam = _BY_MODEL_TYPE.get(str(mt))
     if fam is None:
-        raise ConfigError(f"config.json: model_type {mt!r} is not a supported MoE family (supported: {supported})")
+        raise ConfigError(
+            f"config.json: model_type {mt!r} is not a supported MoE family (supported: {supported})"
+        )
     return fam
 
 
@@ -606,16 +671,22 @@ def resolve_config(config: dict[str, Any], family: Family) -> ModelConfig:
         values[role], used[k], key_of[role] = val, val, k
     for role in ("hidden_size", "num_layers", "num_experts", "top_k", "intermediate_size"):
         if not isinstance(values[role], int) or isinstance(values[role], bool) or values[role] <= 0:
-            raise ConfigError(f"{where}: {key_of[role]} must be a positive integer, got {values[role]!r}")
+            raise ConfigError(
+                f"{where}: {key_of[role]} must be a positive integer, got {values[role]!r}"
+            )
     if family.name == "deepseek_v3":
-        values["shared_intermediate_size"] = int(values["intermediate_size"]) * int(values["n_shared_experts"] or 0)
+        values["shared_intermediate_size"] = int(values["intermediate_size"]) * int(
+            values["n_shared_experts"] or 0
+        )
     fp8_block, qmethod = _quantization(config, family)
     used["quantization_config.quant_method"] = qmethod
     router = with_kernel_limits(family.router(values), int(values["num_experts"]))
     return ModelConfig(family, values, used, fp8_block, router)
 
 
-def _quantization(config: dict[str, Any], family: Family) -> tuple[tuple[int, int] | None, str | None]:
+def _quantization(
+    config: dict[str, Any], family: Family
+) -> tuple[tuple[int, int] | None, str | None]:
     q = config.get("quantization_config")
     if q is None:
         return None, None
@@ -624,8 +695,14 @@ def _quantization(config: dict[str, Any], family: Family) -> tuple[tuple[int, in
     method = q.get("quant_method")
     if method == "fp8":
         block = q.get("weight_block_size", [128, 128])
-        if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
-            raise ConfigError(f"config.json: quantization_config.weight_block_size {block!r} is not [rows, cols]")
+        if not (
+            isinstance(block, list)
+            and len(block) == 2
+            and all(isinstance(b, int) and b > 0 for b in block)
+        ):
+            raise ConfigError(
+                f"config.json: quantization_config.weight_block_size {block!r} is not [rows, cols]"
+            )
         fmt = q.get("fmt", "e4m3")
         if fmt not in ("e4m3", "e5m2"):
             raise ConfigError(f"config.json: quantization_config.fmt {fmt!r} is not supported")

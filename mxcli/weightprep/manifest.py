@@ -130,9 +130,13 @@ def read_manifest_json(path: Path) -> dict[str, Any]:
     except (OSError, ValueError) as exc:
         raise ManifestError(f"{path}: not a readable manifest ({exc})") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ManifestError(f"{path}: not a prep-weights manifest (format {data.get('format') if isinstance(data, dict) else None!r})")
+        raise ManifestError(
+            f"{path}: not a prep-weights manifest (format {data.get('format') if isinstance(data, dict) else None!r})"
+        )
     if data.get("schema_version") != SCHEMA_VERSION:
-        raise ManifestError(f"{path}: manifest schema_version {data.get('schema_version')} is not {SCHEMA_VERSION}")
+        raise ManifestError(
+            f"{path}: manifest schema_version {data.get('schema_version')} is not {SCHEMA_VERSION}"
+        )
     return data
 
 
@@ -169,7 +173,9 @@ def load_layer_tensors(
     wanted = list(specs) if keys is None else list(keys)
     unknown = [k for k in wanted if k not in specs]
     if unknown:
-        raise InputError(f"layer {layer} rank {rank}: no tensor {unknown[0]!r} (have: {', '.join(specs)})")
+        raise InputError(
+            f"layer {layer} rank {rank}: no tensor {unknown[0]!r} (have: {', '.join(specs)})"
+        )
     fpath = m.root / entry["file"]
     if not fpath.is_file():
         raise ManifestError(f"{fpath}: listed in the manifest but missing")
@@ -184,7 +190,9 @@ def load_layer_tensors(
         raise ManifestError(f"{fpath}: cannot read ({exc})") from None
     for k, t in out.items():
         if list(t.shape) != list(specs[k]["shape"]):
-            raise ManifestError(f"{fpath}: {k} has shape {list(t.shape)}, manifest says {specs[k]['shape']}")
+            raise ManifestError(
+                f"{fpath}: {k} has shape {list(t.shape)}, manifest says {specs[k]['shape']}"
+            )
         if verify and sha256_tensor(t) != specs[k]["sha256"]:
             raise ManifestError(f"{fpath}: {k} does not match its sha256 in the manifest")
     return out
@@ -201,7 +209,11 @@ def load_prefill_inputs(
     ``unpadded_hidden_size`` is smaller.
     """
     m = _as_manifest(path)
-    keys = [k for k in ("gamma", "router_weights", "router_bias") if k in m.rank_entry(layer, rank)["tensors"]]
+    keys = [
+        k
+        for k in ("gamma", "router_weights", "router_bias")
+        if k in m.rank_entry(layer, rank)["tensors"]
+    ]
     return load_layer_tensors(m, layer, rank, keys=keys), m.prefill_kwargs(layer)
 
 
@@ -222,10 +234,15 @@ def load_backward_weights(
     """
     m = _as_manifest(path)
     if fmt not in m.settings["formats"]:
-        raise InputError(f"--format {fmt}: {m.path.parent} holds {', '.join(m.settings['formats'])} weights only")
+        raise InputError(
+            f"--format {fmt}: {m.path.parent} holds {', '.join(m.settings['formats'])} weights only"
+        )
     pre = "shared_expert." if shared else ""
     if fmt == "bf16":
-        keys = {"gate_up_proj_weight": pre + "gate_up_proj_weight", "down_proj_weight": pre + "down_proj_weight"}
+        keys = {
+            "gate_up_proj_weight": pre + "gate_up_proj_weight",
+            "down_proj_weight": pre + "down_proj_weight",
+        }
     elif fmt == "mxfp8":
         keys = {
             "gate_up_proj_weight": pre + "gate_up_proj_weight_mxfp8",

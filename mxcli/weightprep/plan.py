@@ -64,9 +64,13 @@ class PrepOptions:
             )
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
-            raise InputError(f"--formats: expected a comma list of {', '.join(FORMATS)}, got {','.join(self.formats) or 'nothing'}")
+            raise InputError(
+                f"--formats: expected a comma list of {', '.join(FORMATS)}, got {','.join(self.formats) or 'nothing'}"
+            )
         if self.scale_layout not in SCALE_LAYOUTS:
-            raise InputError(f"--scale-layout: expected packed or unpacked, got {self.scale_layout!r}")
+            raise InputError(
+                f"--scale-layout: expected packed or unpacked, got {self.scale_layout!r}"
+            )
         if self.scale_rule not in SCALE_RULES:
             raise InputError(f"--scale-rule: expected neuron or ocp, got {self.scale_rule!r}")
 
@@ -118,7 +122,9 @@ def parse_layers(spec: str | None, num_layers: int) -> list[int] | None:
         if b < a:
             raise InputError(f"--layers: range {part!r} is empty")
         if b >= num_layers:
-            raise InputError(f"--layers: layer {b} out of range (the model has {num_layers} layers, 0-{num_layers - 1})")
+            raise InputError(
+                f"--layers: layer {b} out of range (the model has {num_layers} layers, 0-{num_layers - 1})"
+            )
         out.update(range(a, b + 1))
     return sorted(out)
 
@@ -165,8 +171,14 @@ class Output:
         return TensorSpec(self.key, self.dtype, self.shape).nbytes
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.key, "dtype": self.dtype, "shape": list(self.shape), "bytes": self.nbytes,
-                "kernel_arg": self.kernel_arg, "layout": self.layout}
+        return {
+            "name": self.key,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "bytes": self.nbytes,
+            "kernel_arg": self.kernel_arg,
+            "layout": self.layout,
+        }
 
 
 def tensor_name(layer: int, key: str) -> str:
@@ -177,20 +189,48 @@ def layer_file(layer: int) -> str:
     return f"layer_{layer:03d}.safetensors"
 
 
-def mxfp8_outputs(prefix: str, E: int, H: int, I: int, layout: str, data_arg: str, scale_arg: str) -> list[Output]:  # noqa: E741
+def mxfp8_outputs(
+    prefix: str,
+    E: int,
+    H: int,
+    I: int,  # noqa: E741 (spec notation)
+    layout: str,
+    data_arg: str,
+    scale_arg: str,
+) -> list[Output]:
     """Pre-quantized x4 data + E8M0 scales of a gate/up and a down weight (bwd spec §5.5)."""
     packed = layout == "packed"
     lay = f"wrapX/512 groups along K, x4 little-endian words, {layout} scales"
     gu, d = prefix + "gate_up", prefix + "down"
     return [
-        Output(gu + "_proj_weight_mxfp8", "U32", (E, 2 * I // 4, H), data_arg.replace("*", "gate_up"),
-               "[E, 2I/4, H] x4 of W_gu[e].reshape(H, 2I).T; " + lay),
-        Output(gu + "_weight_scales", "U8", (E, scale_rows(2 * I, layout), H), scale_arg.replace("*", "gate_up"),
-               f"[E, {'ceil(2I/2048)*128' if packed else '2I/4'}, H] E8M0 bytes"),
-        Output(d + "_proj_weight_mxfp8", "U32", (E, H // 4, I), data_arg.replace("*", "down"),
-               "[E, H/4, I] x4 of W_d[e].T; " + lay),
-        Output(d + "_weight_scales", "U8", (E, scale_rows(H, layout), I), scale_arg.replace("*", "down"),
-               f"[E, {'ceil(H/2048)*128' if packed else 'H/4'}, I] E8M0 bytes"),
+        Output(
+            gu + "_proj_weight_mxfp8",
+            "U32",
+            (E, 2 * I // 4, H),
+            data_arg.replace("*", "gate_up"),
+            "[E, 2I/4, H] x4 of W_gu[e].reshape(H, 2I).T; " + lay,
+        ),
+        Output(
+            gu + "_weight_scales",
+            "U8",
+            (E, scale_rows(2 * I, layout), H),
+            scale_arg.replace("*", "gate_up"),
+            f"[E, {'ceil(2I/2048)*128' if packed else '2I/4'}, H] E8M0 bytes",
+        ),
+        Output(
+            d + "_proj_weight_mxfp8",
+            "U32",
+            (E, H // 4, I),
+            data_arg.replace("*", "down"),
+            "[E, H/4, I] x4 of W_d[e].T; " + lay,
+        ),
+        Output(
+            d + "_weight_scales",
+            "U8",
+            (E, scale_rows(H, layout), I),
+            scale_arg.replace("*", "down"),
+            f"[E, {'ceil(H/2048)*128' if packed else 'H/4'}, I] E8M0 bytes",
+        ),
     ]
 
 
@@ -270,7 +310,11 @@ class Plan:
             "shared_intermediate_size": m.shared_I,
             "top_k": m.values["top_k"],
             "options": self.options.settings()
-            | {"workers": self.options.workers, "threads": self.options.threads_per_worker(), "check": self.options.check},
+            | {
+                "workers": self.options.workers,
+                "threads": self.options.threads_per_worker(),
+                "check": self.options.check,
+            },
             "router": {
                 "act_fn": r.act_fn,
                 "top_k": r.top_k,
@@ -282,7 +326,10 @@ class Plan:
                 "backward_notes": list(r.bwd_notes),
             },
             "ranks": [rk.to_dict() for rk in self.ranks],
-            "outputs_per_layer": {rk.dir: [o.to_dict() for o in outs] for rk, outs in zip(self.ranks, self.outputs, strict=True)},
+            "outputs_per_layer": {
+                rk.dir: [o.to_dict() for o in outs]
+                for rk, outs in zip(self.ranks, self.outputs, strict=True)
+            },
             "source_bytes": sum(self.source_bytes.values()),
             "output_bytes": self.output_bytes_per_layer() * len(self.layers),
             "source_bf16_bytes_per_layer": self.source_bf16_bytes,
@@ -301,11 +348,17 @@ def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
     if I % opts.tp:
         raise InputError(f"intermediate size I ({I}) is not divisible by --tp {opts.tp}")
     _check_multiple("hidden size H", m.H, KERNEL_MULTIPLE, " (kernel tiles)")
-    _check_multiple(f"I_TP = I/tp = {I}/{opts.tp}", I // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)")
+    _check_multiple(
+        f"I_TP = I/tp = {I}/{opts.tp}", I // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
+    )
     if Is:
         if Is % opts.tp:
-            raise InputError(f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}")
-        _check_multiple(f"shared I_TP = {Is}/{opts.tp}", Is // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)")
+            raise InputError(
+                f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}"
+            )
+        _check_multiple(
+            f"shared I_TP = {Is}/{opts.tp}", Is // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
+        )
     if E % opts.ep:
         raise InputError(f"number of experts E ({E}) is not divisible by --ep {opts.ep}")
     it, et = I // opts.tp, E // opts.ep
@@ -324,7 +377,9 @@ def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
     ]
 
 
-def _outputs(plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank: Rank) -> list[Output]:
+def _outputs(
+    plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank: Rank
+) -> list[Output]:
     H, E = m.H, m.E
     Hp = -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
     e0, e1 = rank.expert_range
@@ -334,38 +389,86 @@ def _outputs(plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank:
     pad = f", rows {H}..{Hp - 1} zero" if Hp != H else ""
     outs = [
         Output("gamma", plan_args["gamma_dtype"], (Hp,), "gamma", f"[H] natural order{pad}"),
-        Output("router_weights", plan_args["router_dtype"], (Hp, E), "router_weights",
-               f"[H, E] arranged for {act} (prefill spec §6.1){pad}"),
+        Output(
+            "router_weights",
+            plan_args["router_dtype"],
+            (Hp, E),
+            "router_weights",
+            f"[H, E] arranged for {act} (prefill spec §6.1){pad}",
+        ),
     ]
     if plan_args["router_bias_dtype"]:
-        outs.append(Output("router_bias", plan_args["router_bias_dtype"], (E,), "router_bias", "[E]"))
+        outs.append(
+            Output("router_bias", plan_args["router_bias_dtype"], (E,), "router_bias", "[E]")
+        )
     fam = m.family
     if "bf16" in opts.formats:
         outs += [
-            Output("gate_up_proj_weight", "BF16", (Er, H, 2, It), "gate_up_proj_weight", "[E, H, 2, I_TP] gate=0, up=1"),
+            Output(
+                "gate_up_proj_weight",
+                "BF16",
+                (Er, H, 2, It),
+                "gate_up_proj_weight",
+                "[E, H, 2, I_TP] gate=0, up=1",
+            ),
             Output("down_proj_weight", "BF16", (Er, It, H), "down_proj_weight", "[E, I_TP, H]"),
         ]
     if "mxfp8" in opts.formats:
         outs += mxfp8_outputs("", Er, H, It, opts.scale_layout, "*_proj_weight", "*_weight_scales")
     if isinstance(fam.experts, Fused):
         if fam.experts.gate_up_bias:
-            outs.append(Output("gate_up_proj_bias", plan_args["bias_dtype"], (Er, 2, It), "gate_up_bias", "[E, 2, I_TP] gate=0, up=1"))
+            outs.append(
+                Output(
+                    "gate_up_proj_bias",
+                    plan_args["bias_dtype"],
+                    (Er, 2, It),
+                    "gate_up_bias",
+                    "[E, 2, I_TP] gate=0, up=1",
+                )
+            )
         if fam.experts.down_bias:
-            outs.append(Output("down_proj_bias", plan_args["bias_dtype"], (Er, H), "down_bias",
-                               "[E, H] (full on every TP rank: add once after the reduction)"))
+            outs.append(
+                Output(
+                    "down_proj_bias",
+                    plan_args["bias_dtype"],
+                    (Er, H),
+                    "down_bias",
+                    "[E, H] (full on every TP rank: add once after the reduction)",
+                )
+            )
     if rank.shared_i_range:
         Ist = rank.shared_i_range[1] - rank.shared_i_range[0]
         if "bf16" in opts.formats:
             outs += [
-                Output("shared_expert.gate_up_proj_weight", "BF16", (1, H, 2, Ist), "gate_up_proj_weight",
-                       "[1, H, 2, Is_TP] single-expert dense stack"),
-                Output("shared_expert.down_proj_weight", "BF16", (1, Ist, H), "down_proj_weight", "[1, Is_TP, H]"),
+                Output(
+                    "shared_expert.gate_up_proj_weight",
+                    "BF16",
+                    (1, H, 2, Ist),
+                    "gate_up_proj_weight",
+                    "[1, H, 2, Is_TP] single-expert dense stack",
+                ),
+                Output(
+                    "shared_expert.down_proj_weight",
+                    "BF16",
+                    (1, Ist, H),
+                    "down_proj_weight",
+                    "[1, Is_TP, H]",
+                ),
             ]
         if "mxfp8" in opts.formats:
-            outs += mxfp8_outputs("shared_expert.", 1, H, Ist, opts.scale_layout, "*_proj_weight", "*_weight_scales")
+            outs += mxfp8_outputs(
+                "shared_expert.", 1, H, Ist, opts.scale_layout, "*_proj_weight", "*_weight_scales"
+            )
         if fam.shared and fam.shared.gate_weight:
-            outs.append(Output("shared_expert_gate_weight", plan_args["shared_gate_dtype"], (1, H), "-",
-                               "[1, H] sigmoid gate of the shared expert (not a kernel input)"))
+            outs.append(
+                Output(
+                    "shared_expert_gate_weight",
+                    plan_args["shared_gate_dtype"],
+                    (1, H),
+                    "-",
+                    "[1, H] sigmoid gate of the shared expert (not a kernel input)",
+                )
+            )
     return outs
 
 
@@ -422,9 +525,16 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
             info = ckpt.info(name)
             if info.dtype in FP8_SOURCE_DTYPES:
                 if m.fp8_block is None:
-                    raise ConfigError(f"{name}: FP8 weight, but config.json has no fp8 quantization_config")
+                    raise ConfigError(
+                        f"{name}: FP8 weight, but config.json has no fp8 quantization_config"
+                    )
                 sname = name + "_scale_inv"
-                check_shape(ckpt, sname, fp8_scale_shape(info.shape, m.fp8_block), f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks")
+                check_shape(
+                    ckpt,
+                    sname,
+                    fp8_scale_shape(info.shape, m.fp8_block),
+                    f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks",
+                )
                 names.append(sname)
         for name in experts:  # the routed experts' storage format, as reported in the plan
             dtype = ckpt.info(name).dtype
@@ -451,9 +561,13 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
 
     notes = list(fam.notes)
     if -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE != H:
-        notes.append(f"H={H} is zero-padded to {-(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE} for the prefill kernel (unpadded_hidden_size={H})")
+        notes.append(
+            f"H={H} is zero-padded to {-(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE} for the prefill kernel (unpadded_hidden_size={H})"
+        )
     if args["router_dtype"] != ckpt.info(p0 + fam.router_weight).dtype:
-        notes.append(f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)")
+        notes.append(
+            f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)"
+        )
     if dense:
         notes.append(f"dense (not MoE) layers skipped: {_ranges(dense)}")
     src_fmt = "+".join(sorted(formats_seen)) or "bf16"

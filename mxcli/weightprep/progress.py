@@ -63,7 +63,8 @@ class RichReporter(Reporter):
         gbps = self.plan.source_bf16_bytes / secs / 1e9
         if self.progress is not None:
             self.progress.update(
-                self.task, description=f"{self._n}/{self._total_layers} layers (layer {layer}: {gbps:.2f} GB/s)"
+                self.task,
+                description=f"{self._n}/{self._total_layers} layers (layer {layer}: {gbps:.2f} GB/s)",
             )
         msg = f"layer {layer}: {_gb(self.plan.source_bf16_bytes)} in {secs:.1f} s ({gbps:.2f} GB/s)"
         if record.get("check"):

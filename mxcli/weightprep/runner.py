@@ -206,7 +206,16 @@ def _record_layer(out: Path, manifest: dict[str, Any], record: dict[str, Any]) -
 
 # -- output folder policy -----------------------------------------------------------------------
 
-_COMPARED_SETTINGS = ("tp", "ep", "formats", "scale_layout", "scale_rule", "elem", "quant_scheme", "tile_k")
+_COMPARED_SETTINGS = (
+    "tp",
+    "ep",
+    "formats",
+    "scale_layout",
+    "scale_rule",
+    "elem",
+    "quant_scheme",
+    "tile_k",
+)
 
 
 def _check_writable(out: Path) -> None:
@@ -244,7 +253,9 @@ def _open_output(
                 fresh["source"]["files"][name]["sha256"] = f["sha256"]
         return fresh
     if any(out.iterdir()) and not (resume or force):
-        raise OutputExistsError(f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)")
+        raise OutputExistsError(
+            f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)"
+        )
     if force:
         _remove_previous_outputs(out)
     return fresh
@@ -267,22 +278,31 @@ def _remove_previous_outputs(out: Path) -> None:
 def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) -> None:
     where = "--resume"
     if old["source"]["family"] != fresh["source"]["family"]:
-        raise InputError(f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)")
+        raise InputError(
+            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
+        )
     for key in _COMPARED_SETTINGS:
         a, b = old["settings"].get(key), fresh["settings"].get(key)
         if a != b:
-            raise InputError(f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)")
+            raise InputError(
+                f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
+            )
     for name, f in fresh["source"]["files"].items():
         o = old["source"]["files"].get(name)
         if o is not None and (o["size"] != f["size"] or o["mtime_ns"] != f["mtime_ns"]):
-            raise InputError(f"{where}: source file {name} changed since the output was written (use --force)")
+            raise InputError(
+                f"{where}: source file {name} changed since the output was written (use --force)"
+            )
 
 
 def layer_is_complete(out: Path, record: dict[str, Any] | None, plan: Plan) -> bool:
     """True when every rank file of the layer exists and each tensor matches its sha256."""
     if record is None:
         return False
-    expected = {str(rk.rank): {o.key for o in outs} for rk, outs in zip(plan.ranks, plan.outputs, strict=True)}
+    expected = {
+        str(rk.rank): {o.key for o in outs}
+        for rk, outs in zip(plan.ranks, plan.outputs, strict=True)
+    }
     if set(record.get("ranks", {})) != set(expected):
         return False
     for r, fe in record["ranks"].items():
@@ -300,6 +320,7 @@ def layer_is_complete(out: Path, record: dict[str, Any] | None, plan: Plan) -> b
 
 
 # -- workers ------------------------------------------------------------------------------------
+
 
 @contextlib.contextmanager
 def _torch_threads(n: int) -> Iterator[None]:
@@ -326,11 +347,17 @@ def _worker_init(source: str, opts: PrepOptions, threads: int, queue: Any) -> No
 
 def _worker_layer(layer: int, out: str) -> dict[str, Any]:
     queue = _WORKER["queue"]
-    return convert_and_check(_WORKER["plan"], _WORKER["ckpt"], layer, Path(out), lambda n: queue.put(n))
+    return convert_and_check(
+        _WORKER["plan"], _WORKER["ckpt"], layer, Path(out), lambda n: queue.put(n)
+    )
 
 
 def convert_and_check(
-    plan: Plan, ckpt: Checkpoint, layer: int, out: Path, progress: Callable[[int], None] | None = None
+    plan: Plan,
+    ckpt: Checkpoint,
+    layer: int,
+    out: Path,
+    progress: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Convert one layer (and check it when the options ask); its manifest record."""
     from mxcli.weightprep.convert import convert_layer
@@ -454,14 +481,22 @@ def _run(
         "source_bf16_bytes": converted_bytes,
         "output_bytes": plan.output_bytes_per_layer() * len(todo),
         "seconds": round(seconds, 3),
-        "throughput_gbps": round(converted_bytes / seconds / 1e9, 4) if seconds > 0 and todo else None,
-        "peak_rss_bytes": max([peak_rss_bytes()] + [int(r.get("peak_rss_bytes") or 0) for r in records.values()]),
-        "notes": list(plan.notes) + list(plan.model.router.notes) + list(plan.model.router.bwd_notes),
+        "throughput_gbps": round(converted_bytes / seconds / 1e9, 4)
+        if seconds > 0 and todo
+        else None,
+        "peak_rss_bytes": max(
+            [peak_rss_bytes()] + [int(r.get("peak_rss_bytes") or 0) for r in records.values()]
+        ),
+        "notes": list(plan.notes)
+        + list(plan.model.router.notes)
+        + list(plan.model.router.bwd_notes),
     }
     if options.check:
         from mxcli.weightprep.check import summarize
 
-        result["check"] = {str(L): summarize(r["check"]) for L, r in records.items() if r.get("check")}
+        result["check"] = {
+            str(L): summarize(r["check"]) for L, r in records.items() if r.get("check")
+        }
     return result
 
 
@@ -495,7 +530,9 @@ def _run_pool(
             pending = set(futures)
             try:
                 while pending:
-                    finished, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
+                    finished, pending = cf.wait(
+                        pending, timeout=0.2, return_when=cf.FIRST_COMPLETED
+                    )
                     _drain(queue, rep)
                     for fut in finished:
                         rec = fut.result()

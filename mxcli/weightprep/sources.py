@@ -11,7 +11,24 @@ import torch
 from mxcli.errors import InputError
 
 # gpt-oss / OCP FP4 (E2M1) code -> value; low nibble first (ecosystem §1.6, transformers mxfp4).
-FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
 def dequant_fp8_block(
@@ -57,8 +74,14 @@ def decode_mxfp4(
     once to `out_dtype`.
     """
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise InputError(f"mxfp4: expected uint8 blocks and scales, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() < 2 or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise InputError(
+            f"mxfp4: expected uint8 blocks and scales, got {blocks.dtype} and {scales.dtype}"
+        )
+    if (
+        blocks.dim() < 2
+        or blocks.shape[-1] != 16
+        or tuple(blocks.shape[:-1]) != tuple(scales.shape)
+    ):
         raise InputError(
             f"mxfp4: expected blocks [..., G, 16] and scales [..., G], got "
             f"{list(blocks.shape)} and {list(scales.shape)}"

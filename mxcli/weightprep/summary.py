@@ -23,12 +23,24 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"family        {plan['family']} (model_type {plan['model_type']}, weights {plan['source_format']})",
         f"MoE layers    {_ranges(plan['moe_layers'])} of {plan['num_layers']}; converting {_ranges(plan['layers'])}",
         f"experts       E={plan['num_experts']} top_k={plan['top_k']}  H={plan['hidden_size']}"
-        + (f" (padded to {plan['padded_hidden_size']} for prefill)" if plan["padded_hidden_size"] != plan["hidden_size"] else "")
+        + (
+            f" (padded to {plan['padded_hidden_size']} for prefill)"
+            if plan["padded_hidden_size"] != plan["hidden_size"]
+            else ""
+        )
         + f"  I={plan['intermediate_size']} (I_TP={plan['intermediate_size_per_rank']})"
-        + (f"  shared I={plan['shared_intermediate_size']}" if plan["shared_intermediate_size"] else ""),
+        + (
+            f"  shared I={plan['shared_intermediate_size']}"
+            if plan["shared_intermediate_size"]
+            else ""
+        ),
         f"parallel      tp={o['tp']} ep={o['ep']} -> {len(plan['ranks'])} rank(s); workers={o['workers']}",
         f"router        {r['act_fn']} top_k={r['top_k']}"
-        + (f" n_group={r['n_group']} topk_group={r['topk_group']} routed_scaling_factor={r['routed_scaling_factor']}" if r["act_fn"] == "NOAUX_TC" else "")
+        + (
+            f" n_group={r['n_group']} topk_group={r['topk_group']} routed_scaling_factor={r['routed_scaling_factor']}"
+            if r["act_fn"] == "NOAUX_TC"
+            else ""
+        )
         + ("" if r["exact"] else "  [NOT EXACT]"),
         f"formats       {','.join(o['formats'])}; scales {o['scale_layout']}, rule {o['scale_rule']}",
     ]
@@ -49,7 +61,8 @@ def format_result(res: dict[str, Any]) -> str:
     lines = [
         f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
         + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
-        f"router {res['router_act_fn']}" + ("" if res["router_exact"] else " (not exact: see manifest notes)"),
+        f"router {res['router_act_fn']}"
+        + ("" if res["router_exact"] else " (not exact: see manifest notes)"),
     ]
     if res.get("throughput_gbps"):
         lines.append(

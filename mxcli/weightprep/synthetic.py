@@ -62,7 +62,9 @@ def _values(seed: int, name: str, shape: tuple[int, ...], kind: str) -> torch.Te
     return (std * torch.randn(shape, generator=g)).to(torch.bfloat16)
 
 
-def fp8_block_quantize(w: torch.Tensor, block: tuple[int, int] = (128, 128)) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_block_quantize(
+    w: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-style FP8 source: ``(w_fp8 [M, N] e4m3, scale_inv [ceil(M/bm), ceil(N/bn)] fp32)``
     with ``scale_inv = amax(block) / 448``, so that ``w ~= w_fp8 * scale_inv``."""
     M, N = w.shape
@@ -81,12 +83,18 @@ def _mxfp4(seed: int, name: str, shape: tuple[int, ...]) -> dict[str, torch.Tens
     """Random MXFP4 ``[E, out, in]`` weight: ``_blocks [E, out, in/32, 16]``, ``_scales [E, out, in/32]``."""
     E, o, i = shape
     g = _gen(seed, name)
-    blocks = torch.randint(0, 256, (E, o, i // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
-    scales = torch.randint(118, 124, (E, o, i // 32), generator=g, dtype=torch.int32).to(torch.uint8)
+    blocks = torch.randint(0, 256, (E, o, i // 32, 16), generator=g, dtype=torch.int32).to(
+        torch.uint8
+    )
+    scales = torch.randint(118, 124, (E, o, i // 32), generator=g, dtype=torch.int32).to(
+        torch.uint8
+    )
     return {name + "_blocks": blocks, name + "_scales": scales}
 
 
-def _materialize(seed: int, name: str, shape: tuple[int, ...], kind: str) -> dict[str, torch.Tensor]:
+def _materialize(
+    seed: int, name: str, shape: tuple[int, ...], kind: str
+) -> dict[str, torch.Tensor]:
     if kind == "mxfp4":
         return _mxfp4(seed, name, shape)
     if kind == "fp8":
@@ -95,7 +103,14 @@ def _materialize(seed: int, name: str, shape: tuple[int, ...], kind: str) -> dic
     return {name: _values(seed, name, shape, kind)}
 
 
-def _mlp(spec: Spec, pre: str, names: tuple[str, str, str], H: int, I: int, kind: str = "w") -> None:  # noqa: E741
+def _mlp(
+    spec: Spec,
+    pre: str,
+    names: tuple[str, str, str],
+    H: int,
+    I: int,  # noqa: E741 (spec notation)
+    kind: str = "w",
+) -> None:
     gate, up, down = names
     spec[pre + gate] = ((I, H), kind)
     spec[pre + up] = ((I, H), kind)
@@ -146,7 +161,13 @@ def _qwen(v: dict[str, Any], shared: bool) -> tuple[dict[str, Any], Spec, list[i
             for e in range(E):
                 _mlp(spec, f"{pre}mlp.experts.{e}.", _GUD, H, I)
             if shared:
-                _mlp(spec, pre + "mlp.shared_expert.", _GUD, H, cfg["shared_expert_intermediate_size"])
+                _mlp(
+                    spec,
+                    pre + "mlp.shared_expert.",
+                    _GUD,
+                    H,
+                    cfg["shared_expert_intermediate_size"],
+                )
                 spec[pre + "mlp.shared_expert_gate.weight"] = ((1, H), "w")
         else:
             _mlp(spec, pre + "mlp.", _GUD, H, cfg["intermediate_size"])
@@ -178,7 +199,13 @@ def _mixtral(v: dict[str, Any]) -> tuple[dict[str, Any], Spec, list[int]]:
         _layer_common(spec, pre, H)
         spec[pre + "block_sparse_moe.gate.weight"] = ((E, H), "w")
         for e in range(E):
-            _mlp(spec, f"{pre}block_sparse_moe.experts.{e}.", ("w1.weight", "w3.weight", "w2.weight"), H, I)
+            _mlp(
+                spec,
+                f"{pre}block_sparse_moe.experts.{e}.",
+                ("w1.weight", "w3.weight", "w2.weight"),
+                H,
+                I,
+            )
     spec["model.norm.weight"] = ((H,), "norm")
     spec["lm_head.weight"] = ((VOCAB, H), "w")
     return cfg, spec, list(range(N))
@@ -261,7 +288,12 @@ def _gpt_oss(v: dict[str, Any]) -> tuple[dict[str, Any], Spec, list[int]]:
     if v["quantized"]:
         cfg["quantization_config"] = {
             "quant_method": "mxfp4",
-            "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
         }
     cfg.update(v["overrides"])
     spec: Spec = {"model.embed_tokens.weight": ((VOCAB, H), "w")}
@@ -344,13 +376,21 @@ def _split_points(names: list[str], moe_layers: list[int], num_shards: int) -> l
     if num_shards <= 1:
         return []
     n = len(names)
-    first = [i for i, nm in enumerate(names) if moe_layers and f"layers.{moe_layers[0]}." in nm and ".experts." in nm]
+    first = [
+        i
+        for i, nm in enumerate(names)
+        if moe_layers and f"layers.{moe_layers[0]}." in nm and ".experts." in nm
+    ]
     if len(first) < 2:
         return [k * n // num_shards for k in range(1, num_shards)]
     cuts = [first[len(first) // 2]]
     rest0 = first[-1] + 1
     more = num_shards - 2
-    cuts += [rest0 + k * (n - rest0) // (more + 1) for k in range(1, more + 1)] if n - rest0 > more else []
+    cuts += (
+        [rest0 + k * (n - rest0) // (more + 1) for k in range(1, more + 1)]
+        if n - rest0 > more
+        else []
+    )
     return sorted({c for c in cuts if 0 < c < n})
 
 

@@ -78,7 +78,11 @@ class StreamingWriter:
         for s in specs:
             if s.name in self._spec:
                 raise MxcliError(f"internal: duplicate output tensor {s.name}")
-            header[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [offset, offset + s.nbytes]}
+            header[s.name] = {
+                "dtype": s.dtype,
+                "shape": list(s.shape),
+                "data_offsets": [offset, offset + s.nbytes],
+            }
             self._spec[s.name] = s
             self._start[s.name] = offset
             offset += s.nbytes
@@ -99,7 +103,9 @@ class StreamingWriter:
     def write(self, name: str, piece: torch.Tensor) -> None:
         spec = self._spec[name]
         if st_dtype(piece.dtype) != spec.dtype:
-            raise MxcliError(f"internal: {name} piece has dtype {piece.dtype}, header says {spec.dtype}")
+            raise MxcliError(
+                f"internal: {name} piece has dtype {piece.dtype}, header says {spec.dtype}"
+            )
         data = tensor_bytes(piece)
         pos = self._filled[name]
         if pos + data.nbytes > spec.nbytes:
@@ -179,7 +185,9 @@ def write_json(path: Path, obj: Any) -> None:
         tmp.chmod(_MODE)
 
 
-def write_index(path: Path, weight_map: dict[str, str], total_size: int, metadata: dict[str, Any]) -> None:
+def write_index(
+    path: Path, weight_map: dict[str, str], total_size: int, metadata: dict[str, Any]
+) -> None:
     """A ``model.safetensors.index.json``: ``{"metadata": {"total_size": ...}, "weight_map": ...}``."""
     write_json(
         path,

@@ -31,7 +31,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
-def converted(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def converted(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Path]:
     """Every variant converted with the defaults (bf16 + mxfp8, packed, neuron) and --check."""
     root = tmp_path_factory.mktemp("out")
     out = {}

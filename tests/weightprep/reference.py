@@ -12,7 +12,9 @@ from safetensors import safe_open
 FP4 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
-def fp8_dequant_loop(w: torch.Tensor, s: torch.Tensor, block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def fp8_dequant_loop(
+    w: torch.Tensor, s: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """Block by block: out[block] = float(w[block]) * s[bi, bj]."""
     M, N = w.shape
     bm, bn = block
@@ -75,10 +77,16 @@ def restack(src: Source, family: str, layer: int) -> dict[str, torch.Tensor]:
     if family in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"):
         p = f"model.layers.{layer}."
         if family == "mixtral":
-            names = [p + "block_sparse_moe.experts.{e}." + n for n in ("w1.weight", "w3.weight", "w2.weight")]
+            names = [
+                p + "block_sparse_moe.experts.{e}." + n
+                for n in ("w1.weight", "w3.weight", "w2.weight")
+            ]
             E = src.config["num_local_experts"]
         else:
-            names = [p + "mlp.experts.{e}." + n for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")]
+            names = [
+                p + "mlp.experts.{e}." + n
+                for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+            ]
             E = src.config.get("num_experts") or src.config["n_routed_experts"]
         gus, ds = [], []
         for e in range(E):
@@ -89,14 +97,21 @@ def restack(src: Source, family: str, layer: int) -> dict[str, torch.Tensor]:
         out["down"] = torch.stack(ds).contiguous()
         sh = {"qwen2_moe": "mlp.shared_expert.", "deepseek_v3": "mlp.shared_experts."}.get(family)
         if sh:
-            g, u, d = (src.weight(p + sh + n) for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+            g, u, d = (
+                src.weight(p + sh + n)
+                for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+            )
             out["shared_gate_up"] = torch.stack([g.t(), u.t()], dim=1).unsqueeze(0).contiguous()
             out["shared_down"] = d.t().unsqueeze(0).contiguous()
     elif family == "gpt_oss":
         p = f"model.layers.{layer}.mlp.experts."
         if src.has(p + "gate_up_proj_blocks"):
-            gu = mxfp4_decode_loop(src.get(p + "gate_up_proj_blocks"), src.get(p + "gate_up_proj_scales")).transpose(1, 2)
-            dn = mxfp4_decode_loop(src.get(p + "down_proj_blocks"), src.get(p + "down_proj_scales")).transpose(1, 2)
+            gu = mxfp4_decode_loop(
+                src.get(p + "gate_up_proj_blocks"), src.get(p + "gate_up_proj_scales")
+            ).transpose(1, 2)
+            dn = mxfp4_decode_loop(
+                src.get(p + "down_proj_blocks"), src.get(p + "down_proj_scales")
+            ).transpose(1, 2)
         else:
             gu, dn = src.get(p + "gate_up_proj"), src.get(p + "down_proj")
         out["gate_up"] = torch.stack([gu[..., 0::2], gu[..., 1::2]], dim=2).contiguous()
@@ -110,7 +125,10 @@ def restack(src: Source, family: str, layer: int) -> dict[str, torch.Tensor]:
         I = gu.shape[-1] // 2  # noqa: E741
         out["gate_up"] = torch.stack([gu[..., :I], gu[..., I:]], dim=2).contiguous()
         out["down"] = src.get(p + "experts.down_proj")
-        g, u, d = (src.weight(p + "shared_expert." + n) for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"))
+        g, u, d = (
+            src.weight(p + "shared_expert." + n)
+            for n in ("gate_proj.weight", "up_proj.weight", "down_proj.weight")
+        )
         out["shared_gate_up"] = torch.stack([g.t(), u.t()], dim=1).unsqueeze(0).contiguous()
         out["shared_down"] = d.t().unsqueeze(0).contiguous()
     return out
@@ -129,7 +147,10 @@ ROUTER = {
 def router_and_gamma(src: Source, family: str, layer: int) -> dict[str, torch.Tensor]:
     pre, w, b = ROUTER[family]
     pre = pre.format(L=layer)
-    out = {"router_natural": src.get(pre + w).t().contiguous(), "gamma": src.get(pre + "post_attention_layernorm.weight")}
+    out = {
+        "router_natural": src.get(pre + w).t().contiguous(),
+        "gamma": src.get(pre + "post_attention_layernorm.weight"),
+    }
     if b:
         out["router_bias"] = src.get(pre + b)
     return out

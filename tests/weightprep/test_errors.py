@@ -17,7 +17,9 @@ from mxcli.weightprep.synthetic import build_checkpoint
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_checkpoint("qwen3_moe", tmp_path_factory.mktemp("base") / "q", intermediate_size=256).path
+    return build_checkpoint(
+        "qwen3_moe", tmp_path_factory.mktemp("base") / "q", intermediate_size=256
+    ).path
 
 
 def clone(src: Path, dst: Path) -> Path:
@@ -56,14 +58,18 @@ def assert_user_error(args: list, pattern: str, out: Path | None = None) -> None
 def test_missing_config_key(base: Path, tmp_path: Path) -> None:
     src = clone(base, tmp_path / "s")
     edit_config(src, num_experts=None)
-    assert_user_error([src, tmp_path / "o"], r"config.json: missing key 'num_experts'", tmp_path / "o")
+    assert_user_error(
+        [src, tmp_path / "o"], r"config.json: missing key 'num_experts'", tmp_path / "o"
+    )
 
 
 def test_unsupported_model_type(base: Path, tmp_path: Path) -> None:
     src = clone(base, tmp_path / "s")
     edit_config(src, model_type="llama")
     assert_user_error([src, tmp_path / "o"], r"model_type 'llama' is not a supported MoE family")
-    assert_user_error([base, tmp_path / "o", "--model-type", "gpt2"], r"--model-type 'gpt2' is not supported")
+    assert_user_error(
+        [base, tmp_path / "o", "--model-type", "gpt2"], r"--model-type 'gpt2' is not supported"
+    )
     edit_config(src, model_type=None)
     assert_user_error([src, tmp_path / "o"], r"missing key 'model_type'")
 
@@ -91,7 +97,10 @@ def test_tensor_missing_from_every_shard(base: Path, tmp_path: Path) -> None:
     tensors = load_file(str(shard))
     del tensors[name]
     save_file(tensors, str(shard))
-    assert_user_error([src, tmp_path / "o"], rf"{name}: tensor missing from the checkpoint \(model.safetensors.index.json maps it to")
+    assert_user_error(
+        [src, tmp_path / "o"],
+        rf"{name}: tensor missing from the checkpoint \(model.safetensors.index.json maps it to",
+    )
     del index["weight_map"][name]
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     assert_user_error([src, tmp_path / "o"], rf"{name}: tensor missing .*not in any of the 3 shard")
@@ -100,17 +109,24 @@ def test_tensor_missing_from_every_shard(base: Path, tmp_path: Path) -> None:
 def test_shape_disagrees_with_config(base: Path, tmp_path: Path) -> None:
     src = clone(base, tmp_path / "s")
     edit_config(src, moe_intermediate_size=384)
-    assert_user_error([src, tmp_path / "o"], r"model.layers.0.mlp.experts.0.gate_proj.weight .*expected shape \[384, 256\], got \[256, 256\]")
+    assert_user_error(
+        [src, tmp_path / "o"],
+        r"model.layers.0.mlp.experts.0.gate_proj.weight .*expected shape \[384, 256\], got \[256, 256\]",
+    )
 
 
 def test_dims_not_multiple_of_128(tmp_path: Path) -> None:
     odd = build_checkpoint("mixtral", tmp_path / "h192", hidden_size=192, num_layers=1)
-    assert_user_error([odd.path, tmp_path / "o"], r"hidden size H \(192\) must be a multiple of 128")
+    assert_user_error(
+        [odd.path, tmp_path / "o"], r"hidden size H \(192\) must be a multiple of 128"
+    )
 
 
 def test_tp_errors(base: Path, tmp_path: Path) -> None:
     assert_user_error([base, tmp_path / "o", "--tp", "3"], r"I \(256\) is not divisible by --tp 3")
-    assert_user_error([base, tmp_path / "o", "--tp", "4"], r"I_TP = I/tp = 256/4 \(64\) must be a multiple of 128")
+    assert_user_error(
+        [base, tmp_path / "o", "--tp", "4"], r"I_TP = I/tp = 256/4 \(64\) must be a multiple of 128"
+    )
     assert_user_error([base, tmp_path / "o", "--ep", "3"], r"E \(8\) is not divisible by --ep 3")
 
 
@@ -119,9 +135,14 @@ def test_truncated_and_corrupt_shards(base: Path, tmp_path: Path) -> None:
     shard = src / "model-00002-of-00003.safetensors"
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    assert_user_error([src, tmp_path / "o"], r"model-00002-of-00003.safetensors: truncated or corrupt safetensors file")
+    assert_user_error(
+        [src, tmp_path / "o"],
+        r"model-00002-of-00003.safetensors: truncated or corrupt safetensors file",
+    )
     shard.write_bytes(data[:8] + b"{not json" + data[17:])
-    assert_user_error([src, tmp_path / "o"], r"model-00002-of-00003.safetensors: corrupt safetensors header")
+    assert_user_error(
+        [src, tmp_path / "o"], r"model-00002-of-00003.safetensors: corrupt safetensors header"
+    )
     shard.write_bytes(b"\x01\x02")
     assert_user_error([src, tmp_path / "o"], r"truncated or corrupt safetensors file")
 
@@ -129,7 +150,9 @@ def test_truncated_and_corrupt_shards(base: Path, tmp_path: Path) -> None:
 def test_missing_shard_and_config(base: Path, tmp_path: Path) -> None:
     src = clone(base, tmp_path / "s")
     (src / "model-00003-of-00003.safetensors").unlink()
-    assert_user_error([src, tmp_path / "o"], r"shard listed in model.safetensors.index.json is missing")
+    assert_user_error(
+        [src, tmp_path / "o"], r"shard listed in model.safetensors.index.json is missing"
+    )
     (src / "config.json").unlink()
     assert_user_error([src, tmp_path / "o"], r"config.json: not found")
     assert_user_error([tmp_path / "nope", tmp_path / "o"], r"checkpoint folder not found")
@@ -138,7 +161,9 @@ def test_missing_shard_and_config(base: Path, tmp_path: Path) -> None:
 def test_unwritable_output(base: Path, tmp_path: Path) -> None:
     afile = tmp_path / "afile"
     afile.write_text("x")
-    assert_user_error([base, afile / "out"], r"cannot write|not writable|not a folder|does not exist")
+    assert_user_error(
+        [base, afile / "out"], r"cannot write|not writable|not a folder|does not exist"
+    )
     assert_user_error([base, tmp_path / "missing" / "out"], r"parent folder .* does not exist")
     if os.geteuid() != 0:  # root writes anywhere
         ro = tmp_path / "ro"
@@ -175,7 +200,10 @@ def test_dry_run_writes_nothing(base: Path, tmp_path: Path) -> None:
     assert plan["layers"] == [0, 1] and plan["router"]["act_fn"] == "SOFTMAX"
     assert plan["intermediate_size_per_rank"] == 128 and len(plan["ranks"]) == 2
     shapes = {t["name"]: t["shape"] for t in plan["outputs_per_layer"]["rank1"]}
-    assert shapes["gate_up_proj_weight"] == [8, 256, 2, 128] and shapes["router_weights"] == [512, 8]
+    assert shapes["gate_up_proj_weight"] == [8, 256, 2, 128] and shapes["router_weights"] == [
+        512,
+        8,
+    ]
     assert plan["estimated_peak_memory_bytes"] > 0 and plan["output_bytes"] > 0
     code, stdout, _ = run_cli(base, "--dry-run")
     assert code == 0 and "SOFTMAX" in stdout and "peak memory" in stdout

@@ -25,14 +25,24 @@ print(json.dumps({"peak": peak, "layers": res["layers_written"]}))
 
 def _peak(src: Path, out: Path, layers: str) -> tuple[int, list[int]]:
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(src), str(out), layers], capture_output=True, text=True, check=True
+        [sys.executable, "-c", SCRIPT, str(src), str(out), layers],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     res = json.loads(proc.stdout.strip().splitlines()[-1])
     return res["peak"], res["layers"]
 
 
 def test_peak_rss_independent_of_layer_count(tmp_path: Path) -> None:
-    ck = build_checkpoint("qwen3_moe", tmp_path / "src", num_layers=4, hidden_size=H, intermediate_size=I, num_experts=E)
+    ck = build_checkpoint(
+        "qwen3_moe",
+        tmp_path / "src",
+        num_layers=4,
+        hidden_size=H,
+        intermediate_size=I,
+        num_experts=E,
+    )
     p1, layers1 = _peak(ck.path, tmp_path / "o1", "0")
     p4, layers4 = _peak(ck.path, tmp_path / "o4", "0-3")
     assert layers1 == [0] and layers4 == [0, 1, 2, 3]

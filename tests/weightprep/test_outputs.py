@@ -25,7 +25,11 @@ KEYS = list(VARIANTS)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 @pytest.mark.parametrize("key", KEYS)
@@ -47,8 +51,12 @@ def test_bf16_and_mxfp8_match_source(key: str, checkpoints: dict, converted: dic
         if "shared_gate_up" in ref:
             assert _bits_equal(t["shared_expert.gate_up_proj_weight"], ref["shared_gate_up"])
             assert _bits_equal(t["shared_expert.down_proj_weight"], ref["shared_down"])
-            spq = prequantize_weights(ref["shared_gate_up"], ref["shared_down"], scale_layout="packed")
-            assert _bits_equal(t["shared_expert.gate_up_proj_weight_mxfp8"], spq.gate_up_proj_weight)
+            spq = prequantize_weights(
+                ref["shared_gate_up"], ref["shared_down"], scale_layout="packed"
+            )
+            assert _bits_equal(
+                t["shared_expert.gate_up_proj_weight_mxfp8"], spq.gate_up_proj_weight
+            )
             assert _bits_equal(t["shared_expert.down_weight_scales"], spq.down_weight_scales)
         else:
             assert not any(k.startswith("shared_expert") for k in t)
@@ -89,7 +97,10 @@ def test_router_gamma_bias_and_kwargs(key: str, checkpoints: dict, converted: di
 
 
 def test_layer_selection(converted: dict) -> None:
-    assert load_manifest(converted["deepseek_v3"]).layers == [1, 2]  # dense layer 0 and MTP layer 3 skipped
+    assert load_manifest(converted["deepseek_v3"]).layers == [
+        1,
+        2,
+    ]  # dense layer 0 and MTP layer 3 skipped
     assert load_manifest(converted["llama4"]).layers == [1]  # interleave_moe_layer_step 2
     assert load_manifest(converted["qwen3_moe"]).layers == [0, 1]
 
@@ -109,7 +120,9 @@ def test_files_index_metadata(converted: dict) -> None:
     m = load_manifest(out)
     names = {t["name"] for L in m.layers for t in m.rank_entry(L)["tensors"].values()}
     assert set(index["weight_map"]) == names
-    assert index["metadata"]["total_size"] == sum((out / "rank0" / f).stat().st_size for f in set(index["weight_map"].values()))
+    assert index["metadata"]["total_size"] == sum(
+        (out / "rank0" / f).stat().st_size for f in set(index["weight_map"].values())
+    )
     with safe_open(str(out / "rank0" / "layer_000.safetensors"), "pt") as f:
         md = f.metadata()
         assert md["layer"] == "0" and md["router_act_fn"] == "SOFTMAX" and md["format"] == "pt"
@@ -117,10 +130,15 @@ def test_files_index_metadata(converted: dict) -> None:
     # the rank folder's own manifest is a self-contained view
     mr = load_manifest(out / "rank0")
     assert mr.data["rank_view"] == 0 and mr.layers == m.layers
-    assert torch.equal(load_layer_tensors(out / "rank0", 0)["gamma"], load_layer_tensors(out, 0)["gamma"])
+    assert torch.equal(
+        load_layer_tensors(out / "rank0", 0)["gamma"], load_layer_tensors(out, 0)["gamma"]
+    )
     src_files = m.data["source"]["files"]
     assert "config.json" in src_files and all(len(f["sha256"]) == 64 for f in src_files.values())
-    assert m.data["settings"]["scale_rule"] == "neuron" and m.data["settings"]["formats"] == ["bf16", "mxfp8"]
+    assert m.data["settings"]["scale_rule"] == "neuron" and m.data["settings"]["formats"] == [
+        "bf16",
+        "mxfp8",
+    ]
 
 
 def test_check_numbers_in_manifest(converted: dict) -> None:
@@ -129,17 +147,30 @@ def test_check_numbers_in_manifest(converted: dict) -> None:
         chk = m.layer(L)["check"]["0"]
         assert chk["router_weights"]["exact"] and chk["gate_up_proj_weight"]["exact"]
         assert chk["gamma"]["exact"] and chk["router_bias"]["exact"]
-        for k in ("gate_up_proj_weight_mxfp8", "down_proj_weight_mxfp8", "shared_expert.down_proj_weight_mxfp8"):
+        for k in (
+            "gate_up_proj_weight_mxfp8",
+            "down_proj_weight_mxfp8",
+            "shared_expert.down_proj_weight_mxfp8",
+        ):
             assert 25.0 < chk[k]["sqnr_db"] < 40.0
     # MXFP4 values are representable in MXFP8 groups: the round trip is lossless
     chk = load_manifest(converted["gpt_oss"]).layer(0)["check"]["0"]
-    assert chk["gate_up_proj_weight_mxfp8"]["exact"] and chk["gate_up_proj_weight_mxfp8"]["sqnr_db"] is None
+    assert (
+        chk["gate_up_proj_weight_mxfp8"]["exact"]
+        and chk["gate_up_proj_weight_mxfp8"]["sqnr_db"] is None
+    )
 
 
 def test_backward_weights_loader(converted: dict) -> None:
     out = converted["deepseek_v3"]
     w = load_backward_weights(out, 1)
-    assert set(w) == {"gate_up_proj_weight", "gate_up_weight_scales", "down_proj_weight", "down_weight_scales", "scale_layout"}
+    assert set(w) == {
+        "gate_up_proj_weight",
+        "gate_up_weight_scales",
+        "down_proj_weight",
+        "down_weight_scales",
+        "scale_layout",
+    }
     assert w["gate_up_proj_weight"].dtype == torch.uint32 and w["scale_layout"] == "packed"
     s = load_backward_weights(out, 1, fmt="bf16", shared=True)
     assert s["gate_up_proj_weight"].shape[0] == 1 and s["down_proj_weight"].dtype == torch.bfloat16

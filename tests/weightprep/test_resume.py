@@ -19,7 +19,11 @@ def _snapshot(out: Path) -> dict[str, bytes]:
 
 def _hashes(out: Path) -> dict:
     m = load_manifest(out)
-    return {L: {k: v["sha256"] for k, v in m.rank_entry(L, r)["tensors"].items()} for L in m.layers for r in m.ranks}
+    return {
+        L: {k: v["sha256"] for k, v in m.rank_entry(L, r)["tensors"].items()}
+        for L in m.layers
+        for r in m.ranks
+    }
 
 
 class Interrupt(KeyboardInterrupt):
@@ -40,7 +44,9 @@ def _interrupt_after(monkeypatch: pytest.MonkeyPatch, n_writes: int) -> None:
     monkeypatch.setattr(writer.StreamingWriter, "write", write)
 
 
-def test_interrupted_run_then_resume_is_identical(checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_run_then_resume_is_identical(
+    checkpoints: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = checkpoints["deepseek_v3"]
     opts = PrepOptions(tp=2)
     clean = tmp_path / "clean"
@@ -55,7 +61,9 @@ def test_interrupted_run_then_resume_is_identical(checkpoints: dict, tmp_path: P
     files = sorted(p.name for p in out.rglob("*") if p.is_file())
     assert not any(f.endswith(".tmp") for f in files), files  # no partial file
     assert load_manifest(out).layers == [1]  # the finished layer is recorded
-    assert sorted(p.name for p in (out / "rank0").glob("*.safetensors")) == ["layer_001.safetensors"]
+    assert sorted(p.name for p in (out / "rank0").glob("*.safetensors")) == [
+        "layer_001.safetensors"
+    ]
 
     with pytest.raises(OutputExistsError, match="--resume"):
         prepare_weights(src, out, opts)
@@ -85,7 +93,9 @@ def test_resume_refuses_other_settings(checkpoints: dict, tmp_path: Path) -> Non
     out = tmp_path / "out"
     prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions(formats=("bf16",)))
     with pytest.raises(InputError, match="formats"):
-        prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions(formats=("bf16", "mxfp8")), resume=True)
+        prepare_weights(
+            checkpoints["qwen3_moe"], out, PrepOptions(formats=("bf16", "mxfp8")), resume=True
+        )
     with pytest.raises(InputError, match="exclude"):
         prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions(), resume=True, force=True)
 

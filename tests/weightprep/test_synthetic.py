@@ -19,14 +19,18 @@ def test_first_moe_layer_spans_two_files(family: str, tmp_path: Path) -> None:
     experts = [n for n in c._infos if f"layers.{L}." in n and ".experts." in n]
     assert len({c.info(n).file for n in experts}) == 2, family
     assert len(ck.files) == 3 and (ck.path / "model.safetensors.index.json").is_file()
-    assert json.loads((ck.path / "config.json").read_text())["model_type"] == ck.config["model_type"]
+    assert (
+        json.loads((ck.path / "config.json").read_text())["model_type"] == ck.config["model_type"]
+    )
 
 
 def test_quantized_sources(tmp_path: Path) -> None:
     ds = Checkpoint(build_checkpoint("deepseek_v3", tmp_path / "ds").path)
     w = "model.layers.1.mlp.experts.0.gate_proj.weight"
     assert ds.info(w).dtype == "F8_E4M3" and ds.info(w + "_scale_inv").shape == (1, 2)
-    assert ds.has("model.layers.3.mlp.experts.0.up_proj.weight")  # the MTP layer past num_hidden_layers
+    assert ds.has(
+        "model.layers.3.mlp.experts.0.up_proj.weight"
+    )  # the MTP layer past num_hidden_layers
     assert ds.config["quantization_config"]["weight_block_size"] == [128, 128]
     go = Checkpoint(build_checkpoint("gpt_oss", tmp_path / "go").path)
     assert go.info("model.layers.0.mlp.experts.gate_up_proj_blocks").shape == (8, 256, 8, 16)
@@ -44,5 +48,8 @@ def test_deterministic(tmp_path: Path) -> None:
 
 def test_single_file_checkpoint(tmp_path: Path) -> None:
     ck = build_checkpoint("mixtral", tmp_path / "m", num_shards=1)
-    assert ck.files == ["model.safetensors"] and not (ck.path / "model.safetensors.index.json").exists()
+    assert (
+        ck.files == ["model.safetensors"]
+        and not (ck.path / "model.safetensors.index.json").exists()
+    )
     assert Checkpoint(ck.path).files == ["model.safetensors"]
