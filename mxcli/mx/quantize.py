@@ -178,9 +178,25 @@ def _prepare(x: Any, axis: int) -> tuple[torch.Tensor, int]:
     return t.movedim(ax, -1).contiguous(), ax
 
 
+def _runs(segments: list[tuple[int, int, bool]]) -> list[tuple[int, int, int, bool]]:
+    """Merge consecutive equal wrapX chunks into runs ``(k0, c, count, wrapped)``.
+
+    A run of ``count`` chunks of size ``c`` is one strided view ``[r, count, 4, c/32, 8]``,
+    so a K of many ``tile_k`` chunks costs a handful of tensor ops, not a handful per chunk.
+    """
+    runs: list[tuple[int, int, int, bool]] = []
+    for k0, c, wrapped in segments:
+        if runs and wrapped and runs[-1][3] and runs[-1][1] == c:
+            rk0, rc, n, _ = runs[-1]
+            runs[-1] = (rk0, rc, n + 1, True)
+        else:
+            runs.append((k0, c, 1, wrapped))
+    return runs
+
+
 def _quantize_block(
     xb: torch.Tensor,
-    segments: list[tuple[int, int, bool]],
+    runs: list[tuple[int, int, int, bool]],
     offset: int,
     fmt: ElemFormat,
     saturate: bool,
@@ -198,37 +214,42 @@ def _quantize_block(
     int_dtype, mask, mbits = _float_layout(xb.dtype)
     m = fmt.max_finite
     g0 = 0
-    for k0, c, wrapped in segments:
+    for k0, c, count, wrapped in runs:
         ng = c // GROUP_SIZE
-        n = r * c
-        xs = xb[:, k0 : k0 + c]
-        grouped = (r, 4, ng, 8) if wrapped else (r, ng, GROUP_SIZE)
-        red = (1, 3) if wrapped else (2,)
-        bcast = (r, 1, ng, 1) if wrapped else (r, ng, 1)
+        width = c * count
+        n = r * width
+        xs = xb[:, k0 : k0 + width]
+        if wrapped:
+            # bwd spec §5.3: chunk as [lane j, physical row pp]; group = 8 rows x 4 lanes
+            grouped: tuple[int, ...] = (r, count, 4, ng, 8)
+            red: tuple[int, ...] = (2, 4)
+            bcast: tuple[int, ...] = (r, count, 1, ng, 1)
+        else:
+            grouped, red, bcast = (r, ng, GROUP_SIZE), (2,), (r, ng, 1)
         # prefill spec §3.4 / bwd spec §5.2: scale from the exponent field of the group max;
         # the largest magnitude bit pattern has the largest exponent field.
-        mag = work["mag"][:n].view(r, c)
+        mag = work["mag"][:n].view(r, width)
         torch.bitwise_and(xs.view(int_dtype), mask, out=mag)
-        emax = mag.view(grouped).amax(dim=red) >> mbits  # [r, ng]
+        emax = mag.view(grouped).amax(dim=red) >> mbits  # [r, (count,) ng]
         byte = (emax - offset).clamp_(0, 255)  # stays int16 for bf16: 254 << 7 fits
-        scales_out[:, g0 : g0 + ng] = byte
+        scales_out[:, g0 : g0 + count * ng] = byte.view(r, count * ng)
         # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253.
         inv = ((254 - byte) << mbits).view(xb.dtype).view(bcast)
         y = work["y"][:n].view(grouped)
-        torch.mul(xs.reshape(grouped) if wrapped else xs.view(grouped), inv, out=y)  # exact
+        torch.mul(xs.view(grouped), inv, out=y)  # exact: scaling by a power of two
         if saturate:
             y.clamp_(-m, m)  # OCP rule, E5M2; NaN passes through
-        y2 = y.view(r, c)
+        y2 = y.view(r, width)
         if codes_out is not None:
-            codes_out[:, k0 : k0 + c].view(fmt.torch_dtype).copy_(y2)
+            codes_out[:, k0 : k0 + width].view(fmt.torch_dtype).copy_(y2)
         if deq_out is not None:
             # X = 2^(byte - 127); byte 0 is the fp32 subnormal 2^-127 (bit 22 set).
             b32 = byte.to(torch.int32)
             xbits = torch.where(b32 == 0, torch.full_like(b32, 1 << 22), b32 << 23)
             scale = xbits.view(torch.float32).view(bcast)
             q = y2.to(fmt.torch_dtype).to(torch.float32).view(grouped)
-            deq_out[:, k0 : k0 + c] = (q * scale).view(r, c)
-        g0 += ng
+            deq_out[:, k0 : k0 + width] = (q * scale).view(r, width)
+        g0 += count * ng
 
 
 def _run(
@@ -246,7 +267,7 @@ def _run(
     offset = as_rule(rule).exponent_offset(fmt)
     t, ax = _prepare(x, axis)
     K = t.shape[-1]
-    segments = _segments(K, scheme, tile_k, chunks)
+    runs = _runs(_segments(K, scheme, tile_k, chunks))
     lead = t.shape[:-1]
     x2 = t.reshape(-1, K)
     R = x2.shape[0]
@@ -266,7 +287,7 @@ def _run(
         r1 = min(R, r0 + rows)
         _quantize_block(
             x2[r0:r1],
-            segments,
+            runs,
             offset,
             fmt,
             saturate,
