@@ -120,20 +120,28 @@ class _TokenOrder:
         return self.nm.q(x_t.index_select(-1, self.inv), -1, g)
 
 
-def _rows(ckpt: torch.Tensor, bl: torch.Tensor, order: _TokenOrder) -> torch.Tensor:
-    """Rows of a token-last checkpoint ``ckpt[bl] [nb, F, B]`` as ``[nb*B, F]`` in block row order."""
-    c = ckpt.index_select(0, bl).transpose(1, 2).index_select(1, order.perm)  # [nb, B, F]
-    return c.reshape(-1, c.shape[2])
+def _cols(ckpt: torch.Tensor, bl: torch.Tensor, order: _TokenOrder) -> torch.Tensor:
+    """Blocks `bl` of a token-last checkpoint ``[N, F, B]`` as ``[nb, F, B]``, tokens in
+    block row order."""
+    return ckpt.index_select(0, bl).index_select(2, order.perm)
 
 
-def _gate_up_rows(
+def _gate_up_cols(
     ckpt_gu: torch.Tensor, bl: torch.Tensor, order: _TokenOrder
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, U)`` rows ``[nb*B, I]`` (fp32 views) of the gate/up checkpoint ``[N, 2, I, B]``."""
-    c = ckpt_gu.index_select(0, bl).permute(0, 3, 1, 2).index_select(1, order.perm)  # [nb,B,2,I]
-    I = c.shape[3]  # noqa: E741 (spec notation I = I_TP)
-    c = c.reshape(-1, 2 * I).to(torch.float32)
-    return c[:, :I], c[:, I:]
+    """``(G, U)`` ``[nb, I, B]`` (fp32 views) of the gate/up checkpoint ``[N, 2, I, B]``."""
+    c = ckpt_gu.index_select(0, bl).index_select(3, order.perm).to(torch.float32)
+    return c[:, 0], c[:, 1]
+
+
+def _p1(dy_q: torch.Tensor, wd_q: torch.Tensor, nb: int, B: int) -> torch.Tensor:
+    """Phase-1 products per block, token-last: ``D^T[k] = W_d dY_k^T`` -> ``[nb, I, B]`` fp32.
+
+    ``dy_q [nb*B, H]`` and ``wd_q [I, H]`` are MX-quantized along H (the contraction)."""
+    out = torch.empty(nb, wd_q.shape[0], B, dtype=torch.float32, device=dy_q.device)
+    for k in range(nb):
+        torch.mm(wd_q, dy_q[k * B : (k + 1) * B].t(), out=out[k])
+    return out
 
 
 def _acc_block(acc: torch.Tensor | None, c: torch.Tensor, nm: Numerics) -> torch.Tensor:
@@ -146,15 +154,13 @@ def _acc_block(acc: torch.Tensor | None, c: torch.Tensor, nm: Numerics) -> torch
     return acc.add_(cr)  # bf16 += bf16: torch adds in fp32 and rounds once (RNE)
 
 
-def _tile_bias_sum(
-    v: torch.Tensor, nb: int, B: int, order: _TokenOrder, nm: Numerics
-) -> torch.Tensor:
-    """Spec §6 bias reduction of ``v [nb*B, F]`` (rows in block row order, values already
+def _tile_bias_sum(v: torch.Tensor, order: _TokenOrder, nm: Numerics) -> torch.Tensor:
+    """Spec §6 bias reduction of ``v [nb, B, F]`` (rows in block row order, values already
     rounded): per natural 128-token tile an fp32 sum, then a bf16 running sum over the tiles of
     each block. Returns ``[nb, F]`` (bf16 values)."""
-    F = v.shape[1]
+    nb, B, F = v.shape
     red = torch.zeros(nb, B // _BIAS_TILE, F, dtype=torch.float32, device=v.device)
-    red.index_add_(1, order.tile, v.view(nb, B, F).to(torch.float32))  # [nb, tiles, F]
+    red.index_add_(1, order.tile, v.to(torch.float32))  # [nb, tiles, F]
     acc = red[:, 0]
     for t in range(1, red.shape[1]):
         acc = nm.bf(nm.bf(acc) + red[:, t])
@@ -367,30 +373,32 @@ def blockwise_mm_bwd_mxfp8_reference(
             dyg = dy_ext.index_select(0, flat)  # [R, H]
             al = ea_ext[:, e].index_select(0, flat)[:, None]  # [R, 1] fp32, 0 for padding
 
-            # gate/up values: the checkpoint, or the forward's projection recomputed (API ref.)
+            # Elementwise P1 math runs token-last, [nb, I, B] (the checkpoints' own layout), so
+            # that the P3/P4 operands dGU^T and S^T come out ready for their token-axis groups.
             if ckpt_gu is not None:
-                g, u = _gate_up_rows(ckpt_gu, bl, order)  # [R, I] each
-            else:
+                g, u = _gate_up_cols(ckpt_gu, bl, order)  # [nb, I, B] each, fp32
+            else:  # the forward's projection recomputed from hidden_states (API reference)
                 assert wfwd_q is not None
                 g, u = project_gate_up(nm.q(xg, -1, g_fwd), wfwd_q, None, cfg.clamp_limits, nm)
+                g, u = (t.view(nb, B, I).transpose(1, 2) for t in (g, u))
+            al_t = al.view(nb, 1, B)
             # P1 elementwise (spec §6 P1.3): act, dphi, dga = bf16(dphi·U), Hm = bf16(act·U)
             sig = torch.sigmoid(g)
-            if ckpt_act is not None:
-                act = _rows(ckpt_act, bl, order)
-            else:
-                act = nm.rb(g * sig)
+            act = _cols(ckpt_act, bl, order) if ckpt_act is not None else nm.rb(g * sig)
             dphi = torch.rsub(sig, 1.0).mul_(g).add_(1.0).mul_(sig)  # σ(1 + g(1 − σ)), fp32
             dga = nm.rb(nm.rb(dphi) * u)
             del sig, dphi
-            hm = _rows(ckpt_h, bl, order) if ckpt_h is not None else nm.rb(act * u)
+            hm = _cols(ckpt_h, bl, order) if ckpt_h is not None else nm.rb(act * u)
 
-            # P1 matmul: contraction over H (dY per token row, W_d per row i), fp32
-            d = nm.q(dyg, -1, g1) @ wd_q.t()  # [R, I], un-scaled
+            # P1 matmul: contraction over H (dY per token row, W_d per row i), fp32, per block
+            # D^T [I, B] = W_d[e] dY_b^T
+            d_t = _p1(nm.q(dyg, -1, g1), wd_q, nb, B)  # [nb, I, B], un-scaled
             # affinity grad from the un-scaled D; LNC2: two fp32 halves over I, then added
-            da = (d[:, :half] * hm[:, :half]).sum(1) + (d[:, half:] * hm[:, half:]).sum(1)
+            da = (d_t[:, :half] * hm[:, :half]).sum(1) + (d_t[:, half:] * hm[:, half:]).sum(1)
+            da = da.reshape(R)
             dea.index_copy_(0, flat.index_select(0, vsel) * E + e, nm.bf(da.index_select(0, vsel)))
             if on_i:
-                ds = d.mul_(al)  # Ds = D·α in fp32 (spec §6 P1.6)
+                ds_t = d_t.mul_(al_t)  # Ds = D·α in fp32 (spec §6 P1.6)
                 dys = dyg
             else:  # ON_H: the P1 operand is output_grad·α (API reference)
                 if ckpt_dys is not None:
@@ -398,54 +406,55 @@ def blockwise_mm_bwd_mxfp8_reference(
                     dys = dys * vrow[:, None].to(dys.dtype)  # padding rows contribute zero
                 else:
                     dys = nm.rb(dyg.to(torch.float32) * al)
-                ds = nm.q(dys, -1, g1) @ wd_q.t()
-            del d
-            dgu = torch.empty(R, 2 * I, dtype=sd, device=dev)  # [R, 2I] = [dG | dU]
-            torch.mul(ds, dga, out=dgu[:, :I])  # fp32 product, rounded once on the store
-            torch.mul(ds, act, out=dgu[:, I:])
-            del ds, dga
+                ds_t = _p1(nm.q(dys, -1, g1), wd_q, nb, B)
+            del d_t
+            dgu_t = torch.empty(nb, 2 * I, B, dtype=sd, device=dev)  # [dG | dU]^T per block
+            torch.mul(ds_t, dga, out=dgu_t[:, :I])  # fp32 product, rounded once on the store
+            torch.mul(ds_t, act, out=dgu_t[:, I:])
+            del ds_t, dga
             mask_nl, mask_l = clamp_masks(g, u, cfg.clamp_limits)
             if mask_nl is not None:
-                dgu[:, :I] *= mask_nl
+                dgu_t[:, :I] *= mask_nl
             if mask_l is not None:
-                dgu[:, I:] *= mask_l
+                dgu_t[:, I:] *= mask_l
             del g, u, act
             if on_i:  # P4 operand S = bf16(Hm·α), or the checkpoint
-                p4_rhs = _rows(ckpt_s, bl, order) if ckpt_s is not None else nm.rb(hm * al)
+                p4_t = _cols(ckpt_s, bl, order) if ckpt_s is not None else nm.rb(hm * al_t)
             else:
-                p4_rhs = hm
+                p4_t = hm
             del hm
 
-            # P2: contraction over 2I; rows kept (bf16) for the ordered scatter below
-            r = nm.q(dgu, -1, g2) @ wcat_q.t()  # [R, H] fp32
+            # P2: contraction over 2I (dGU per token row); rows kept for the ordered scatter
+            dgu_rows = dgu_t.transpose(1, 2).reshape(R, 2 * I)  # [R, 2I]
+            r = nm.q(dgu_rows, -1, g2) @ wcat_q.t()  # [R, H] fp32
             r_valid.index_copy_(
                 0,
                 compact.index_select(0, pos.index_select(0, vsel)),
                 nm.rb(r.index_select(0, vsel)),
             )
-            del r
+            del r, dgu_rows
 
             # P3: dW_gu[e] += X^T dGU and P4: dW_d[e] += S^T dY (ON_H: Hm^T dYs), one matmul
             # per block with the MX groups along the block's tokens (operands token-last)
-            dgu_t = order.q(dgu.view(nb, B, 2 * I).transpose(1, 2), g3)  # [nb, 2I, B]
+            dgu_q = order.q(dgu_t, g3)  # [nb, 2I, B]
             x_t = order.q(xg.view(nb, B, H).transpose(1, 2), g3)  # [nb, H, B]
             for k in range(nb):  # block order: bf16 read-add-write of the accumulator
-                acc_gu = _acc_block(acc_gu, torch.mm(dgu_t[k], x_t[k].t()), nm)  # [2I, H]
-            del dgu_t, x_t
-            s_t = order.q(p4_rhs.view(nb, B, I).transpose(1, 2), g4)  # [nb, I, B]
+                acc_gu = _acc_block(acc_gu, torch.mm(dgu_q[k], x_t[k].t()), nm)  # [2I, H]
+            del dgu_q, x_t
+            s_q = order.q(p4_t, g4)  # [nb, I, B]
             dy_t = order.q(dys.view(nb, B, H).transpose(1, 2), g4)  # [nb, H, B]
             for k in range(nb):
-                acc_d = _acc_block(acc_d, torch.mm(s_t[k], dy_t[k].t()), nm)  # [I, H]
-            del s_t, dy_t, p4_rhs
+                acc_d = _acc_block(acc_d, torch.mm(s_q[k], dy_t[k].t()), nm)  # [I, H]
+            del s_q, dy_t, p4_t
 
             if cfg.bias:  # spec §6 "Bias": per 128-token tile fp32 sums, bf16 running sums
                 prod = nm.rb(dyg * nm.rb(al))  # bf16(dY·bf16(α)), [R, H]
-                bd_blocks = _tile_bias_sum(prod, nb, B, order, nm)  # [nb, H]
-                bgu_blocks = _tile_bias_sum(dgu, nb, B, order, nm)  # [nb, 2I]
+                bd_blocks = _tile_bias_sum(prod.view(nb, B, H), order, nm)  # [nb, H]
+                bgu_blocks = _tile_bias_sum(dgu_t.transpose(1, 2), order, nm)  # [nb, 2I]
                 for k in range(nb):
                     acc_bd = _acc_block(acc_bd, bd_blocks[k], nm)
                     acc_bgu = _acc_block(acc_bgu, bgu_blocks[k], nm)
-            del dgu, xg, dyg, dys
+            del dgu_t, xg, dyg, dys
         assert acc_gu is not None and acc_d is not None
         dwgu[e] = acc_gu
         dwd[e] = acc_d
@@ -456,7 +465,7 @@ def blockwise_mm_bwd_mxfp8_reference(
             dbd[e] = acc_bd
 
     # P2 results into the hidden-state grad, in block order (spec §6 P2)
-    hsg = torch.zeros(T, H, dtype=torch.float32, device=dev)
+    hsg = torch.zeros(T, H, dtype=sd, device=dev)
     ordered_scatter(
         hsg,
         plan.idx.reshape(-1).index_select(0, vpos),
@@ -613,11 +622,17 @@ def blockwise_mm_bwd_mxfp8(
     expert's blocks as ``bf16(acc + C)``; bias grads as in §6. Masks use strict inequalities on
     the checkpoint values.
 
+    AFFINITY_ON_H (API reference; the device kernel of the spec asserts ON_I): phase 1 reads
+    ``dYs = bf16(dY·α)`` (or `down_proj_act_checkpoint`), ``Ds = mx(dYs, W_d)``, phase 4 reads
+    ``Hm`` and ``dYs``; the affinity grad still uses the un-scaled ``mx(dY, W_d)`` (one extra
+    matmul in the reference) [U]. Bias grads use the same formulas under both options.
+
     Further documented choices: the affinity grad of every non-routed pair is 0, also for odd
     E > 1 (errata 6: the device leaves part of it un-zeroed); signed zeros and the device's
     fp32 summation order are not modelled; a (token, expert) pair listed twice is outside the
-    contract (which write wins is unspecified); ``skip_grad_initialization`` has no effect (fresh zero
-    outputs); LNC2-only launch checks do not apply to the reference.
+    contract (which write wins is unspecified); ``skip_grad_initialization`` has no effect
+    (fresh zero outputs); LNC2-only launch checks do not apply to the reference; with
+    ``emulate="exact"`` pre-quantized weights enter with their dequantized values.
     """
     name = backends.resolve_name(KERNEL_NAME, backend)
     fn = backends.get(KERNEL_NAME, name)

@@ -134,6 +134,10 @@ class Numerics:
         """MXFP8 quantize-dequantize along the contraction `axis` (fp32 result); exact: fp32 copy."""
         if self.exact:
             return x.to(torch.float32)
+        if x.dtype == torch.bfloat16 and grouping.scheme is QuantScheme.WRAPX and x.is_contiguous():
+            # Performance only (values are identical): mxcli.mx's wrapX path runs faster on fp32
+            # rows than on bf16 ones, and the widening is exact and cheap.
+            x = x.to(torch.float32)
         return fake_quantize_mx(
             x,
             axis,
@@ -217,11 +221,14 @@ def ordered_scatter(
     accumulate: bool,
     numerics: Numerics,
 ) -> None:
-    """Write rows ``vals[j]`` to ``out[ids[j]]`` in the order of j, as a block loop would.
+    """Write rows ``vals[j]`` to the zero-initialised ``out[ids[j]]`` in the order of j, as a
+    block loop would.
 
     ``accumulate``: ``out[t] = bf16(out[t] + v)`` per write (read-add-write, bf16 stored);
     otherwise ``out[t] = v`` (the last write wins). A token's writes are applied in order of
-    occurrence, one vectorized pass per occurrence rank (at most top-k passes).
+    occurrence, one vectorized pass per occurrence rank (at most top-k passes). The first write
+    to a token lands on zero, where ``bf16(0 + v) = v`` for the bf16 values written, so it is a
+    plain store.
     """
     if ids.numel() == 0:
         return
@@ -230,7 +237,8 @@ def ordered_scatter(
         sel = (rank == r).nonzero().squeeze(1)
         t = ids.index_select(0, sel)
         v = vals.index_select(0, sel)
-        if accumulate:
-            out.index_copy_(0, t, numerics.bf(out.index_select(0, t) + v))
+        if accumulate and r > 0:
+            summed = out.index_select(0, t).to(torch.float32) + v
+            out.index_copy_(0, t, numerics.rb(summed).to(out.dtype))
         else:
             out.index_copy_(0, t, v.to(out.dtype))
