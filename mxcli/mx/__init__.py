@@ -29,6 +29,7 @@ from mxcli.mx.quantize import (
     group_index,
     group_order,
     quantize_mx,
+    to_group_order,
     wrapx_chunks,
 )
 
@@ -51,6 +52,7 @@ __all__ = [
     "prefill_scale_region_size",
     "quantize_mx",
     "swizzle_h_index",
+    "to_group_order",
     "unpack_x4",
     "unswizzle_h_index",
     "wrapx_chunks",

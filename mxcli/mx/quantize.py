@@ -145,6 +145,37 @@ def group_order(
     return torch.cat(parts)
 
 
+def to_group_order(
+    x: Any,
+    axis: int = -1,
+    scheme: QuantScheme | str = QuantScheme.MX1X32,
+    tile_k: int = 512,
+    chunks: Chunks | None = None,
+) -> torch.Tensor:
+    """``x`` permuted along `axis` into group order: ``x.index_select(axis, group_order(...))``.
+
+    Done as strided chunk transposes (wrapX: ``[4, c/4] -> [c/4, 4]`` per chunk), which is much
+    faster than a gather; for wrapX this is the physical row/lane order of bwd spec §5.5, whose
+    consecutive 4 elements become one x4 word.
+    """
+    t = as_tensor(x)
+    ax = axis % t.dim()
+    K = t.shape[ax]
+    runs = _runs(_segments(K, scheme, tile_k, chunks))
+    if len(runs) == 1 and not runs[0][3]:
+        return t
+    last = t.movedim(ax, -1)
+    lead = last.shape[:-1]
+    parts = []
+    for k0, c, count, wrapped in runs:
+        piece = last[..., k0 : k0 + c * count]
+        if wrapped:
+            piece = piece.unflatten(-1, (count, 4, c // 4)).transpose(-1, -2)
+        parts.append(piece.reshape(*lead, c * count))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return out.movedim(-1, ax)
+
+
 def group_index(
     K: int,
     scheme: QuantScheme | str = QuantScheme.MX1X32,

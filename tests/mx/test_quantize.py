@@ -16,6 +16,7 @@ from mxcli.mx import (
     group_index,
     group_order,
     quantize_mx,
+    to_group_order,
     wrapx_chunks,
 )
 
@@ -228,3 +229,20 @@ def test_bad_inputs() -> None:
         quantize_mx(torch.zeros(64), scheme="2x16")
     with pytest.raises(InputError, match="x: expected"):
         quantize_mx(torch.zeros(64, dtype=torch.int32))
+
+
+@pytest.mark.parametrize(
+    ("K", "scheme", "tile_k", "chunks"),
+    [
+        (896, "wrapx", 512, None),
+        (1024, "wrapx", 256, None),
+        (384, "wrapx", 512, [(0, 384)]),
+        (256, "1x32", 512, None),
+    ],
+)
+def test_to_group_order_equals_gather(K: int, scheme: str, tile_k: int, chunks: object) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 256, (3, K, 2), generator=gen, dtype=torch.int32).to(torch.uint8)
+    order = group_order(K, scheme, tile_k, chunks)  # type: ignore[arg-type]
+    fast = to_group_order(x, 1, scheme, tile_k, chunks)  # type: ignore[arg-type]
+    assert torch.equal(fast, x.index_select(1, order))

@@ -35,6 +35,7 @@ from mxcli.mx import (
     group_order,
     pack_x4,
     quantize_mx,
+    to_group_order,
     unpack_x4,
 )
 from mxcli.mx.formats import as_tensor
@@ -109,20 +110,30 @@ def quantize_weight_x4(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8-quantize ``w_kf [E, K, F]`` along K into ``(x4 [E, K/4, F] uint32, scales [E, rows, F] uint8)``."""
     E, K, F = w_kf.shape
+    # Quantize with K as the last axis: the callers' weights are [E, F, K] in memory, so this
+    # view is free, the codes come out K-contiguous, and the x4 words are a plain view.
+    w_fk = w_kf.transpose(1, 2)  # [E, F, K]
     codes, compact = quantize_mx(
-        w_kf,
-        axis=1,
+        w_fk,
+        axis=-1,
         elem=ElemFormat.E4M3FN,
         rule=rule,
         scheme=grouping.scheme,
         tile_k=grouping.tile_k,
         chunks=None if grouping.chunks is None else list(grouping.chunks),
-    )  # codes [E, K, F] natural order, compact [E, K/32, F]
-    order = _order(K, grouping).to(codes.device)
-    x4 = pack_x4(codes.index_select(1, order), axis=1)  # [E, K/4, F]
+    )  # codes [E, F, K] natural order, compact [E, F, K/32]
+    physical = to_group_order(
+        codes,
+        -1,
+        grouping.scheme,
+        grouping.tile_k,
+        None if grouping.chunks is None else list(grouping.chunks),
+    )  # swizzled rows x 4 lanes along K
+    words = pack_x4(physical.contiguous(), axis=-1)  # [E, F, K/4], lane j = byte j
+    x4 = words.transpose(1, 2).contiguous()  # [E, K/4, F]
     rows = scale_rows(K, layout)
     scales = torch.zeros(E, rows, F, dtype=torch.uint8, device=codes.device)
-    scales[:, scale_row_index(K, layout).to(codes.device), :] = compact
+    scales[:, scale_row_index(K, layout).to(codes.device), :] = compact.transpose(1, 2)
     return x4, scales
 
 
