@@ -225,6 +225,18 @@ def _runs(segments: list[tuple[int, int, bool]]) -> list[tuple[int, int, int, bo
     return runs
 
 
+def _per_element(g: torch.Tensor, wrapped: bool, elems: tuple[int, ...]) -> torch.Tensor:
+    """Broadcastable per-element view of per-group values ``g`` for an element view `elems`.
+
+    wrapX: one value per physical row (8 rows per group), shared by the 4 lanes, so the result
+    is ``[r, count, 1, v]`` with a contiguous row axis; 1x32: ``[r, ng, 1]``.
+    """
+    if wrapped:
+        r, count, _, v = elems
+        return g.unsqueeze(-1).expand(r, count, v // 8, 8).reshape(r, count, 1, v)
+    return g.unsqueeze(-1)
+
+
 def _quantize_block(
     xb: torch.Tensor,
     runs: list[tuple[int, int, int, bool]],
@@ -250,35 +262,37 @@ def _quantize_block(
         width = c * count
         n = r * width
         xs = xb[:, k0 : k0 + width]
-        if wrapped:
-            # bwd spec §5.3: chunk as [lane j, physical row pp]; group = 8 rows x 4 lanes
-            grouped: tuple[int, ...] = (r, count, 4, ng, 8)
-            red: tuple[int, ...] = (2, 4)
-            bcast: tuple[int, ...] = (r, count, 1, ng, 1)
-        else:
-            grouped, red, bcast = (r, ng, GROUP_SIZE), (2,), (r, ng, 1)
-        # prefill spec §3.4 / bwd spec §5.2: scale from the exponent field of the group max;
-        # the largest magnitude bit pattern has the largest exponent field.
         mag = work["mag"][:n].view(r, width)
         torch.bitwise_and(xs.view(int_dtype), mask, out=mag)
-        emax = mag.view(grouped).amax(dim=red) >> mbits  # [r, (count,) ng]
+        y = work["y"][:n].view(r, width)
+        # prefill spec §3.4 / bwd spec §5.2: scale from the exponent field of the group max;
+        # the largest magnitude bit pattern has the largest exponent field.
+        if wrapped:
+            # bwd spec §5.3: a chunk is [lane j, physical row pp] with v = c/4 rows; a group is
+            # 8 rows x 4 lanes. Reduce the lanes first (contiguous rows of v), then runs of 8.
+            v = c // 4
+            lane_max = mag.view(r, count, 4, v).amax(dim=2)  # [r, count, v]
+            emax = lane_max.view(r, count, ng, 8).amax(dim=3) >> mbits  # [r, count, ng]
+        else:
+            emax = mag.view(r, ng, GROUP_SIZE).amax(dim=2) >> mbits  # [r, ng]
         byte = (emax - offset).clamp_(0, 255)  # stays int16 for bf16: 254 << 7 fits
         scales_out[:, g0 : g0 + count * ng] = byte.view(r, count * ng)
+        elems = (r, count, 4, c // 4) if wrapped else (r, ng, GROUP_SIZE)
         # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253.
-        inv = ((254 - byte) << mbits).view(xb.dtype).view(bcast)
-        y = work["y"][:n].view(grouped)
-        torch.mul(xs.view(grouped), inv, out=y)  # exact: scaling by a power of two
+        inv = ((254 - byte) << mbits).view(xb.dtype)
+        torch.mul(
+            xs.view(elems), _per_element(inv, wrapped, elems), out=y.view(elems)
+        )  # exact: a power of two
         if saturate:
             y.clamp_(-m, m)  # OCP rule, E5M2; NaN passes through
-        y2 = y.view(r, width)
         if codes_out is not None:
-            codes_out[:, k0 : k0 + width].view(fmt.torch_dtype).copy_(y2)
+            codes_out[:, k0 : k0 + width].view(fmt.torch_dtype).copy_(y)
         if deq_out is not None:
             # X = 2^(byte - 127); byte 0 is the fp32 subnormal 2^-127 (bit 22 set).
             b32 = byte.to(torch.int32)
             xbits = torch.where(b32 == 0, torch.full_like(b32, 1 << 22), b32 << 23)
-            scale = xbits.view(torch.float32).view(bcast)
-            q = y2.to(fmt.torch_dtype).to(torch.float32).view(grouped)
+            scale = _per_element(xbits.view(torch.float32), wrapped, elems)
+            q = y.to(fmt.torch_dtype).to(torch.float32).view(elems)
             deq_out[:, k0 : k0 + width] = (q * scale).view(r, width)
         g0 += count * ng
 
