@@ -117,3 +117,11 @@ def test_help_lists_only_working_commands() -> None:
         "demo",
     ):
         assert name in result.output
+
+
+def test_kernel_functions_are_exported_as_functions() -> None:
+    import mxcli.kernels.rmsnorm_mx_prefill.reference  # noqa: F401  (a submodule first)
+    from mxcli.kernels import blockwise_mm_bwd_mxfp8, rmsnorm_mx_prefill
+
+    assert callable(rmsnorm_mx_prefill) and rmsnorm_mx_prefill.__name__ == "rmsnorm_mx_prefill"
+    assert blockwise_mm_bwd_mxfp8.__name__ == "blockwise_mm_bwd_mxfp8"

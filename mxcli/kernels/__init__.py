@@ -26,6 +26,12 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = sorted(_EXPORTS)
 
+# The prefill package shares its name with the kernel function. Importing the package binds the
+# *module* as an attribute of this package; binding the function afterwards (here, once, when
+# mxcli.kernels is first imported) makes `from mxcli.kernels import rmsnorm_mx_prefill` the
+# function, whatever is imported later (a loaded package is never re-bound).
+from mxcli.kernels.rmsnorm_mx_prefill import rmsnorm_mx_prefill as rmsnorm_mx_prefill  # noqa: E402
+
 
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)

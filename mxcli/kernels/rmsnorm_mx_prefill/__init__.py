@@ -8,11 +8,6 @@ prefill spec §6.1) and `decode_packed_rows` (packed rows -> codes, scales, fp32
 
 from __future__ import annotations
 
-import inspect
-import sys
-import types
-from typing import Any
-
 from mxcli.kernels import backends
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     KERNEL_NAME,
@@ -35,21 +30,6 @@ from mxcli.kernels.rmsnorm_mx_prefill.router_weights import (
 
 backends.register(KERNEL_NAME, "reference", rmsnorm_mx_prefill_reference)
 
-
-class _CallableModule(types.ModuleType):
-    """This package shares its name with the kernel function it exports.
-
-    ``from mxcli.kernels import rmsnorm_mx_prefill`` may yield this package rather than the
-    function (the import system binds a loaded subpackage as an attribute of its parent), so the
-    package is callable too and forwards to `rmsnorm_mx_prefill` with the same signature.
-    """
-
-    def __call__(self, *args: Any, **kwargs: Any) -> list[Any]:
-        return rmsnorm_mx_prefill(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
-__signature__ = inspect.signature(rmsnorm_mx_prefill)
 
 __all__ = [
     "KERNEL_NAME",
