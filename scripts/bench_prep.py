@@ -73,7 +73,10 @@ def main() -> None:
     ap.add_argument("--formats", default="bf16,mxfp8")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument(
-        "--threads", type=int, default=0, help="torch threads per worker (0 = CPUs / workers)"
+        "--threads",
+        type=int,
+        default=0,
+        help="torch threads per worker (0 = auto, as prep-weights)",
     )
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument(

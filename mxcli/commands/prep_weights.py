@@ -41,7 +41,7 @@ def main(
     threads: int = typer.Option(
         0,
         "--threads",
-        help="Torch threads per worker; 0 = auto (CPUs / workers, 1 on a busy host).",
+        help="Torch threads per worker; 0 = auto (CPUs / workers - 1, for the writer).",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
     json_out: bool = typer.Option(
