@@ -414,16 +414,8 @@ class _Bwd:
 
     def run(self) -> tuple[Any, ...]:
         p, t = self.p, self.t
-        # Program 0 creates every shared_hbm tensor before program 1 asks for it. The kernel's
-        # shared tensors are matched by allocation order; this barrier pair (one call per
-        # program) keeps mxcli's interpreter from racing two first allocations (it is a cheap
-        # no-op ordering point on hardware).
-        if self.lnc > 1 and self.pid != 0:
-            nisa.core_barrier(t["hidden_states"], (0, 1))
         self.alloc_outputs()
         self.alloc_scratch()
-        if self.lnc > 1 and self.pid == 0:
-            nisa.core_barrier(t["hidden_states"], (0, 1))
         self.zero = nl.ndarray((P, ZCOLS), dtype=nl.bfloat16, buffer=nl.sbuf, name="zero")
         nisa.memset(dst=self.zero, value=0.0)
         self.ones_f32 = nl.ndarray((P, 1), dtype=nl.float32, buffer=nl.sbuf, name="ones_f32")

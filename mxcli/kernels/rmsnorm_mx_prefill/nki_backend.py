@@ -146,7 +146,7 @@ def launch_sim(
         engine=engine,
         check_capacity=check_capacity,
         # the programs never communicate (disjoint token ranges): running them one after the
-        # other is exact, and avoids the interpreter's shared_hbm allocation race under LNC 2
+        # other is exact and spares the interpreter two threads contending for the GIL
         serialize_programs=True,
     )
     res.outputs = _finish(res.outputs, hidden_states.device)
