@@ -13,8 +13,8 @@ Synthetic distributions follow the upstream tests (prefill spec §7, bwd spec §
   ``hidden_states = U[0,1)`` bf16; ``output_hidden_states_grad = U(-1, 1)`` bf16; the gate/up
   checkpoint from the MXFP8 forward reference (`blockwise_mm_fwd_mxfp8`).
 
-All randomness comes from one ``torch.Generator`` seeded with ``seed``: the same arguments give
-the same bytes.
+The data come from one ``torch.Generator`` seeded with ``seed`` (the seeded bwd router from the
+legacy numpy RNG, seeded likewise): the same arguments give the same bytes.
 """
 
 from __future__ import annotations
@@ -492,7 +492,7 @@ def inputs_from_weights(
 
 def describe_inputs(inputs: KernelInputs, path: str | os.PathLike[str]) -> dict[str, Any]:
     """JSON-ready summary of written inputs (``make-inputs --json``)."""
-    from mxcli.tensorio import describe_dtype, dump_kwargs, kernel_io, resolve_kwargs, tensor_sha256
+    from mxcli.tensorio import describe_tensors, dump_kwargs, kernel_io, resolve_kwargs
 
     io = kernel_io(inputs.kernel)
     return {
@@ -500,14 +500,7 @@ def describe_inputs(inputs: KernelInputs, path: str | os.PathLike[str]) -> dict[
         "output": str(path),
         "generator": inputs.generator,
         "kwargs": dump_kwargs(io, resolve_kwargs(io, inputs.kwargs)),
-        "tensors": {
-            name: {
-                "shape": list(t.shape),
-                "dtype": describe_dtype(t.dtype),
-                "sha256": tensor_sha256(t),
-            }
-            for name, t in inputs.tensors.items()
-        },
+        "tensors": describe_tensors(inputs.tensors),
     }
 
 

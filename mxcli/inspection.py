@@ -9,7 +9,6 @@ histogram of scale exponents and statistics of the dequantized values.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -68,7 +67,7 @@ def _mx_summary(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
 
 
 def _decode_packed(f: TensorFile) -> dict[str, Any] | None:
-    from mxcli.kernels import decode_packed_rows
+    from mxcli.verification.policy import decode_packed, packed_geometry
 
     t = f.tensors.get("norm_quant_packed")
     if t is None:
@@ -78,15 +77,8 @@ def _decode_packed(f: TensorFile) -> dict[str, Any] | None:
     H = geo.get("hidden_size") if isinstance(geo, Mapping) else None
     pack_aff = bool(kwargs.get("pack_affinities")) and bool(geo.get("num_experts"))
     if H is None:
-        from mxcli.verification.policy import packed_geometry
-
         H, _ = packed_geometry(kwargs, t)
-    dec = decode_packed_rows(
-        t, int(H), pack_scales=bool(kwargs.get("pack_scales", True)),
-        num_experts=int(geo["num_experts"]) if pack_aff else None,
-        router_act_fn=kwargs.get("router_act_fn", "SIGMOID"),
-        qmx_output_dtype=kwargs.get("qmx_output_dtype", "float8_e4m3fn_x4"),
-    )  # fmt: skip
+    dec = decode_packed(t, kwargs, int(H), int(geo["num_experts"]) if pack_aff else None)
     out = {
         "tensor": "norm_quant_packed",
         "kind": "packed prefill rows",
@@ -209,9 +201,10 @@ def inspect_dir(
 
     Any other folder: the safetensors files in it, each described without data statistics.
     """
+    from mxcli.weightprep.manifest import MANIFEST_NAME, load_manifest
+
     p = Path(path)
-    manifest_path = p / "manifest.json"
-    if not manifest_path.exists():
+    if not (p / MANIFEST_NAME).exists():
         files = sorted(p.glob("*.safetensors"))
         if not files:
             raise InputError(f"{p}: no manifest.json and no .safetensors files")
@@ -220,8 +213,6 @@ def inspect_dir(
             "kind": "folder",
             "files": [inspect_file(x, stats=False) for x in files],
         }
-    from mxcli.weightprep.manifest import load_manifest
-
     m = load_manifest(p)
     d = m.data
     out: dict[str, Any] = {
@@ -272,7 +263,3 @@ def inspect_path(
     if layer is not None:
         raise InputError("layer: --layer applies to a prep-weights folder, not a file")
     return inspect_file(p, stats=stats)
-
-
-def dumps(data: Any) -> str:
-    return json.dumps(data, indent=2, default=str)

@@ -355,9 +355,6 @@ def _to_jsonable(v: Any) -> Any:
 
 def config_to_dict(config: Any) -> dict[str, Any]:
     """JSON-ready dict of an ``MXFP8MOEBwdConfig`` (enums by name, nested configs as dicts)."""
-    to_dict = getattr(config, "to_dict", None)
-    if callable(to_dict):
-        return _to_jsonable(to_dict())
     return _to_jsonable(config)
 
 
@@ -365,10 +362,7 @@ def config_from_dict(data: Mapping[str, Any]) -> Any:
     """``MXFP8MOEBwdConfig`` from a (possibly partial) JSON object of its fields."""
     from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
 
-    from_dict = getattr(MXFP8MOEBwdConfig, "from_dict", None)
     try:
-        if callable(from_dict):
-            return from_dict(dict(data))
         return _dataclass_from_dict(MXFP8MOEBwdConfig, data, "config")
     except MxcliError:
         raise
@@ -430,6 +424,14 @@ def _coerce(hint: Any, value: Any, where: str) -> Any:
 # --------------------------------------------------------------------------------------------
 
 
+def _json_or_raw(raw: str) -> Any:
+    """A metadata string parsed as JSON, else the string itself."""
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
 @dataclass
 class TensorFile:
     """A safetensors file read whole: tensors in file order, plus its ``__metadata__``."""
@@ -441,12 +443,7 @@ class TensorFile:
     def meta_json(self, key: str, default: Any = None) -> Any:
         """A metadata value parsed as JSON (falls back to the raw string)."""
         raw = self.metadata.get(key)
-        if raw is None:
-            return default
-        try:
-            return json.loads(raw)
-        except json.JSONDecodeError:
-            return raw
+        return default if raw is None else _json_or_raw(raw)
 
     @property
     def kernel(self) -> str | None:
@@ -548,14 +545,8 @@ def check_tensors(
 
 def metadata_kwargs(io: KernelIO, metadata: Mapping[str, str]) -> dict[str, Any]:
     """Raw (JSON) scalar kwargs recorded in a file's metadata: per-key entries, then ``kwargs``."""
-    out: dict[str, Any] = {}
-    for s in io.scalars:
-        if s.name in metadata:
-            raw = metadata[s.name]
-            try:
-                out[s.name] = json.loads(raw)
-            except json.JSONDecodeError:
-                out[s.name] = raw
+    names = [s.name for s in io.scalars]
+    out: dict[str, Any] = {n: _json_or_raw(metadata[n]) for n in names if n in metadata}
     raw_kwargs = metadata.get("kwargs")
     if raw_kwargs is not None:
         try:
@@ -564,7 +555,7 @@ def metadata_kwargs(io: KernelIO, metadata: Mapping[str, str]) -> dict[str, Any]
             raise InputError(f"__metadata__['kwargs']: not valid JSON ({exc})") from None
         if not isinstance(obj, Mapping):
             raise InputError("__metadata__['kwargs']: expected a JSON object")
-        unknown = sorted(k for k in obj if k not in [s.name for s in io.scalars])
+        unknown = sorted(k for k in obj if k not in names)
         if unknown:
             raise InputError(
                 f"__metadata__['kwargs']: unknown kwarg(s) {', '.join(unknown)} for {io.kernel}"
@@ -746,6 +737,14 @@ def describe_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def describe_tensors(tensors: Mapping[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """JSON-ready shape, dtype and sha256 of each tensor (the summaries of the commands)."""
+    return {
+        name: {"shape": list(t.shape), "dtype": describe_dtype(t.dtype), "sha256": tensor_sha256(t)}
+        for name, t in tensors.items()
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Running a kernel on contract-named tensors
 # --------------------------------------------------------------------------------------------
@@ -765,6 +764,21 @@ def available_backends(kernel: str) -> list[str]:
 
     kernel_api(kernel)
     return backends.backend_names(kernel)
+
+
+def resolve_backend(kernel: str, backend: str) -> str:
+    """The concrete backend ``backend`` (``auto`` allowed) names for ``kernel``; a user error
+    if it cannot run here."""
+    from mxcli.kernels import backends
+
+    kernel_api(kernel)
+    name = backends.resolve_name(kernel, backend)
+    reason = backends.unavailable_reason(kernel, name)
+    if reason is not None:
+        raise backends.BackendUnavailableError(
+            f"backend: {name!r} cannot run {kernel} here: {reason}"
+        )
+    return name
 
 
 def resolve_device(device: str) -> torch.device:
@@ -808,15 +822,8 @@ def run_kernel(
     """
     import time
 
-    from mxcli.kernels import backends
-
     api = kernel_api(kernel)
-    name = backends.resolve_name(kernel, backend)
-    reason = backends.unavailable_reason(kernel, name)
-    if reason is not None:
-        raise backends.BackendUnavailableError(
-            f"backend: {name!r} cannot run {kernel} here: {reason}"
-        )
+    name = resolve_backend(kernel, backend)
     dev = resolve_device(device)
     if name != "reference" and dev.type != "cpu":
         raise InputError(
@@ -943,13 +950,6 @@ def run_file(
         "backend": outcome.backend,
         "device": outcome.device,
         "kwargs": dump_kwargs(io, kwargs),
-        "outputs": {
-            name: {
-                "shape": list(t.shape),
-                "dtype": describe_dtype(t.dtype),
-                "sha256": tensor_sha256(t),
-            }
-            for name, t in outcome.outputs.items()
-        },
+        "outputs": describe_tensors(outcome.outputs),
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
     }

@@ -51,9 +51,8 @@ print(json.dumps({"seconds": secs, "peak": peak_rss_bytes()}))
 
 PREP = r"""
 import json, sys
-from mxcli.weightprep.runner import peak_rss_bytes
 from mxcli.weightprep.plan import PrepOptions
-from mxcli.weightprep.runner import prepare_weights
+from mxcli.weightprep.runner import peak_rss_bytes, prepare_weights
 opts = PrepOptions(formats=tuple(sys.argv[3].split(",")), threads=int(sys.argv[4]), workers=int(sys.argv[5]))
 res = prepare_weights(sys.argv[1], sys.argv[2], opts)
 print(json.dumps({"seconds": res["seconds"], "peak": peak_rss_bytes(),

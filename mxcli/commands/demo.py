@@ -82,7 +82,7 @@ def demo(
             with steps.counted("mxcli demo", total) as advance:
                 rows = []
                 for model in chosen:
-                    rows += _journey(model, root / model, tokens, backend, advance)
+                    rows += _journey(model, root / model, tokens, backend, advance, force)
         files = sorted(str(p) for p in root.rglob("*") if p.is_file())
         passed = all(r["passed"] for r in rows)
         if json_out:
@@ -122,9 +122,10 @@ _STEPS = (
 
 
 def _journey(
-    model: str, d: Path, tokens: int, backend: str, advance: Callable[..., None]
+    model: str, d: Path, tokens: int, backend: str, advance: Callable[..., None], force: bool
 ) -> list[dict[str, Any]]:
-    """The eight steps for one model; returns one summary row per step."""
+    """The eight steps for one model; returns one summary row per step (``force``: replace what
+    an earlier demo wrote in ``d``)."""
     from mxcli.inputs import inputs_from_weights, write_inputs
     from mxcli.tensorio import BWD, PREFILL, run_file
     from mxcli.verification.golden import check_run, compare_files
@@ -172,7 +173,7 @@ def _journey(
     L = state["layer"]
 
     def prep_weights() -> dict[str, Any]:
-        res = prepare_weights(hf, prep, PrepOptions(layers=str(L)))
+        res = prepare_weights(hf, prep, PrepOptions(layers=str(L)), force=force)
         return {"detail": f"layer {L}, router {res['router_act_fn']}"}
 
     step("prep-weights", f"mxcli prep-weights {hf} {prep} --layers {L}", prep_weights)
@@ -182,15 +183,16 @@ def _journey(
             made = inputs_from_weights(
                 kind, prep, L, tokens=tokens, block_size=128, prequantize=kind == "bwd"
             )
-            write_inputs(made, files[f"{kind}-inputs"])
+            write_inputs(made, files[f"{kind}-inputs"], force=force)
             return {"detail": ", ".join(made.tensors)}
 
         return fn
 
     def run(kernel: str, kind: str) -> Callable[[], dict[str, Any]]:
         def fn() -> dict[str, Any]:
-            s = run_file(kernel, files[f"{kind}-inputs"], files[f"{kind}-outputs"], backend=backend)
-            run_file(kernel, files[f"{kind}-inputs"], files[f"{kind}-golden"], backend="reference")
+            inp = files[f"{kind}-inputs"]
+            s = run_file(kernel, inp, files[f"{kind}-outputs"], backend=backend, force=force)
+            run_file(kernel, inp, files[f"{kind}-golden"], backend="reference", force=force)
             return {
                 "detail": f"{s['backend']} ({s['device']}) {s['timing_s']['run']:.3f} s; "
                 f"outputs {', '.join(s['outputs'])}"

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
 
+from mxcli.commands._shared import print_json
 from mxcli.errors import report_user_errors
 
 
@@ -74,6 +74,6 @@ def main(
         source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter
     )
     if json_out:
-        typer.echo(json.dumps(res.get("plan", res), indent=2))
+        print_json(res.get("plan", res))
     else:
         typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))

@@ -46,6 +46,7 @@ __all__ = [
     "load_kernel_module",
     "neuron_unavailable_reason",
     "real_nki_available",
+    "require_neuron",
     "resolve_kernel",
     "run_neuron",
     "run_sim",
@@ -180,6 +181,17 @@ def neuron_unavailable_reason() -> str | None:
     if not missing:
         return None
     return "missing " + "; ".join(missing)
+
+
+def require_neuron(kernel: str | None = None) -> None:
+    """Raise `BackendUnavailableError` (naming `kernel` when given) listing what the ``neuron``
+    backend misses here; return when it can run."""
+    reason = neuron_unavailable_reason()
+    if reason is not None:
+        from mxcli.kernels.backends import BackendUnavailableError
+
+        what = f" {kernel}" if kernel else ""
+        raise BackendUnavailableError(f"backend: 'neuron' cannot run{what} here: {reason}")
 
 
 # -- loading kernel modules ----------------------------------------------------------------------
@@ -444,7 +456,6 @@ def _default_lnc() -> int:
 
 
 def _native_op(
-    kern: Any,
     kernel: str,
     lnc: int,
     positions: tuple[int, ...],
@@ -485,11 +496,7 @@ def run_neuron(
     and ``kernel[lnc](...)``; torch >= 2.10: ``.to("neuron")`` and an ``nki_op`` custom op.
     Raises `BackendUnavailableError` listing what is missing when the SDK or device is absent.
     """
-    reason = neuron_unavailable_reason()
-    if reason is not None:
-        from mxcli.kernels.backends import BackendUnavailableError
-
-        raise BackendUnavailableError(f"backend: 'neuron' cannot run here: {reason}")
+    require_neuron()
     n = int(lnc if lnc is not None else _default_lnc())
     kern = resolve_kernel(kernel, SimEngine.REAL)
     nl_mod = _nl_module(SimEngine.REAL)
@@ -511,7 +518,6 @@ def run_neuron(
             return launch(*pos_args, **kw_args)
 
         op = _native_op(
-            kern,
             kernel,
             n,
             positions,

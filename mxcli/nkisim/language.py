@@ -10,30 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from mxcli.nkisim import dtype as _dtype
 from mxcli.nkisim import machine
-from mxcli.nkisim.dtypes import (
-    DType,
-    as_dtype,
-    bfloat16,
-    bool_,
-    dtype_of_numpy,
-    float4_e2m1fn_x4,
-    float8_e4m3,
-    float8_e4m3fn,
-    float8_e4m3fn_x4,
-    float8_e5m2,
-    float8_e5m2_x4,
-    float8_e8m0fnu,
-    float16,
-    float32,
-    int8,
-    int16,
-    int32,
-    tfloat32,
-    uint8,
-    uint16,
-    uint32,
-)
+from mxcli.nkisim.dtype import *  # noqa: F403 - nki.language re-exports every nki.dtype name
+from mxcli.nkisim.dtypes import as_dtype, dtype_of_numpy, from_fp32, uint8
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.highlevel import load, store
 from mxcli.nkisim.ops import (
@@ -96,6 +76,7 @@ from mxcli.nkisim.tensor import (
     VirtualRegister,
     allocate,
     ds,
+    register_or_int,
     wrap_array,
 )
 
@@ -154,8 +135,6 @@ def _fill_value(dtype: Any, value: Any) -> Any:
         return np.array(int(value)).astype(np.int64).astype(dt.np_dtype)
     if dt.kind == "x4":
         return 0
-    from mxcli.nkisim.dtypes import from_fp32
-
     return from_fp32(np.array([float(value)], dtype=np.float32), dt)[0]
 
 
@@ -174,8 +153,6 @@ def shared_identity_matrix(n: int, dtype: Any = uint8, dst: Any = None) -> NkiTe
     from mxcli.nkisim.tensor import resolve
 
     acc = resolve(t, "shared_identity_matrix", "dst")
-    from mxcli.nkisim.dtypes import from_fp32
-
     acc.write(from_fp32(np.eye(n, dtype=np.float32), acc.dtype).reshape(acc.shape))
     return t
 
@@ -211,14 +188,6 @@ def static_range(start: int, stop: int | None = None, step: int = 1) -> builtins
     return affine_range(start, stop, step)
 
 
-def _bound(x: Any, what: str) -> int:
-    if isinstance(x, VirtualRegister):
-        return x.value
-    if isinstance(x, (bool, float)) or not isinstance(x, (int, np.integer)):
-        raise NkiValidationError(f"{what} must be an int or a VirtualRegister, got {x!r}")
-    return int(x)
-
-
 def _check_dynamic(what: str) -> None:
     if machine.current().no_reorder_depth:
         raise NkiValidationError(f"{what}: dynamic loops are not allowed inside nl.no_reorder()")
@@ -240,9 +209,9 @@ def dynamic_range(start: Any, stop: Any = None, step: int = 1) -> Iterator[Virtu
         raise NkiValidationError(f"nl.dynamic_range: step must be positive, got {step}")
     _check_dynamic("nl.dynamic_range")
     lo, hi = (
-        (0, _bound(start, "start"))
+        (0, register_or_int(start, "start"))
         if stop is None
-        else (_bound(start, "start"), _bound(stop, "stop"))
+        else (register_or_int(start, "start"), register_or_int(stop, "stop"))
     )
     for i in builtins.range(lo, hi, int(step)):
         yield VirtualRegister(i, frozen=True)
@@ -257,7 +226,9 @@ def fori_loop(
             f"nl.fori_loop: step must be a positive compile-time int, got {step!r}"
         )
     _check_dynamic("nl.fori_loop")
-    for i in builtins.range(_bound(lower, "lower"), _bound(upper, "upper"), int(step)):
+    for i in builtins.range(
+        register_or_int(lower, "lower"), register_or_int(upper, "upper"), int(step)
+    ):
         body_fun(VirtualRegister(i, frozen=True))
 
 
@@ -267,7 +238,7 @@ def while_loop(
     """``r = init; while r != 0: r = body_fun(r)`` (pre-test)."""
     _check_dynamic("nl.while_loop")
     r = init
-    while _bound(r, "while_loop condition") != 0:
+    while register_or_int(r, "while_loop condition") != 0:
         r = body_fun(r)
         if not isinstance(r, (VirtualRegister, int)):
             raise NkiValidationError(
@@ -365,7 +336,6 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
-    "DType",
     "MemoryRegion",
     "NKIObject",
     "NkiTensor",
@@ -375,11 +345,9 @@ __all__ = [
     "add",
     "affine_range",
     "arctan",
-    "bfloat16",
     "bitwise_and",
     "bitwise_or",
     "bitwise_xor",
-    "bool_",
     "bypass",
     "copy",
     "device_print",
@@ -391,15 +359,6 @@ __all__ = [
     "erf",
     "erf_dx",
     "exp",
-    "float16",
-    "float32",
-    "float4_e2m1fn_x4",
-    "float8_e4m3",
-    "float8_e4m3fn",
-    "float8_e4m3fn_x4",
-    "float8_e5m2",
-    "float8_e5m2_x4",
-    "float8_e8m0fnu",
     "fori_loop",
     "full",
     "gelu",
@@ -410,9 +369,6 @@ __all__ = [
     "greater",
     "greater_equal",
     "hbm",
-    "int16",
-    "int32",
-    "int8",
     "invert",
     "is_hbm",
     "is_on_chip",
@@ -463,12 +419,9 @@ __all__ = [
     "store",
     "subtract",
     "tanh",
-    "tfloat32",
     "tile_size",
-    "uint16",
-    "uint32",
-    "uint8",
     "while_loop",
     "zeros",
     "zeros_like",
 ]
+__all__ += _dtype.__all__

@@ -15,12 +15,17 @@ import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
 
-from mxcli.nkisim.errors import NkiCapacityError, NkiNotActiveError, NkiValidationError
+from mxcli.nkisim.errors import (
+    NkiCapacityError,
+    NkiNotActiveError,
+    NkiUninitializedReadError,
+    NkiValidationError,
+)
 from mxcli.nkisim.target import Target
 
 __all__ = [
@@ -90,36 +95,27 @@ class Counters:
         return int(sum(self.instructions.values()))
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "instructions": dict(self.instructions),
-            "ops": dict(self.ops),
-            "dma_bytes": self.dma_bytes,
-            "hbm_read_bytes": self.hbm_read_bytes,
-            "hbm_write_bytes": self.hbm_write_bytes,
-            "matmul_flops": self.matmul_flops,
-            "mx_matmul_flops": self.mx_matmul_flops,
-            "transpose_elements": self.transpose_elements,
-            "peak_sbuf_bytes": self.peak_sbuf_bytes,
-            "peak_psum_bytes": self.peak_psum_bytes,
-        }
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            out[f.name] = dict(v) if isinstance(v, dict) else v
+        return out
 
     @staticmethod
     def combine(parts: list[Counters]) -> Counters:
-        """Sum over programs; peaks are the max over programs (each core has its own memory)."""
+        """Sum over programs; peaks (``peak_*``) are the max over programs (each core has its
+        own memory)."""
         out = Counters()
         for c in parts:
-            for k, v in c.instructions.items():
-                out.instructions[k] += v
-            for k, v in c.ops.items():
-                out.ops[k] += v
-            out.dma_bytes += c.dma_bytes
-            out.hbm_read_bytes += c.hbm_read_bytes
-            out.hbm_write_bytes += c.hbm_write_bytes
-            out.matmul_flops += c.matmul_flops
-            out.mx_matmul_flops += c.mx_matmul_flops
-            out.transpose_elements += c.transpose_elements
-            out.peak_sbuf_bytes = max(out.peak_sbuf_bytes, c.peak_sbuf_bytes)
-            out.peak_psum_bytes = max(out.peak_psum_bytes, c.peak_psum_bytes)
+            for f in fields(Counters):
+                mine, theirs = getattr(out, f.name), getattr(c, f.name)
+                if isinstance(mine, dict):
+                    for k, v in theirs.items():
+                        mine[k] += v
+                elif f.name.startswith("peak_"):
+                    setattr(out, f.name, max(mine, theirs))
+                else:
+                    setattr(out, f.name, mine + theirs)
         return out
 
 
@@ -165,7 +161,8 @@ class Run:
             if key in self.warned:
                 return
             self.warned.add(key)
-        warnings.warn(message, stacklevel=4)
+        # 5 frames up: warn_once <- Program.uninit_read <- check_init <- read <- the instruction
+        warnings.warn(message, stacklevel=5)
 
     def abort(self) -> None:
         with self.cond:
@@ -208,6 +205,17 @@ class Program:
         self.op_log.append(op)
         return self.clock
 
+    @property
+    def checks_init(self) -> bool:
+        """False under ``UninitPolicy.IGNORE``: reads of never-written memory are not checked."""
+        return self.config.uninit is not UninitPolicy.IGNORE
+
+    def uninit_read(self, key: str, message: str) -> None:
+        """Report a read of never-written memory: raise under ERROR, warn once per key under WARN."""
+        if self.config.uninit is UninitPolicy.ERROR:
+            raise NkiUninitializedReadError(message)
+        self.run.warn_once(key, message)
+
     def new_record(self, name: str, buffer: str, bytes_pp: int) -> AllocRecord:
         rec = AllocRecord(name, buffer, bytes_pp, self.clock + 0.5, self.clock + 0.5)
         self.records.append(rec)
@@ -216,7 +224,7 @@ class Program:
     def finish_capacity(self) -> None:
         """Sweep allocation lifetimes: peak live bytes per partition; raise past the budget."""
         t = self.target
-        budgets = {"sbuf": t.sbuf_fmax_bytes, "psum": t.psum_num_banks * t.psum_bank_fmax_bytes}
+        budgets = {"sbuf": t.sbuf_fmax_bytes, "psum": t.psum_budget_bytes}
         for buf in ("sbuf", "psum"):
             recs = [r for r in self.records if r.buffer == buf]
             if not recs:

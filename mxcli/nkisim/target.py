@@ -51,6 +51,11 @@ class Target:
         return self.psum_banks
 
     @property
+    def psum_budget_bytes(self) -> int:
+        """Usable PSUM bytes per partition: `psum_num_banks` whole banks."""
+        return self.psum_num_banks * self.psum_bank_fmax_bytes
+
+    @property
     def supports_mx(self) -> bool:
         return self.version >= nc_version.gen4
 

@@ -22,11 +22,7 @@ import numpy as np
 
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, as_dtype, sentinel_fill
-from mxcli.nkisim.errors import (
-    NkiOutOfBoundsError,
-    NkiUninitializedReadError,
-    NkiValidationError,
-)
+from mxcli.nkisim.errors import NkiOutOfBoundsError, NkiValidationError
 
 __all__ = [
     "MemoryRegion",
@@ -102,6 +98,15 @@ class VirtualRegister:
         )
 
     __int__ = __index__
+
+
+def register_or_int(x: Any, what: str) -> int:
+    """The value of an int or a VirtualRegister (its current value); `what` names it in errors."""
+    if isinstance(x, VirtualRegister):
+        return x.value
+    if isinstance(x, (bool, float)) or not isinstance(x, (int, np.integer)):
+        raise NkiValidationError(f"{what} must be an int or a VirtualRegister, got {x!r}")
+    return int(x)
 
 
 def _wrap_i32(v: int) -> int:
@@ -273,11 +278,7 @@ def _new_tensor(
 def _check_address(prog: machine.Program, st: Storage, address: tuple[int, int]) -> None:
     p0, b0 = int(address[0]), int(address[1])
     t = prog.target
-    limit = (
-        t.sbuf_fmax_bytes
-        if st.buffer is MemoryRegion.sbuf
-        else t.psum_num_banks * t.psum_bank_fmax_bytes
-    )
+    limit = t.sbuf_fmax_bytes if st.buffer is MemoryRegion.sbuf else t.psum_budget_bytes
     if p0 < 0 or p0 + st.shape[0] > t.pmax:
         raise NkiValidationError(
             f"nl.ndarray: {st.name or 'tensor'} address partition range [{p0}, {p0 + st.shape[0]}) "
@@ -940,8 +941,7 @@ class Access:
 
     def check_init(self) -> None:
         prog = machine.current()
-        policy = prog.config.uninit
-        if self.st.init is None or policy is machine.UninitPolicy.IGNORE:
+        if self.st.init is None or not prog.checks_init:
             return
         m = self.written_mask()
         if m.all():
@@ -952,9 +952,7 @@ class Access:
             f"(tensor {self.st.name or '<unnamed>'} in {self.st.buffer.value}, first at view index "
             f"{tuple(bad)}; {int((~m).sum())} of {m.size} elements)"
         )
-        if policy is machine.UninitPolicy.ERROR:
-            raise NkiUninitializedReadError(msg)
-        prog.run.warn_once(f"uninit:{self.op}:{self.name}", msg)
+        prog.uninit_read(f"uninit:{self.op}:{self.name}", msg)
 
     def write(self, values: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Store raw elements (already in the storage dtype) and mark them written.

@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -171,8 +169,7 @@ def compare_tensors(
         rep.cosine = float((af @ bf) / (na * nb + 1e-12))
         norm_l2 = float((af - bf).norm()) / (na + nb + 1e-12)
     if nonfinite_bad.any():
-        note = f"{int(nonfinite_bad.sum())} NaN/Inf mismatch(es)"
-        rep.message = f"{rep.message}; {note}" if rep.message else note
+        add_note(rep, f"{int(nonfinite_bad.sum())} NaN/Inf mismatch(es)")
 
     if tol.kind == "exact":
         if mask is None:
@@ -189,18 +186,20 @@ def compare_tensors(
     if tol.kind != "exact":
         if tol.min_cosine is not None and rep.cosine < tol.min_cosine:
             ok = False
-            _note(rep, f"cosine {rep.cosine:.6f} < {tol.min_cosine}")
+            add_note(rep, f"cosine {rep.cosine:.6f} < {tol.min_cosine}")
         if tol.max_norm_l2 is not None and norm_l2 > tol.max_norm_l2:
             ok = False
-            _note(rep, f"normalised L2 {norm_l2:.4g} > {tol.max_norm_l2}")
+            add_note(rep, f"normalised L2 {norm_l2:.4g} > {tol.max_norm_l2}")
     if rep.mismatches and not ok:
-        _note(rep, f"{rep.mismatches} of {rep.numel} elements out of tolerance")
+        add_note(rep, f"{rep.mismatches} of {rep.numel} elements out of tolerance")
     rep.passed = ok
     return rep
 
 
-def _note(rep: TensorReport, text: str) -> None:
-    rep.message = f"{rep.message}; {text}" if rep.message else text
+def add_note(rep: TensorReport, text: str) -> None:
+    """Append ``text`` (when not empty) to the report's message."""
+    if text:
+        rep.message = f"{rep.message}; {text}" if rep.message else text
 
 
 def missing_report(name: str, check: str, where: str) -> TensorReport:

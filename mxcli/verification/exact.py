@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from mxcli.verification.compare import TensorReport, Tolerance, compare_tensors
+from mxcli.verification.compare import TensorReport, Tolerance, add_note, compare_tensors
 
 CHECK = "reference vs exact"
 F64 = torch.float64
@@ -168,8 +168,8 @@ def check_prefill(
     outputs: Mapping[str, torch.Tensor],
 ) -> list[TensorReport]:
     """The reference's prefill outputs against float64 math within MXFP8 bounds (module doc)."""
-    from mxcli.kernels import decode_packed_rows
     from mxcli.mx import ElemFormat
+    from mxcli.verification.policy import decode_packed
 
     ex = prefill_exact(inputs, kwargs)
     y: torch.Tensor = ex["y"]
@@ -178,14 +178,7 @@ def check_prefill(
     w = inputs.get("router_weights")
     E = int(w.shape[1]) if w is not None else None
     pack_aff = bool(kwargs.get("pack_affinities")) and w is not None
-    dec = decode_packed_rows(
-        outputs["norm_quant_packed"],
-        H,
-        pack_scales=bool(kwargs.get("pack_scales", True)),
-        num_experts=E if pack_aff else None,
-        router_act_fn=kwargs.get("router_act_fn", "SIGMOID"),
-        qmx_output_dtype=kwargs.get("qmx_output_dtype", "float8_e4m3fn_x4"),
-    )
+    dec = decode_packed(outputs["norm_quant_packed"], kwargs, H, E if pack_aff else None)
     amax = _group_amax(y)  # [T, H/32]
     bound_rel = _BOUND_REL
     qmx = str(getattr(kwargs.get("qmx_output_dtype"), "value", kwargs.get("qmx_output_dtype")))
@@ -234,7 +227,7 @@ def check_prefill(
                 check=CHECK,
                 mask=ok[:, None],
             )
-            _add_note(rep, note)
+            add_note(rep, note)
             reports.append(rep)
         aff = outputs.get("expert_affinities")
         if aff is None and dec.affinities is not None:
@@ -245,7 +238,7 @@ def check_prefill(
             rep = compare_tensors(
                 aff_name, aff.to(F64), r["affinities"], _AFF_TOL, check=CHECK, mask=ok[:, None]
             )
-            _add_note(rep, note)
+            add_note(rep, note)
             reports.append(rep)
     if "norm_bf16" in outputs:
         reports.append(
@@ -262,11 +255,6 @@ def check_prefill(
             )
         )
     return reports
-
-
-def _add_note(rep: TensorReport, note: str) -> None:
-    if note:
-        rep.message = f"{rep.message}; {note}" if rep.message else note
 
 
 def _bounded(

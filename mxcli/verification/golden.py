@@ -19,7 +19,7 @@ from mxcli.errors import InputError
 from mxcli.tensorio import BWD as BWD_KERNEL
 from mxcli.tensorio import KERNEL_IO, OUTPUTS_FORMAT, kernel_io, read_file, resolve_kwargs
 from mxcli.verification.compare import fail_report
-from mxcli.verification.policy import compare_outputs, profile_for_backend
+from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
 
 CHECK = "output vs golden"
@@ -51,15 +51,9 @@ def compare_files(
                 f"{f.path}: not an output file (format {fmt!r}, expected {OUTPUTS_FORMAT})"
             )
     if profile == "auto":
-        profile = (
-            "hardware"
-            if "hardware"
-            in (
-                profile_for_backend(str(out.metadata.get("backend"))),
-                profile_for_backend(str(gold.metadata.get("backend"))),
-            )
-            else "strict"
-        )
+        backends = (str(f.metadata.get("backend")) for f in (out, gold))
+        hardware = any(profile_for_backend(b) == "hardware" for b in backends)
+        profile = "hardware" if hardware else "strict"
 
     result = CaseResult(case="golden", kernel=kernel or "-")
     result.info.update(
@@ -72,9 +66,7 @@ def compare_files(
     geometry: dict[str, Any] = {}
     if kernel is not None:
         kwargs = resolve_kwargs(kernel_io(kernel), gold.kwargs)
-        geo = gold.meta_json("geometry") or out.meta_json("geometry") or {}
-        if isinstance(geo, Mapping) and geo.get("hidden_size"):
-            geometry = {"hidden": int(geo["hidden_size"]), "num_experts": geo.get("num_experts")}
+        geometry = geometry_args(gold.meta_json("geometry") or out.meta_json("geometry"))
     result.reports += compare_outputs(
         kernel or "", out.tensors, gold.tensors, kwargs, profile=profile, overrides=overrides,
         exact=exact, check=CHECK, **geometry,
@@ -143,7 +135,7 @@ def check_run(
 ) -> CaseResult:
     """``verify OUT --inputs IN``: the outputs of a run against independent exact math of its
     inputs (`mxcli.verification.exact`); the input hashes recorded in OUT must match IN."""
-    from mxcli.tensorio import kernel_io, metadata_kwargs, tensor_sha256
+    from mxcli.tensorio import metadata_kwargs, tensor_sha256
     from mxcli.verification.exact import CHECK as EXACT_CHECK
     from mxcli.verification.exact import check_bwd, check_prefill
 

@@ -112,9 +112,18 @@ def tolerance_for(
     return tol.with_overrides(**ov)
 
 
-def _decode(
+def geometry_args(geometry: Any) -> dict[str, Any]:
+    """`compare_outputs`' ``hidden`` and ``num_experts`` from a recorded ``geometry`` (see
+    `mxcli.tensorio.geometry_metadata`); empty without one."""
+    if isinstance(geometry, Mapping) and geometry.get("hidden_size"):
+        return {"hidden": int(geometry["hidden_size"]), "num_experts": geometry.get("num_experts")}
+    return {}
+
+
+def decode_packed(
     packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
 ) -> Any:
+    """`decode_packed_rows` of prefill output rows, with the layout the kwargs give."""
     from mxcli.kernels import decode_packed_rows
 
     return decode_packed_rows(
@@ -225,8 +234,8 @@ def _compare_packed(
     H, E = hidden, (num_experts if kwargs.get("pack_affinities") else None)
     if H is None:
         H, E = packed_geometry(kwargs, exp)
-    da = _decode(a_bytes, kwargs, H, E)
-    de = _decode(e_bytes, kwargs, H, E)
+    da = decode_packed(a_bytes, kwargs, H, E)
+    de = decode_packed(e_bytes, kwargs, H, E)
     out = []
     for part in ("codes", "scales", "values", "affinities"):
         x, y = getattr(da, part), getattr(de, part)

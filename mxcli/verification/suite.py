@@ -5,32 +5,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from mxcli.errors import MxcliError
-from mxcli.tensorio import BWD, PREFILL, kernel_io, resolve_kwargs, run_kernel
+from mxcli.tensorio import (
+    BWD,
+    PREFILL,
+    geometry_metadata,
+    kernel_io,
+    resolve_backend,
+    resolve_kwargs,
+    run_kernel,
+)
 from mxcli.verification.cases import Case
 from mxcli.verification.exact import check_bwd, check_prefill
-from mxcli.verification.policy import compare_outputs, profile_for_backend
+from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
 
 
 def resolve_backends(backend: str, cases: Sequence[Case]) -> dict[str, str]:
     """The concrete backend per kernel of ``cases``; raises a user error if one cannot run."""
-    from mxcli.kernels import backends
-    from mxcli.tensorio import kernel_api
-
-    out: dict[str, str] = {}
-    for kernel in sorted({c.kernel for c in cases}):
-        kernel_api(kernel)
-        name = backends.resolve_name(kernel, backend)
-        reason = backends.unavailable_reason(kernel, name)
-        if reason is not None:
-            raise backends.BackendUnavailableError(
-                f"backend: {name!r} cannot run {kernel} here: {reason}"
-            )
-        out[kernel] = name
-    return out
+    return {
+        kernel: resolve_backend(kernel, backend) for kernel in sorted({c.kernel for c in cases})
+    }
 
 
 def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
@@ -43,7 +39,7 @@ def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
         kwargs = resolve_kwargs(io, inputs.kwargs)
         ref = run_kernel(case.kernel, inputs.tensors, kwargs, backend="reference", device=device)
         result.info["reference_s"] = round(ref.seconds, 4)
-        geometry = _geometry(case.kernel, inputs.tensors)
+        geometry = geometry_args(geometry_metadata(case.kernel, inputs.tensors).get("geometry"))
         if backend != "reference":
             got = run_kernel(case.kernel, inputs.tensors, kwargs, backend=backend)
             result.info[f"{backend}_s"] = round(got.seconds, 4)
@@ -72,16 +68,6 @@ def _traceback() -> str:
     import traceback
 
     return traceback.format_exc(limit=8)
-
-
-def _geometry(kernel: str, tensors: dict[str, Any]) -> dict[str, Any]:
-    if kernel != PREFILL:
-        return {}
-    w = tensors.get("router_weights")
-    return {
-        "hidden": int(tensors["hidden_states"].shape[-1]),
-        "num_experts": int(w.shape[1]) if w is not None else None,
-    }
 
 
 def run_suite(

@@ -52,6 +52,19 @@ class RouterSpec:
     notes: tuple[str, ...] = ()
     bwd_notes: tuple[str, ...] = ()
 
+    def to_dict(self) -> dict[str, Any]:
+        """The manifest's and the plan's ``router`` entry."""
+        return {
+            "act_fn": self.act_fn,
+            "top_k": self.top_k,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "exact": self.exact,
+            "notes": list(self.notes),
+            "backward_notes": list(self.bwd_notes),
+        }
+
 
 # -- expert layouts on disk ---------------------------------------------------------------------
 

@@ -291,7 +291,6 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         m = self.model
-        r = m.router
         return {
             "source": str(self.source),
             "family": m.family.name,
@@ -314,16 +313,7 @@ class Plan:
                 "threads": self.options.threads_per_worker(),
                 "check": self.options.check,
             },
-            "router": {
-                "act_fn": r.act_fn,
-                "top_k": r.top_k,
-                "n_group": r.n_group,
-                "topk_group": r.topk_group,
-                "routed_scaling_factor": r.routed_scaling_factor,
-                "exact": r.exact,
-                "notes": list(r.notes),
-                "backward_notes": list(r.bwd_notes),
-            },
+            "router": m.router.to_dict(),
             "ranks": [rk.to_dict() for rk in self.ranks],
             "outputs_per_layer": {
                 rk.dir: [o.to_dict() for o in outs]

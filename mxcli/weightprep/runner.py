@@ -96,7 +96,6 @@ class SourceHasher(threading.Thread):
 
 def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[str, Any]:
     m = plan.model
-    r = m.router
     return {
         "format": FORMAT,
         "schema_version": SCHEMA_VERSION,
@@ -122,16 +121,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "top_k": int(m.values["top_k"]),
         },
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
-        "router": {
-            "act_fn": r.act_fn,
-            "top_k": r.top_k,
-            "n_group": r.n_group,
-            "topk_group": r.topk_group,
-            "routed_scaling_factor": r.routed_scaling_factor,
-            "exact": r.exact,
-            "notes": list(r.notes),
-            "backward_notes": list(r.bwd_notes),
-        },
+        "router": m.router.to_dict(),
         "notes": list(plan.notes),
         "ranks": [rk.to_dict() for rk in plan.ranks],
         "layers": {},

@@ -68,3 +68,19 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_demo_rerun_needs_force(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from mxcli.cli import app
+
+    out = tmp_path / "demo"
+    args = ["demo", "--out", str(out), "--models", "qwen3_moe", "--tokens", "128", "--quiet"]
+    runner = CliRunner()
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "--force" in again.output
+    forced = runner.invoke(app, [*args, "--force"])
+    assert forced.exit_code == 0, forced.output

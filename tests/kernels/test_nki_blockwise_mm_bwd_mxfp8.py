@@ -12,7 +12,6 @@ It is far tighter than the MXFP8 error itself: a wrong quantization group moves 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +35,11 @@ from mxcli.kernels.blockwise_moe.config import AffinityOption
 from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
 from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
+from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
 KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"
 NAMES = ("hidden_states_grad", "affinity_grad", "gate_up_grad", "down_grad", "bias_gu", "bias_d")
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a32, b32 = a.float(), b.float()
-    return float((a32 - b32).norm() / b32.norm().clamp_min(1e-30))
 
 
 def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
@@ -279,20 +274,9 @@ def test_neuron_backend_lists_what_is_missing() -> None:
 def test_kernel_source_is_plain_nki() -> None:
     """The kernel imports the real NKI modules (never the interpreter) and calls only ISA ops
     of the api spec §10 checklist for the MoE backward."""
-    tree = ast.parse(KERNEL_FILE.read_text())
-    imported: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
+    imported, used = kernel_source_usage(KERNEL_FILE)
     assert {"nki", "nki.isa", "nki.language"} <= imported
     assert not any("nkisim" in m for m in imported)
-    used = {
-        n.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "nisa"
-    }
     allowed = {
         "dma_copy", "nc_transpose", "tensor_copy", "tensor_tensor", "tensor_scalar",
         "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",

@@ -10,7 +10,6 @@ the tests demand bit equality.
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,15 +29,11 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
 )
 from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, launch_sim, run_sim
 from mxcli.mx import fake_quantize_mx
+from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 A = RouterActFnType
 REL_L2 = 1e-3  # fp32 accumulation order / transcendental approximations (module docstring)
 KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py"
-
-
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    a32, b32 = a.float(), b.float()
-    return float((a32 - b32).norm() / b32.norm().clamp_min(1e-30))
 
 
 def make_case(
@@ -385,20 +380,9 @@ _NISA_ALLOWED = {
 def test_kernel_source_is_plain_nki() -> None:
     """The kernel imports only the real NKI modules (never the interpreter) and calls only ISA
     ops of the documented subset (api spec §10)."""
-    tree = ast.parse(KERNEL_FILE.read_text())
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
+    imported, used = kernel_source_usage(KERNEL_FILE)
     assert {"nki", "nki.isa", "nki.language"} <= imported
     assert not any("nkisim" in m for m in imported)
-    used = {
-        n.attr
-        for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "nisa"
-    }
     assert used <= _NISA_ALLOWED, used - _NISA_ALLOWED
 
 

@@ -64,6 +64,21 @@ def check_block_size(block_size: Any) -> int:
     return block_size
 
 
+def check_block_plan(tpi: torch.Tensor, b2e: torch.Tensor, B: int) -> int:
+    """``token_position_to_id [N*B]`` and ``block_to_expert [N, 1]``, both integer; returns N."""
+    check_rank("token_position_to_id", tpi, 1, "(N*B,)")
+    check_int("token_position_to_id", tpi)
+    if tpi.numel() % B:
+        raise BwdValidationError(
+            f"token_position_to_id: expected a length that is a multiple of block_size={B}, "
+            f"got {tpi.numel()}"
+        )
+    N = tpi.numel() // B
+    check_shape("block_to_expert", b2e, (N, 1))
+    check_int("block_to_expert", b2e)
+    return N
+
+
 def valid_token_count(num_valid_tokens: Any, T: int) -> int:
     """``num_valid_tokens`` ([1] int32 tensor or int) clamped to ``[0, T]`` (API reference)."""
     if isinstance(num_valid_tokens, bool):

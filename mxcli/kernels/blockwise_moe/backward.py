@@ -38,7 +38,14 @@ from mxcli.kernels.blockwise_moe.numerics import (
 from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, dequantize_weight_x4, scale_rows
 from mxcli.mx import QuantScheme, group_order
 
-__all__ = ["KERNEL_NAME", "blockwise_mm_bwd_mxfp8", "blockwise_mm_bwd_mxfp8_reference"]
+__all__ = [
+    "KERNEL_NAME",
+    "BwdInputs",
+    "blockwise_mm_bwd_mxfp8",
+    "blockwise_mm_bwd_mxfp8_reference",
+    "check_inputs",
+    "check_launch_rules",
+]
 
 KERNEL_NAME = "blockwise_mm_bwd_mxfp8"
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -199,65 +206,15 @@ def blockwise_mm_bwd_mxfp8_reference(
     p1, p2, p3, p4 = cfg.phase_configs()
 
     # ---- tensors and dimensions (spec §10 "Inputs") ---------------------------------------
-    B = ck.check_block_size(block_size)
-    x = ck.tensor("hidden_states", hidden_states)
-    dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
-    ea = ck.tensor("expert_affinities_masked", expert_affinities_masked)
-    wgu = ck.tensor("gate_up_proj_weight", gate_up_proj_weight)
-    wd = ck.tensor("down_proj_weight", down_proj_weight)
-    tpi = ck.tensor("token_position_to_id", token_position_to_id)
-    b2e = ck.tensor("block_to_expert", block_to_expert)
-    assert x is not None and dy is not None and ea is not None and wgu is not None
-    assert wd is not None and tpi is not None and b2e is not None
-    ck.check_rank("hidden_states", x, 2, "(T, H)")
-    ck.check_float("hidden_states", x, act_dtypes)
-    T, H = x.shape
-    ck.check_shape("output_hidden_states_grad", dy, (T, H))
-    ck.check_float("output_hidden_states_grad", dy, act_dtypes)
+    inp = check_inputs(
+        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
+        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
+        gate_up_weight_scales, down_weight_scales, cfg, act_dtypes,
+    )  # fmt: skip
+    x, dy, ea, wgu, wd, tpi, b2e = inp.x, inp.dy, inp.ea, inp.wgu, inp.wd, inp.tpi, inp.b2e
+    gu_s, d_s = inp.gu_scales, inp.d_scales
+    B, T, H, E, I, N = inp.B, inp.T, inp.H, inp.E, inp.I, inp.N  # noqa: E741
     dev = x.device
-
-    gu_s = ck.tensor("gate_up_weight_scales", gate_up_weight_scales, required=False)
-    d_s = ck.tensor("down_weight_scales", down_weight_scales, required=False)
-    ck.check_rank("down_proj_weight", wd, 3, "(E, I, H) or pre-quantized (E, H/4, I)")
-    E = wd.shape[0]
-    if d_s is None:
-        ck.check_float("down_proj_weight", wd, None)
-        I = wd.shape[1]  # noqa: E741 (spec notation I = I_TP)
-        ck.check_shape("down_proj_weight", wd, (E, I, H))
-    else:
-        I = wd.shape[2]  # noqa: E741 (spec notation I = I_TP)
-        _check_prequant("down_proj_weight", wd, (E, H // 4, I))
-    if H % 128 or H == 0:
-        raise BwdValidationError(f"hidden_states: expected H a positive multiple of 128, got {H}")
-    if I % 128 or I == 0:
-        raise BwdValidationError(
-            f"down_proj_weight: expected I a positive multiple of 128, got {I}"
-        )
-    d_layout = ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED
-    gu_layout = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
-    if d_s is not None:
-        _check_scales("down_weight_scales", d_s)
-        ck.check_shape("down_weight_scales", d_s, (E, scale_rows(H, d_layout), I))
-    if gu_s is None:
-        ck.check_float("gate_up_proj_weight", wgu, None)
-        ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
-    else:
-        _check_prequant("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
-        _check_scales("gate_up_weight_scales", gu_s)
-        ck.check_shape("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, gu_layout), H))
-
-    ck.check_rank("token_position_to_id", tpi, 1, "(N*B,)")
-    ck.check_int("token_position_to_id", tpi)
-    if tpi.numel() % B:
-        raise BwdValidationError(
-            f"token_position_to_id: expected a length that is a multiple of block_size={B}, "
-            f"got {tpi.numel()}"
-        )
-    N = tpi.numel() // B
-    ck.check_shape("block_to_expert", b2e, (N, 1))
-    ck.check_int("block_to_expert", b2e)
-    ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
-    ck.check_float("expert_affinities_masked", ea, None)
 
     ckpt_gu = ck.tensor("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T, False)
     ckpt_act = ck.tensor("gate_act_checkpoint_T", gate_act_checkpoint_T, False)
@@ -277,34 +234,8 @@ def blockwise_mm_bwd_mxfp8_reference(
     _check_combinations(cfg, on_i, ckpt_gu, ckpt_act, ckpt_h, ckpt_s, ckpt_dys, gu_s)
 
     # ---- path rules (spec §10 config/launch, §9) ---------------------------------------------
-    if E > 1:
-        for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
-            if getattr(cfg, f) is SwizzleMode.PE:
-                raise BwdValidationError(f"{f}: PE requires E == 1, got E={E}; use SwizzleMode.DGT")
-    nv: int | None = None
-    if num_valid_tokens is not None:
-        if not cfg.single_expert_dense:
-            raise BwdValidationError(
-                "num_valid_tokens: requires config.single_expert_dense=True, got False"
-            )
-        if ckpt_s is not None:
-            raise BwdValidationError(
-                "num_valid_tokens: unsupported with scaled_intermediate_checkpoint_T, got both"
-            )
-        nv = ck.valid_token_count(num_valid_tokens, T)
+    nv = check_launch_rules(cfg, inp, num_valid_tokens, ckpt_s is not None)
     if cfg.single_expert_dense:
-        if E != 1:
-            raise BwdValidationError(
-                f"down_proj_weight: single_expert_dense requires E == 1, got E={E}"
-            )
-        if T % B:
-            raise BwdValidationError(
-                f"hidden_states: single_expert_dense requires T % block_size == 0, got T={T}, B={B}"
-            )
-        if N != T // B:
-            raise BwdValidationError(
-                f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
-            )
         # §3.4: the routing tensors are not read; block b is tokens b·B … b·B+B−1.
         tpi_used = torch.arange(T, dtype=torch.int64, device=dev)
         if nv is not None:  # positions >= count are padding (see the public docstring)
@@ -312,17 +243,6 @@ def blockwise_mm_bwd_mxfp8_reference(
         b2e_used = torch.zeros(N, dtype=torch.int64, device=dev)
     else:
         tpi_used, b2e_used = tpi, b2e
-        if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
-            raise BwdValidationError(
-                f"block_to_expert: expected expert ids in [0, {E}), got "
-                f"[{int(b2e.min())}, {int(b2e.max())}]"
-            )
-        has_pad = bool(((tpi < 0) | (tpi >= T)).any())
-        if has_pad and not cfg.effective_skip_dma.skip_token:
-            raise BwdValidationError(
-                "token_position_to_id: padding ids outside [0, T) need "
-                "config.skip_dma=SkipMode(skip_token=True), got skip_token=False"
-            )
     plan = ck.BlockPlan.make(tpi_used, b2e_used, T, B, dev)
 
     # ---- groupings and weights -------------------------------------------------------------
@@ -331,7 +251,7 @@ def blockwise_mm_bwd_mxfp8_reference(
     g3 = Grouping.for_phase(p3, B)  # contraction B (tokens)
     g4 = Grouping.for_phase(p4, B)
     g_fwd = Grouping.for_phase(p1)  # G/U recompute: the forward's projection over H
-    W = _Weights(wgu, wd, gu_s, d_s, g1, g2, g_fwd, gu_layout, d_layout, H, I, nm)
+    W = _Weights(wgu, wd, gu_s, d_s, g1, g2, g_fwd, inp.gu_layout, inp.d_layout, H, I, nm)
 
     # ---- outputs (spec §4.3: zero-initialised; dense writes every entry it defines) --------
     sd = nm.store_dtype
@@ -487,6 +407,154 @@ def blockwise_mm_bwd_mxfp8_reference(
     return tuple(t.contiguous() if t.dtype == torch.float32 else t for t in outputs)
 
 
+@dataclass
+class BwdInputs:
+    """The input tensors of one call (as torch tensors) and its dimensions, checked against
+    bwd spec §10 "Inputs" by `check_inputs`."""
+
+    x: torch.Tensor
+    dy: torch.Tensor
+    ea: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+    tpi: torch.Tensor
+    b2e: torch.Tensor
+    gu_scales: torch.Tensor | None
+    d_scales: torch.Tensor | None
+    B: int
+    T: int
+    H: int
+    E: int
+    I: int  # noqa: E741 (spec notation I = I_TP)
+    N: int
+    gu_layout: ScaleLayout  # scale layout of a pre-quantized gate/up weight (phase 2)
+    d_layout: ScaleLayout  # ... of a pre-quantized down weight (phase 1)
+
+
+def check_inputs(
+    hidden_states: Any,
+    expert_affinities_masked: Any,
+    gate_up_proj_weight: Any,
+    down_proj_weight: Any,
+    token_position_to_id: Any,
+    block_to_expert: Any,
+    output_hidden_states_grad: Any,
+    block_size: Any,
+    gate_up_weight_scales: Any,
+    down_weight_scales: Any,
+    cfg: MXFP8MOEBwdConfig,
+    act_dtypes: tuple[torch.dtype, ...] | None,
+) -> BwdInputs:
+    """The required tensors, weights and scales against bwd spec §10 "Inputs" (checkpoints
+    excepted); `act_dtypes`: the allowed activation dtypes (None: any floating dtype).
+
+    Shared by the reference and the NKI backends' host-side checks (same rules and messages)."""
+    B = ck.check_block_size(block_size)
+    x = ck.tensor("hidden_states", hidden_states)
+    dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
+    ea = ck.tensor("expert_affinities_masked", expert_affinities_masked)
+    wgu = ck.tensor("gate_up_proj_weight", gate_up_proj_weight)
+    wd = ck.tensor("down_proj_weight", down_proj_weight)
+    tpi = ck.tensor("token_position_to_id", token_position_to_id)
+    b2e = ck.tensor("block_to_expert", block_to_expert)
+    assert x is not None and dy is not None and ea is not None and wgu is not None
+    assert wd is not None and tpi is not None and b2e is not None
+    ck.check_rank("hidden_states", x, 2, "(T, H)")
+    ck.check_float("hidden_states", x, act_dtypes)
+    T, H = x.shape
+    ck.check_shape("output_hidden_states_grad", dy, (T, H))
+    ck.check_float("output_hidden_states_grad", dy, act_dtypes)
+
+    gu_s = ck.tensor("gate_up_weight_scales", gate_up_weight_scales, required=False)
+    d_s = ck.tensor("down_weight_scales", down_weight_scales, required=False)
+    ck.check_rank("down_proj_weight", wd, 3, "(E, I, H) or pre-quantized (E, H/4, I)")
+    E = wd.shape[0]
+    if d_s is None:
+        ck.check_float("down_proj_weight", wd, None)
+        I = wd.shape[1]  # noqa: E741 (spec notation I = I_TP)
+        ck.check_shape("down_proj_weight", wd, (E, I, H))
+    else:
+        I = wd.shape[2]  # noqa: E741 (spec notation I = I_TP)
+        _check_prequant("down_proj_weight", wd, (E, H // 4, I))
+    if H % 128 or H == 0:
+        raise BwdValidationError(f"hidden_states: expected H a positive multiple of 128, got {H}")
+    if I % 128 or I == 0:
+        raise BwdValidationError(
+            f"down_proj_weight: expected I a positive multiple of 128, got {I}"
+        )
+    p1, p2 = cfg.phase1_config, cfg.phase2_config
+    assert p1 is not None and p2 is not None
+    d_layout = ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED
+    gu_layout = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
+    if d_s is not None:
+        _check_scales("down_weight_scales", d_s, (E, scale_rows(H, d_layout), I))
+    if gu_s is None:
+        ck.check_float("gate_up_proj_weight", wgu, None)
+        ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
+    else:
+        _check_prequant("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
+        _check_scales("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, gu_layout), H))
+
+    N = ck.check_block_plan(tpi, b2e, B)
+    ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
+    ck.check_float("expert_affinities_masked", ea, None)
+    return BwdInputs(x, dy, ea, wgu, wd, tpi, b2e, gu_s, d_s, B, T, H, E, I, N, gu_layout, d_layout)
+
+
+def check_launch_rules(
+    cfg: MXFP8MOEBwdConfig,
+    inp: BwdInputs,
+    num_valid_tokens: Any,
+    has_scaled_intermediate_checkpoint: bool,
+) -> int | None:
+    """The path rules of bwd spec §10 (config/launch) and §9, including the data-dependent
+    ones (expert ids in range, padding ids need ``skip_token``). Returns ``num_valid_tokens``
+    clamped to ``[0, T]`` (None when not given)."""
+    E, T, B, N = inp.E, inp.T, inp.B, inp.N
+    if E > 1:
+        for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
+            if getattr(cfg, f) is SwizzleMode.PE:
+                raise BwdValidationError(f"{f}: PE requires E == 1, got E={E}; use SwizzleMode.DGT")
+    nv: int | None = None
+    if num_valid_tokens is not None:
+        if not cfg.single_expert_dense:
+            raise BwdValidationError(
+                "num_valid_tokens: requires config.single_expert_dense=True, got False"
+            )
+        if has_scaled_intermediate_checkpoint:
+            raise BwdValidationError(
+                "num_valid_tokens: unsupported with scaled_intermediate_checkpoint_T, got both"
+            )
+        nv = ck.valid_token_count(num_valid_tokens, T)
+    if cfg.single_expert_dense:
+        if E != 1:
+            raise BwdValidationError(
+                f"down_proj_weight: single_expert_dense requires E == 1, got E={E}"
+            )
+        if T % B:
+            raise BwdValidationError(
+                f"hidden_states: single_expert_dense requires T % block_size == 0, got T={T}, B={B}"
+            )
+        if N != T // B:
+            raise BwdValidationError(
+                f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
+            )
+        return nv
+    b2e, tpi = inp.b2e, inp.tpi
+    if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
+        raise BwdValidationError(
+            f"block_to_expert: expected expert ids in [0, {E}), got "
+            f"[{int(b2e.min())}, {int(b2e.max())}]"
+        )
+    has_pad = bool(((tpi < 0) | (tpi >= T)).any())
+    if has_pad and not cfg.effective_skip_dma.skip_token:
+        raise BwdValidationError(
+            "token_position_to_id: padding ids outside [0, T) need "
+            "config.skip_dma=SkipMode(skip_token=True), got skip_token=False"
+        )
+    return nv
+
+
 def _check_prequant(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if t.dtype not in (torch.uint32, torch.int32):
         raise BwdValidationError(
@@ -495,9 +563,10 @@ def _check_prequant(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     ck.check_shape(name, t, shape)
 
 
-def _check_scales(name: str, t: torch.Tensor) -> None:
+def _check_scales(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
     if t.dtype not in (torch.uint8, torch.float8_e8m0fnu):
         raise BwdValidationError(f"{name}: expected dtype uint8 (E8M0 bytes), got {t.dtype}")
+    ck.check_shape(name, t, shape)
 
 
 def _check_combinations(

@@ -164,16 +164,7 @@ def blockwise_mm_fwd_mxfp8(
         E, I = wd.shape[0], wd.shape[1]  # noqa: E741 (spec notation I = I_TP)
         ck.check_shape("down_proj_weight", wd, (E, I, H))
         ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
-    ck.check_rank("token_position_to_id", tpi, 1, "(N*B,)")
-    ck.check_int("token_position_to_id", tpi)
-    if tpi.numel() % B:
-        raise BwdValidationError(
-            f"token_position_to_id: expected a length that is a multiple of block_size={B}, "
-            f"got {tpi.numel()}"
-        )
-    N = tpi.numel() // B
-    ck.check_shape("block_to_expert", b2e, (N, 1))
-    ck.check_int("block_to_expert", b2e)
+    N = ck.check_block_plan(tpi, b2e, B)
     if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
         raise BwdValidationError(
             f"block_to_expert: expected expert ids in [0, {E}), got [{int(b2e.min())}, {int(b2e.max())}]"

@@ -20,8 +20,8 @@ import torch
 
 from mxcli.kernels import nki_runtime
 from mxcli.kernels.blockwise_moe import _checks as ck
-from mxcli.kernels.blockwise_moe.config import BwdValidationError, MXFP8MOEBwdConfig, SwizzleMode
-from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, scale_rows
+from mxcli.kernels.blockwise_moe.backward import check_inputs, check_launch_rules
+from mxcli.kernels.blockwise_moe.config import BwdValidationError, MXFP8MOEBwdConfig
 from mxcli.kernels.nki_runtime import SimEngine, SimResult
 
 __all__ = ["KERNEL", "launch_sim", "prepare", "run_neuron", "run_sim"]
@@ -49,119 +49,24 @@ _NAMES = (
 )
 
 
-def _validate(kw: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> None:
-    """The reference's input rules (bwd spec §10) on the host, before any launch."""
-    B = ck.check_block_size(kw["block_size"])
-    x = ck.tensor("hidden_states", kw["hidden_states"])
-    dy = ck.tensor("output_hidden_states_grad", kw["output_hidden_states_grad"])
-    ea = ck.tensor("expert_affinities_masked", kw["expert_affinities_masked"])
-    wgu = ck.tensor("gate_up_proj_weight", kw["gate_up_proj_weight"])
-    wd = ck.tensor("down_proj_weight", kw["down_proj_weight"])
-    tpi = ck.tensor("token_position_to_id", kw["token_position_to_id"])
-    b2e = ck.tensor("block_to_expert", kw["block_to_expert"])
-    assert x is not None and dy is not None and ea is not None and wgu is not None
-    assert wd is not None and tpi is not None and b2e is not None
-    ck.check_rank("hidden_states", x, 2, "(T, H)")
-    ck.check_float("hidden_states", x, _ACT_DTYPES)
-    T, H = x.shape
-    ck.check_shape("output_hidden_states_grad", dy, (T, H))
-    ck.check_float("output_hidden_states_grad", dy, _ACT_DTYPES)
-    gu_s = ck.tensor("gate_up_weight_scales", kw["gate_up_weight_scales"], required=False)
-    d_s = ck.tensor("down_weight_scales", kw["down_weight_scales"], required=False)
-    ck.check_rank("down_proj_weight", wd, 3, "(E, I, H) or pre-quantized (E, H/4, I)")
-    E = wd.shape[0]
-    p1, p2 = cfg.phase1_config, cfg.phase2_config
-    assert p1 is not None and p2 is not None
-    if d_s is None:
-        ck.check_float("down_proj_weight", wd, None)
-        I = wd.shape[1]  # noqa: E741
-        ck.check_shape("down_proj_weight", wd, (E, I, H))
-    else:
-        I = wd.shape[2]  # noqa: E741
-        _check_x4("down_proj_weight", wd, (E, H // 4, I))
-    if H % 128 or H == 0:
-        raise BwdValidationError(f"hidden_states: expected H a positive multiple of 128, got {H}")
-    if I % 128 or I == 0:
-        raise BwdValidationError(
-            f"down_proj_weight: expected I a positive multiple of 128, got {I}"
-        )
-    if d_s is not None:
-        lay = ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED
-        _check_scales("down_weight_scales", d_s, (E, scale_rows(H, lay), I))
-    if gu_s is None:
-        ck.check_float("gate_up_proj_weight", wgu, None)
-        ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
-    else:
-        _check_x4("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
-        lay = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
-        _check_scales("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, lay), H))
-    ck.check_rank("token_position_to_id", tpi, 1, "(N*B,)")
-    ck.check_int("token_position_to_id", tpi)
-    if tpi.numel() % B:
-        raise BwdValidationError(
-            f"token_position_to_id: expected a length that is a multiple of block_size={B}, "
-            f"got {tpi.numel()}"
-        )
-    N = tpi.numel() // B
-    ck.check_shape("block_to_expert", b2e, (N, 1))
-    ck.check_int("block_to_expert", b2e)
-    ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
-    ck.check_float("expert_affinities_masked", ea, None)
-    ckpt = ck.tensor("gate_up_proj_act_checkpoint_T", kw["gate_up_proj_act_checkpoint_T"], False)
+def _validate(kw: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> torch.device:
+    """The reference's input rules (bwd spec §10) on the host, before any launch; the device
+    of ``hidden_states``."""
+    inp = check_inputs(
+        kw["hidden_states"], kw["expert_affinities_masked"], kw["gate_up_proj_weight"],
+        kw["down_proj_weight"], kw["token_position_to_id"], kw["block_to_expert"],
+        kw["output_hidden_states_grad"], kw["block_size"], kw["gate_up_weight_scales"],
+        kw["down_weight_scales"], cfg, _ACT_DTYPES,
+    )  # fmt: skip
+    name = "gate_up_proj_act_checkpoint_T"
+    ckpt = ck.tensor(name, kw[name], False)
     if ckpt is not None:
-        ck.check_shape("gate_up_proj_act_checkpoint_T", ckpt, (N, 2, I, B))
-        ck.check_float("gate_up_proj_act_checkpoint_T", ckpt, _ACT_DTYPES)
-    if E > 1:
-        for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
-            if getattr(cfg, f) is SwizzleMode.PE:
-                raise BwdValidationError(f"{f}: PE requires E == 1, got E={E}; use SwizzleMode.DGT")
-    if kw["num_valid_tokens"] is not None:
-        if not cfg.single_expert_dense:
-            raise BwdValidationError(
-                "num_valid_tokens: requires config.single_expert_dense=True, got False"
-            )
-        if kw["scaled_intermediate_checkpoint_T"] is not None:
-            raise BwdValidationError(
-                "num_valid_tokens: unsupported with scaled_intermediate_checkpoint_T, got both"
-            )
-        ck.valid_token_count(kw["num_valid_tokens"], T)
-    if cfg.single_expert_dense:
-        if E != 1:
-            raise BwdValidationError(
-                f"down_proj_weight: single_expert_dense requires E == 1, got E={E}"
-            )
-        if T % B:
-            raise BwdValidationError(
-                f"hidden_states: single_expert_dense requires T % block_size == 0, got T={T}, B={B}"
-            )
-        if N != T // B:
-            raise BwdValidationError(
-                f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
-            )
-        return
-    if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
-        raise BwdValidationError(
-            f"block_to_expert: expected expert ids in [0, {E}), got [{int(b2e.min())}, {int(b2e.max())}]"
-        )
-    if bool(((tpi < 0) | (tpi >= T)).any()) and not cfg.effective_skip_dma.skip_token:
-        raise BwdValidationError(
-            "token_position_to_id: padding ids outside [0, T) need "
-            "config.skip_dma=SkipMode(skip_token=True), got skip_token=False"
-        )
-
-
-def _check_x4(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype not in (torch.uint32, torch.int32):
-        raise BwdValidationError(
-            f"{name}: pre-quantized (scales given) data must be x4 uint32/int32 words, got {t.dtype}"
-        )
-    ck.check_shape(name, t, shape)
-
-
-def _check_scales(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise BwdValidationError(f"{name}: expected dtype uint8 (E8M0 bytes), got {t.dtype}")
-    ck.check_shape(name, t, shape)
+        ck.check_shape(name, ckpt, (inp.N, 2, inp.I, inp.B))
+        ck.check_float(name, ckpt, _ACT_DTYPES)
+    check_launch_rules(
+        cfg, inp, kw["num_valid_tokens"], kw["scaled_intermediate_checkpoint_T"] is not None
+    )
+    return inp.x.device
 
 
 def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
@@ -191,8 +96,7 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
         raise BwdValidationError(f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}")
     cfg.validate()
     kw["config"] = cfg
-    _validate(kw, cfg)
-    device = ck.tensor("hidden_states", kw["hidden_states"]).device  # type: ignore[union-attr]
+    device = _validate(kw, cfg)
     out: dict[str, Any] = {}
     for k in _NAMES:
         v = kw[k]
@@ -304,13 +208,7 @@ def run_neuron(
     ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError` listing what is
     missing (SDK packages, device) before touching any of it.
     """
-    reason = nki_runtime.neuron_unavailable_reason()
-    if reason is not None:
-        from mxcli.kernels.backends import BackendUnavailableError
-
-        raise BackendUnavailableError(
-            f"backend: 'neuron' cannot run blockwise_mm_bwd_mxfp8 here: {reason}"
-        )
+    nki_runtime.require_neuron("blockwise_mm_bwd_mxfp8")  # before validating anything
     kw, device = prepare(
         hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
         token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,

@@ -15,7 +15,7 @@ import torch
 
 from mxcli.kernels import nki_runtime
 from mxcli.kernels.nki_runtime import DTypeName, SimEngine, SimResult
-from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
+from mxcli.kernels.rmsnorm_mx_prefill.contract import RouterActFnType, validate
 
 KERNEL = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel"
 
@@ -38,7 +38,7 @@ def _prepare(
     residual: torch.Tensor | None,
     emit_norm_bf16: bool,
     hidden_interleaved: bool,
-) -> tuple[PrefillConfig, list[Any]]:
+) -> list[Any]:
     """Validate (prefill spec §2.3) and build the kernel's positional arguments."""
     cfg = validate(
         hidden_states,
@@ -59,7 +59,7 @@ def _prepare(
         emit_norm_bf16,
         hidden_interleaved,
     )
-    args = [
+    return [
         hidden_states,
         gamma,
         router_weights,
@@ -78,7 +78,6 @@ def _prepare(
         cfg.emit_norm_bf16,
         cfg.hidden_interleaved,
     ]
-    return cfg, args
 
 
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -119,7 +118,7 @@ def launch_sim(
     `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every hardware
     rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are zeros).
     """
-    _, args = _prepare(
+    args = _prepare(
         hidden_states,
         gamma,
         router_weights,
@@ -229,7 +228,7 @@ def run_neuron(
     `lnc` defaults to ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError`
     naming what is missing when the Neuron SDK or a device is absent.
     """
-    _, args = _prepare(
+    args = _prepare(
         hidden_states,
         gamma,
         router_weights,

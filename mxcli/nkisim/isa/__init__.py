@@ -6,7 +6,7 @@ from typing import Any
 
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.isa import constants
-from mxcli.nkisim.isa._common import NkiInstruction, isa_op
+from mxcli.nkisim.isa._common import NkiInstruction
 from mxcli.nkisim.isa.control import (
     get_nc_sub_version,
     get_nc_version,
@@ -25,9 +25,7 @@ from mxcli.nkisim.isa.enums import (
     oob_mode,
     reduce_cmd,
 )
-from mxcli.nkisim.isa.pe import nc_matmul, nc_transpose
-from mxcli.nkisim.isa.pe import nc_matmul_mx as _nc_matmul_mx
-from mxcli.nkisim.isa.pe import quantize_mx as _quantize_mx
+from mxcli.nkisim.isa.pe import nc_matmul, nc_matmul_mx, nc_transpose, quantize_mx
 from mxcli.nkisim.isa.vector import (
     activate2,
     activation,
@@ -47,9 +45,6 @@ from mxcli.nkisim.isa.vector import (
     topk,
 )
 from mxcli.nkisim.tensor import VirtualRegister
-
-nc_matmul_mx = isa_op()(_nc_matmul_mx)
-quantize_mx = isa_op()(_quantize_mx)
 
 # deprecated engine aliases still used by 2.32 kernels (api spec §1)
 tensor_engine = engine.tensor

@@ -12,7 +12,7 @@ import numpy as np
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, from_fp32
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa.enums import engine
+from mxcli.nkisim.isa.enums import as_enum, engine
 from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.tensor import Access, MemoryRegion, NkiTensor, resolve
 
@@ -116,11 +116,48 @@ def no_psum(op: str, eng: str, *accs: Access) -> None:
             )
 
 
+def elementwise_operands(
+    op: str, dst: Any, *srcs: tuple[str, Any], engine_name: str | None = None
+) -> tuple[Access, ...]:
+    """Resolve the on-chip ``(name, tensor)`` sources and dst of an element-wise instruction and
+    apply api spec §5.3 rules 1-2 (<= 128 partitions each; every operand has the first source's
+    geometry). On the gpsimd engine no operand may be in PSUM. Returns ``(*srcs, dst)``."""
+    accs = [operand(op, name, t) for name, t in srcs]
+    accs.append(operand(op, "dst", dst))
+    if engine_name == "gpsimd":
+        no_psum(op, engine_name, *accs)
+    for a in accs:
+        check_parts(op, a)
+    for other in accs[1:]:
+        check_same_geometry(op, accs[0], other)
+    return tuple(accs)
+
+
+def skip_arithmetic(prog: machine.Program, dst: Access, *reads: Access) -> bool:
+    """Check-only mode with a non-integer dst: init-check the reads, mark dst written (zeros) and
+    return True so the caller skips the arithmetic. Integer results (indices, masks) are always
+    computed."""
+    if prog.compute or is_int_dtype(dst.dtype):
+        return False
+    for r in reads:
+        r.check_init()
+    dst.write_zero()
+    return True
+
+
 def store_f32(dst: Access, values: np.ndarray) -> None:
     """Round fp32 results once to dst's dtype (RNE) and write them (api spec §2.4)."""
     if dst.dtype.kind == "x4":
         raise dst.err(f"dtype {dst.dtype} cannot receive computed values (x4 data: MX ops only)")
     dst.write(from_fp32(np.asarray(values, dtype=np.float32).reshape(dst.shape), dst.dtype))
+
+
+def store_int(dst: Access, values: Any) -> None:
+    """Write exact integer results, wrapped (two's complement) to dst's integer width."""
+    bits = dst.dtype.itemsize * 8
+    u = np.asarray(values, dtype=np.int64) & ((1 << bits) - 1)
+    wrapped = u.astype({8: np.uint8, 16: np.uint16, 32: np.uint32}[bits])
+    dst.write(wrapped.view(dst.dtype.np_dtype).reshape(dst.shape))
 
 
 def flat2(a: np.ndarray, parts: int) -> np.ndarray:
@@ -153,8 +190,6 @@ def scalar_operand(
 
 
 def check_engine(op: str, eng: Any, allowed: tuple[engine, ...]) -> engine:
-    from mxcli.nkisim.isa.enums import as_enum
-
     e = as_enum(eng, engine, op, "engine")
     if e not in allowed:
         names = ", ".join(f"engine.{a.name}" for a in allowed)

@@ -16,7 +16,7 @@ import torch
 
 from mxcli import mx
 from mxcli.nkisim import machine
-from mxcli.nkisim.dtypes import DType, bfloat16, float32
+from mxcli.nkisim.dtypes import DType, bfloat16, float32, to_fp32
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.isa._common import (
     PSUM,
@@ -27,9 +27,10 @@ from mxcli.nkisim.isa._common import (
     isa_op,
     operand,
     require_v4,
+    skip_arithmetic,
     store_f32,
 )
-from mxcli.nkisim.isa.enums import engine, matmul_perf_mode
+from mxcli.nkisim.isa.enums import as_enum, engine, matmul_perf_mode
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import Access, NkiTensor
 
@@ -62,8 +63,6 @@ def _accumulate_write(op: str, dst: Access, res: np.ndarray, accumulate: Any) ->
     if not written.any():
         store_f32(dst, res)
         return
-    from mxcli.nkisim.dtypes import to_fp32
-
     old = to_fp32(dst.read(check_init=False), dst.dtype)
     store_f32(dst, np.where(written, old + res, res))
 
@@ -146,8 +145,6 @@ def nc_matmul(
     """``dst (=|+=) stationary.T @ moving`` contracting over partitions, fp32 (api spec §7.1)."""
     op = "nc_matmul"
     prog = machine.current()
-    from mxcli.nkisim.isa.enums import as_enum
-
     pm = as_enum(perf_mode, matmul_perf_mode, op, "perf_mode")
     prog.begin(op, "tensor")
     t = prog.target
@@ -227,10 +224,7 @@ def nc_matmul(
         prog.counters.transpose_elements += K * M
         return NkiInstruction(op)
     prog.counters.matmul_flops += 2 * K * M * N
-    if not prog.compute:
-        s.check_init()
-        m.check_init()
-        d.write_zero()
+    if skip_arithmetic(prog, d, s, m):
         return NkiInstruction(op)
     if pm is matmul_perf_mode.double_row:
         # contraction over (partition, the size-2 dim): [K, 2, M] -> [2K, M]
@@ -288,15 +282,12 @@ def _scale_indices(op: str, sc: Access, k: int, ncols: int) -> np.ndarray:
 
 
 def _check_scale_init(op: str, sc: Access, idx: np.ndarray) -> None:
-    if sc.st.init is None or machine.current().config.uninit is machine.UninitPolicy.IGNORE:
+    prog = machine.current()
+    if sc.st.init is None or not prog.checks_init:
         return
     if not (sc.st.init[idx] == 0xFF).all():
         msg = f"{op}: {sc.name} reads scale bytes never written since allocation"
-        if machine.current().config.uninit is machine.UninitPolicy.ERROR:
-            from mxcli.nkisim.errors import NkiUninitializedReadError
-
-            raise NkiUninitializedReadError(msg)
-        machine.current().run.warn_once(f"uninit:{op}:{sc.name}", msg)
+        prog.uninit_read(f"uninit:{op}:{sc.name}", msg)
 
 
 _FP4_VALUES = np.array(
@@ -325,6 +316,7 @@ def _lut(elem: str) -> np.ndarray:
     return mx.fp8_decode(codes, elem).numpy()
 
 
+@isa_op()
 def nc_matmul_mx(
     dst: NkiTensor,
     stationary: NkiTensor,
@@ -381,10 +373,7 @@ def nc_matmul_mx(
     _check_scale_init(op, ss, sidx)
     _check_scale_init(op, ms, midx)
     prog.counters.mx_matmul_flops += 2 * 4 * K * M * N
-    if not prog.compute:
-        s.check_init()
-        m.check_init()
-        d.write_zero()
+    if skip_arithmetic(prog, d, s, m):
         return NkiInstruction(op)
     # scale of partition p is the scale of its group G = p // 8  -> [K, F]
     sS = _lut("e8m0")[ss.st.buf[sidx]].repeat(8, axis=0)
@@ -398,6 +387,7 @@ def nc_matmul_mx(
     return NkiInstruction(op)
 
 
+@isa_op()
 def quantize_mx(
     dst: NkiTensor, src: NkiTensor, dst_scale: NkiTensor, name: str | None = None
 ) -> NkiInstruction:
@@ -439,9 +429,7 @@ def quantize_mx(
             f"{op}: dst_scale elements per partition must equal dst's (got {sc.per_part}, expected {n // 4})"
         )
     idx = _scale_indices(op, sc, P, n // 4)  # [P/8, n/4]
-    if not prog.compute:
-        x.check_init()
-        d.write_zero()
+    if skip_arithmetic(prog, d, x):
         _write_scale_bytes(sc, idx, np.zeros(idx.shape, dtype=np.uint8))
         return NkiInstruction(op)
     raw = x.read().reshape(P, n)

@@ -22,8 +22,8 @@ from mxcli.nkisim.isa._common import (
     NkiInstruction,
     check_engine,
     check_parts,
-    check_same_geometry,
     check_token,
+    elementwise_operands,
     flat2,
     is_int_dtype,
     isa_op,
@@ -32,12 +32,14 @@ from mxcli.nkisim.isa._common import (
     operand,
     require_v4,
     scalar_operand,
+    skip_arithmetic,
     store_f32,
+    store_int,
 )
 from mxcli.nkisim.isa.enums import as_enum, engine, reduce_cmd
 from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.target import nc_version
-from mxcli.nkisim.tensor import Access, NkiTensor, VirtualRegister
+from mxcli.nkisim.tensor import Access, NkiTensor, VirtualRegister, register_or_int
 
 __all__ = [
     "tensor_copy",
@@ -63,16 +65,6 @@ _RC = reduce_cmd
 F32 = np.float32
 
 
-def _skip(prog: machine.Program, dst: Access, *reads: Access) -> bool:
-    """Check-only mode: skip float arithmetic (reads are still init-checked)."""
-    if prog.compute or is_int_dtype(dst.dtype):
-        return False
-    for r in reads:
-        r.check_init()
-    dst.write_zero()
-    return True
-
-
 def _alu_check(op: str, name: str, tok: OpToken, *, allow_unary: bool = True) -> None:
     if not (tok.is_alu or tok.is_bitvec) or tok is T.bypass:
         raise NkiValidationError(f"{op}: {name}={tok!r} is not an ALU operator")
@@ -88,13 +80,6 @@ def _apply(tok: OpToken, a: Any, b: Any, reverse: bool) -> np.ndarray:
     if tok.is_unary_alu:
         return tok.apply(a, None)
     return tok.apply(b, a) if reverse else tok.apply(a, b)
-
-
-def _wrap_int(v: np.ndarray, dst: Access) -> np.ndarray:
-    """Two's-complement wrap of int64 results to dst's integer width (exact integer paths)."""
-    bits = dst.dtype.itemsize * 8
-    u = np.asarray(v, dtype=np.int64) & ((1 << bits) - 1)
-    return u.astype({8: np.uint8, 16: np.uint16, 32: np.uint32}[bits]).view(dst.dtype.np_dtype)
 
 
 # -- copies and fills ---------------------------------------------------------------------------
@@ -114,13 +99,7 @@ def tensor_copy(
         )
     eng = "vector" if e is _E.unknown else e.name
     prog.begin(op, eng)
-    s = operand(op, "src", src)
-    d = operand(op, "dst", dst)
-    if eng == "gpsimd":
-        no_psum(op, eng, s, d)
-    for a in (s, d):
-        check_parts(op, a)
-    check_same_geometry(op, s, d)
+    s, d = elementwise_operands(op, dst, ("src", src), engine_name=eng)
     if s.dtype is d.dtype:
         d.write(s.read().reshape(d.shape))
     else:
@@ -158,18 +137,10 @@ def memset(
                 f"{op}: a float value cannot fill an integer dst (got {value!r} for {dt})"
             )
         # out-of-range literals (0xFFFFFFFF into int32) store their low bits
-        d.write(_wrap_int(np.full(d.shape, int(value), dtype=np.int64), d))
+        store_int(d, np.full(d.shape, int(value), dtype=np.int64))
         return NkiInstruction(op)
     d.write(from_fp32(np.full(d.shape, float(value), dtype=F32), dt))
     return NkiInstruction(op)
-
-
-def _int_operand(op: str, name: str, x: Any) -> int:
-    if isinstance(x, VirtualRegister):
-        return x.value
-    if isinstance(x, (bool, float)) or not isinstance(x, (int, np.integer)):
-        raise NkiValidationError(f"{op}: {name} must be an int or a VirtualRegister, got {x!r}")
-    return int(x)
 
 
 @isa_op()
@@ -194,8 +165,8 @@ def iota(
         raise NkiValidationError(
             f"{op}: pattern covers {n} elements per partition, dst has {d.per_part}"
         )
-    off = _int_operand(op, "offset", offset)
-    cm = _int_operand(op, "channel_multiplier", channel_multiplier)
+    off = register_or_int(offset, f"{op}: offset")
+    cm = register_or_int(channel_multiplier, f"{op}: channel_multiplier")
     v = np.zeros((), dtype=np.int64)
     for step, num in pairs:
         v = v[..., None] + np.arange(num, dtype=np.int64) * step
@@ -241,13 +212,7 @@ def tensor_tensor(
     _alu_check(opn, "op", tok, allow_unary=False)
     e = check_engine(opn, engine, (_E.unknown, _E.vector, _E.gpsimd))
     prog = machine.current()
-    a = operand(opn, "data1", data1)
-    b = operand(opn, "data2", data2)
-    d = operand(opn, "dst", dst)
-    for x in (a, b, d):
-        check_parts(opn, x)
-    check_same_geometry(opn, a, b)
-    check_same_geometry(opn, a, d)
+    a, b, d = elementwise_operands(opn, dst, ("data1", data1), ("data2", data2))
     not_both_psum(opn, a, b)
     any_psum = PSUM in (a.buffer, b.buffer, d.buffer)
     all_i32 = all(x.dtype.name in ("int32", "uint32") for x in (a, b, d))
@@ -273,14 +238,14 @@ def tensor_tensor(
                     f"{opn}: bitvec op {tok!r} needs integer dtypes ({x.name} is {x.dtype})"
                 )
         res = tok.bitvec(a.read().astype(np.int64), b.read().astype(np.int64))  # type: ignore[misc]
-        d.write(_wrap_int(res, d).reshape(d.shape))
+        store_int(d, res)
         return NkiInstruction(opn)
     if eng == "gpsimd" and all_i32 and tok.name in _INT_EXACT:
         # api spec §8.4: exact 32-bit integer arithmetic on GpSimd when all operands are int32/uint32
         res = _INT_EXACT[tok.name](a.read().astype(np.int64), b.read().astype(np.int64))
-        d.write(_wrap_int(np.asarray(res, dtype=np.int64), d).reshape(d.shape))
+        store_int(d, res)
         return NkiInstruction(opn)
-    if _skip(prog, d, a, b):
+    if skip_arithmetic(prog, d, a, b):
         return NkiInstruction(opn)
     store_f32(d, tok.apply(a.read_f32(), b.read_f32().reshape(a.shape)))
     return NkiInstruction(opn)
@@ -336,13 +301,7 @@ def tensor_scalar(
             f"got ({t0.name}, {t1.name if t1 else None})"
         )
     prog = machine.current()
-    x = operand(opn, "data", data)
-    d = operand(opn, "dst", dst)
-    if eng == "gpsimd":
-        no_psum(opn, eng, x, d)
-    for a in (x, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, d)
+    x, d = elementwise_operands(opn, dst, ("data", data), engine_name=eng)
     prog.begin(opn, eng)
     s0 = scalar_operand(opn, "operand0", operand0, x.parts, allow_none=True)
     s1 = scalar_operand(opn, "operand1", operand1, x.parts, allow_none=True)
@@ -356,9 +315,9 @@ def tensor_scalar(
         r = _bitvec(t0, v, s0, reverse0)
         if t1 is not None:
             r = _bitvec(t1, r, s1, reverse1)
-        d.write(_wrap_int(r, d).reshape(d.shape))
+        store_int(d, r)
         return NkiInstruction(opn)
-    if _skip(prog, d, x):
+    if skip_arithmetic(prog, d, x):
         return NkiInstruction(opn)
     v = flat2(x.read_f32(), x.parts)
     r = _apply(t0, v, s0, reverse0)
@@ -407,16 +366,10 @@ def scalar_tensor_tensor(
             raise NkiValidationError(f"{opn}: {nm} must be arithmetic (got bitvec {tk!r})")
     prog = machine.current()
     prog.begin(opn, "vector")
-    x = operand(opn, "data", data)
-    o1 = operand(opn, "operand1", operand1)
-    d = operand(opn, "dst", dst)
-    for a in (x, o1, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, o1)
-    check_same_geometry(opn, x, d)
+    x, o1, d = elementwise_operands(opn, dst, ("data", data), ("operand1", operand1))
     not_both_psum(opn, x, o1)
     s0 = scalar_operand(opn, "operand0", operand0, x.parts)
-    if _skip(prog, d, x, o1):
+    if skip_arithmetic(prog, d, x, o1):
         return NkiInstruction(opn)
     t = _apply(t0, flat2(x.read_f32(), x.parts), s0, reverse0)
     r = _apply(t1, t, flat2(o1.read_f32(), x.parts), reverse1)
@@ -468,9 +421,9 @@ def tensor_reduce(
             "bitwise_or": np.bitwise_or,
             "bitwise_xor": np.bitwise_xor,
         }[tok.name]
-        d.write(_wrap_int(ufunc.reduce(v, axis=-1), d).reshape(d.shape))
+        store_int(d, ufunc.reduce(v, axis=-1))
         return NkiInstruction(opn)
-    if _skip(prog, d, x):
+    if skip_arithmetic(prog, d, x):
         return NkiInstruction(opn)
     v = x.read_f32().reshape(x.parts, kept, -1)
     r = _reduce_f32(tok, v)
@@ -527,6 +480,17 @@ def _reduce_res_operand(op: str, reduce_res: Any, parts: int) -> Access | None:
     return r
 
 
+def _store_reduce_res(rr: Access | None, acc: np.ndarray | None) -> None:
+    """Copy the accumulator lanes of reduce_res's partitions into it (zeros when acc is None:
+    check-only mode)."""
+    if rr is None:
+        return
+    if acc is None:
+        rr.write_zero()
+    else:
+        store_f32(rr, acc[: rr.parts].reshape(rr.parts, 1))
+
+
 def _activation(
     opn: str,
     dst: NkiTensor,
@@ -545,11 +509,7 @@ def _activation(
         raise NkiValidationError(f"{opn}: reduce_op must be nl.add (got {reduce_op!r})")
     prog = machine.current()
     prog.begin(opn, "scalar")
-    x = operand(opn, "data", data)
-    d = operand(opn, "dst", dst)
-    for a in (x, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, d)
+    x, d = elementwise_operands(opn, dst, ("data", data))
     P = x.parts
     sc = scalar_operand(opn, "scale", scale, P)
     if isinstance(bias, NkiTensor):
@@ -565,20 +525,16 @@ def _activation(
             )
         b = scalar_operand(opn, "bias", bias, P)
     rr = _reduce_res_operand(opn, reduce_res, P)
-    if not prog.compute and not is_int_dtype(d.dtype):
-        x.check_init()
-        d.write_zero()
+    if skip_arithmetic(prog, d, x):
         _acc_update(prog.scalar_acc, P, cmd, None)
-        if rr is not None:
-            rr.write_zero()
+        _store_reduce_res(rr, None)
         return NkiInstruction(opn)
     v = flat2(x.read_f32(), P)
     pre = ((v * sc) + b).astype(F32)  # type: ignore[operator]
     y = tok.act(pre)
     store_f32(d, y)
     _acc_update(prog.scalar_acc, P, cmd, y)
-    if rr is not None:
-        store_f32(rr, prog.scalar_acc[:P].reshape(P, 1))
+    _store_reduce_res(rr, prog.scalar_acc)
     return NkiInstruction(opn)
 
 
@@ -664,18 +620,13 @@ def activate2(
     prog = machine.current()
     prog.begin(opn, "scalar")
     require_v4(opn)
-    x = operand(opn, "data", data)
-    d = operand(opn, "dst", dst)
-    for a in (x, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, d)
+    x, d = elementwise_operands(opn, dst, ("data", data))
     P = x.parts
     i0 = scalar_operand(opn, "imm0", imm0, P)
     i1 = scalar_operand(opn, "imm1", imm1, P)
     rr = _reduce_res_operand(opn, reduce_res, P)
-    if _skip(prog, d, x):
-        if rr is not None:
-            rr.write_zero()
+    if skip_arithmetic(prog, d, x):
+        _store_reduce_res(rr, None)
         return NkiInstruction(opn)
     v = flat2(x.read_f32(), P)
     if t0 is not T.bypass:
@@ -699,8 +650,7 @@ def activate2(
             for j in range(1, y.shape[1]):
                 r = rop.apply(r, y[:, j])
             acc[:P] = rop.apply(acc[:P], r)
-    if rr is not None:
-        store_f32(rr, acc[:P].reshape(P, 1))
+    _store_reduce_res(rr, acc)
     return NkiInstruction(opn)
 
 
@@ -710,12 +660,8 @@ def reciprocal(dst: NkiTensor, data: NkiTensor, name: str | None = None) -> NkiI
     opn = "reciprocal"
     prog = machine.current()
     prog.begin(opn, "vector")
-    x = operand(opn, "data", data)
-    d = operand(opn, "dst", dst)
-    for a in (x, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, d)
-    if _skip(prog, d, x):
+    x, d = elementwise_operands(opn, dst, ("data", data))
+    if skip_arithmetic(prog, d, x):
         return NkiInstruction(opn)
     with np.errstate(divide="ignore"):
         store_f32(d, F32(1.0) / flat2(x.read_f32(), x.parts))
@@ -739,11 +685,7 @@ def exponential(
     prog = machine.current()
     prog.begin(opn, "vector")
     require_v4(opn)
-    x = operand(opn, "src", src)
-    d = operand(opn, "dst", dst)
-    for a in (x, d):
-        check_parts(opn, a)
-    check_same_geometry(opn, x, d)
+    x, d = elementwise_operands(opn, dst, ("src", src))
     if reduce_init not in (None, 0, 0.0) and cmd is not _RC.load_reduce:
         raise NkiValidationError(
             f"{opn}: reduce_init needs reduce_cmd=load_reduce (got {cmd.name})"
@@ -751,18 +693,14 @@ def exponential(
     P = x.parts
     mv = scalar_operand(opn, "max_value", max_value, P)
     rr = _reduce_res_operand(opn, reduce_res, P)
-    if not prog.compute and not is_int_dtype(d.dtype):
-        x.check_init()
-        d.write_zero()
-        if rr is not None:
-            rr.write_zero()
+    if skip_arithmetic(prog, d, x):
+        _store_reduce_res(rr, None)
         return NkiInstruction(opn)
     v = (flat2(x.read_f32(), P) - mv).astype(F32)
     y = T.exp.act(v)  # type: ignore[misc]
     store_f32(d, y)
     _acc_update(prog.vector_acc, P, cmd, y, float(reduce_init or 0.0))
-    if rr is not None:
-        store_f32(rr, prog.vector_acc[:P].reshape(P, 1))
+    _store_reduce_res(rr, prog.vector_acc)
     return NkiInstruction(opn)
 
 
@@ -786,7 +724,7 @@ def max8(dst: NkiTensor, src: NkiTensor, name: str | None = None) -> NkiInstruct
         )
     if d.parts != x.parts or d.per_part != 8:
         raise NkiValidationError(f"{opn}: dst must be ({x.parts}, 8) (got {d.shape})")
-    if _skip(prog, d, x):
+    if skip_arithmetic(prog, d, x):
         return NkiInstruction(opn)
     v = flat2(x.read_f32(), x.parts)
     top = np.sort(v, axis=-1)[:, ::-1][:, :8]
@@ -932,6 +870,3 @@ def nc_stream_shuffle(
         mask=np.broadcast_to(keep.reshape((-1,) + (1,) * (len(d.shape) - 1)), d.shape),
     )
     return NkiInstruction(opn)
-
-
-_ = (T, SBUF)
