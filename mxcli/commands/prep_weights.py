@@ -6,11 +6,9 @@ from pathlib import Path
 
 import typer
 
-from mxcli.commands._shared import print_json
-from mxcli.errors import report_user_errors
+from mxcli.commands._shared import Debug, Quiet, guarded, print_json
 
 
-@report_user_errors
 def main(
     source: Path = typer.Argument(
         ..., help="Hugging Face checkpoint folder (config.json + safetensors)."
@@ -54,26 +52,31 @@ def main(
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
+    quiet: Quiet = False,
+    debug: Debug = False,
 ) -> None:
     """Convert a Hugging Face MoE checkpoint into the tensors the prefill and backward kernels read."""
     from mxcli.weightprep.plan import PrepOptions, parse_formats
     from mxcli.weightprep.runner import prepare_weights
     from mxcli.weightprep.summary import format_plan, format_result
 
-    opts = PrepOptions(
-        tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
-        scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers, threads=threads,
-        check=check,
-    )  # fmt: skip
-    reporter = None
-    if not dry_run:
-        from mxcli.weightprep.progress import RichReporter
+    def body() -> None:
+        opts = PrepOptions(
+            tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
+            scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers,
+            threads=threads, check=check,
+        )  # fmt: skip
+        reporter = None
+        if not dry_run and not quiet:
+            from mxcli.weightprep.progress import RichReporter
 
-        reporter = RichReporter()
-    res = prepare_weights(
-        source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter
-    )
-    if json_out:
-        print_json(res.get("plan", res))
-    else:
-        typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
+            reporter = RichReporter()
+        res = prepare_weights(
+            source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter
+        )
+        if json_out:
+            print_json(res.get("plan", res))
+        elif not quiet:
+            typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
+
+    guarded(debug, body)

@@ -216,3 +216,14 @@ def test_run_json_result(base: Path, tmp_path: Path) -> None:
     res = json.loads(stdout)
     assert res["layers_written"] == [0, 1] and res["check"]["0"]["router_weights"]["exact"]
     assert "layer 1:" in stderr  # per-layer progress lines go to stderr
+
+
+def test_quiet_prints_nothing_and_debug_shows_the_exception(
+    checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    code, stdout, stderr = run_cli(checkpoints["qwen3_moe"], tmp_path / "out", "--quiet")
+    assert code == 0 and stdout == "" and stderr == ""
+    assert (tmp_path / "out" / "manifest.json").is_file()
+    r = CliRunner().invoke(app, ["prep-weights", str(tmp_path / "missing"), "--debug"])
+    assert r.exit_code != 0 and isinstance(r.exception, Exception)
+    assert "checkpoint folder not found" in str(r.exception)
