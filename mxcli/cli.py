@@ -42,6 +42,7 @@ from mxcli.commands import demo as _demo  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
 from mxcli.commands import make_inputs as _make_inputs  # noqa: E402
 from mxcli.commands import prep_weights  # noqa: E402
+from mxcli.commands import profile as _profile  # noqa: E402
 from mxcli.commands import run as _run  # noqa: E402
 from mxcli.commands import verify as _verify  # noqa: E402
 
@@ -52,6 +53,7 @@ app.command("verify")(_verify.verify)
 app.command("inspect")(_inspect.inspect)
 app.command("demo")(_demo.demo)
 app.command("prep-weights")(prep_weights.main)
+app.add_typer(_profile.app, name="profile")
 
 
 def main() -> None:

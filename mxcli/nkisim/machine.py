@@ -191,6 +191,8 @@ class Program:
         self.vector_acc = np.zeros(128, dtype=np.float32)  # api spec §5.4 VectorE accumulator
         self.no_reorder_depth = 0
         self.op_log: list[str] = []
+        # instruction recorder for the cost model (mxcli.nkisim.trace); None unless tracing
+        self.trace: Any = _trace_factory(program_id) if _trace_factory is not None else None
 
     @property
     def compute(self) -> bool:
@@ -203,6 +205,8 @@ class Program:
         self.counters.instructions[engine] += 1
         self.counters.ops[op] += 1
         self.op_log.append(op)
+        if self.trace is not None:
+            self.trace.begin(op, engine)
         return self.clock
 
     @property
@@ -315,6 +319,15 @@ class Program:
 
 
 _tls = threading.local()
+_trace_factory: Any = None  # set by mxcli.nkisim.trace.recording(); program_id -> recorder
+
+
+def set_trace_factory(factory: Any) -> Any:
+    """Install `factory(program_id)` to give each new Program an instruction recorder; returns
+    the previous factory (None = no tracing, the default)."""
+    global _trace_factory
+    prev, _trace_factory = _trace_factory, factory
+    return prev
 
 
 def current_or_none() -> Program | None:

@@ -1048,6 +1048,8 @@ def resolve(
             )
         if st.buffer.on_chip:
             _check_on_chip(acc, ext)
+        if prog.trace is not None:
+            prog.trace.operand(acc)
         return acc
     # vector indirection (api spec §4.5): row p starts at offset + idx[p] * mult
     vec = t._vec
@@ -1064,6 +1066,8 @@ def resolve(
         )
     acc.rows = np.where(valid, rows, 0)
     acc.valid = valid
+    if prog.trace is not None:
+        prog.trace.operand(acc)
     return acc
 
 

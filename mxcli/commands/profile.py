@@ -1,0 +1,184 @@
+"""``mxcli profile prefill|bwd``: the per-engine cost model of an NKI kernel, without hardware.
+
+The kernel runs once in the interpreter's check-only mode; the issued instructions are costed
+with the documented engine figures (`mxcli.nkisim.cost`) and list-scheduled
+(`mxcli.nkisim.schedule`). ``--trace`` writes the timeline as Chrome-trace JSON for Perfetto.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from mxcli.commands._shared import Debug, Force, Json, guarded, print_json, stdout_console
+from mxcli.errors import InputError
+
+app = typer.Typer(
+    name="profile",
+    help="Estimate a kernel's time per engine (cost model + schedule; no hardware needed).",
+    no_args_is_help=True,
+)
+
+InputArg = Annotated[
+    Path | None,
+    typer.Argument(
+        help="make-inputs .safetensors file; or give the shape flags instead.", show_default=False
+    ),
+]
+TraceOpt = Annotated[
+    Path | None,
+    typer.Option("--trace", help="Write the timeline as Chrome-trace JSON (open in Perfetto).",
+                 show_default=False),
+]  # fmt: skip
+LncOpt = Annotated[int, typer.Option("--lnc", help="LNC degree: 1 or 2 cores.")]
+TargetOpt = Annotated[str, typer.Option("--target", help="Cost tables: trn3 (trn2 lacks MX ops).")]
+TopOpt = Annotated[int, typer.Option("--top", help="Source lines to list, by engine time.")]
+
+
+def _opt_int(flag: str, help_: str) -> Any:
+    return typer.Option(flag, help=help_, show_default=False)
+
+
+def _shape_or_file(input: Path | None, shape: dict[str, Any]) -> None:
+    given = [k for k, v in shape.items() if v is not None]
+    if input is not None and given:
+        raise InputError(
+            f"input: give a file or shape flags, not both (got {input} and --{given[0]})"
+        )
+    if input is None:
+        missing = [k for k, v in shape.items() if v is None]
+        if missing:
+            flag = missing[0].replace("_", "-")
+            raise InputError(f"{missing[0]}: --{flag} is required without an input file")
+
+
+def _finish(summary: dict[str, Any], prof: Any, trace: Path | None, force: bool,
+            json_out: bool) -> None:  # fmt: skip
+    if trace is not None:
+        from mxcli.fsutil import atomic_output
+
+        with atomic_output(trace, force) as tmp:
+            tmp.write_text(json.dumps(prof.chrome_trace()))
+        summary["trace"] = str(trace)
+    if json_out:
+        print_json(summary)
+    else:
+        print_report(summary)
+
+
+def print_report(s: dict[str, Any]) -> None:
+    """The human-readable report of a profile summary."""
+    con = stdout_console()
+    con.print(f"[bold]{s['kernel']}[/] on {s['target']} (LNC={s['lnc']}), cost-model estimate")
+    con.print(
+        "  instructions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["instructions"].items()))
+    )
+    con.print("  busy per engine (us, busiest core): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in s["busy_us"].items()))  # fmt: skip
+    con.print(f"  bottleneck: {s['bottleneck']}; lower bound {s['lower_bound_us']:.1f} us; "
+              f"list schedule {s['schedule_us']:.1f} us")  # fmt: skip
+    u, ul = s["pe_utilization"], s["pe_utilization_at_lower_bound"]
+    con.print(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, BF16 "
+              f"{u['bf16']:.3f}); at the lower bound {ul['total']:.3f}")  # fmt: skip
+    d = s["dma"]
+    con.print(f"  DMA: {d['bytes'] / 1e6:.1f} MB ({d['hbm_bytes'] / 1e6:.1f} MB HBM) in "
+              f"{d['descriptors']} contiguous runs")  # fmt: skip
+    if "plan_padding" in s:
+        p = s["plan_padding"]
+        con.print(f"  plan padding: {p['pairs']} routed pairs in {p['blocks']} blocks x "
+                  f"{p['block_size']} = {p['positions']} positions ({p['efficiency']:.3f} useful)")  # fmt: skip
+    con.print("  top source lines (engine time, all cores):")
+    for r in s["top_lines"]:
+        con.print(f"    {r['busy_us']:10.1f} us {100 * r['share']:5.1f}%  {r['track']:<10} "
+                  f"{r['op']:<20} x{r['count']:<6} {r['source']}")  # fmt: skip
+    if "trace" in s:
+        con.print(f"  wrote {s['trace']}")
+
+
+def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, Any], lnc: int,
+         target: str, trace: Path | None, force: bool, json_out: bool, top: int) -> None:  # fmt: skip
+    from mxcli.fsutil import check_output_path
+    from mxcli.kernels import profiling
+
+    if trace is not None:
+        check_output_path(trace, force)  # fail before the (long) run
+    if top < 0:
+        raise InputError(f"top: expected a non-negative integer, got {top}")
+    if input is not None:
+        tensors, kwargs = profiling.file_inputs(kernel, input)
+        shape = {"input": str(input)}
+    else:
+        tensors, kwargs = tensors_kwargs()
+    kp = profiling.profile_kernel(kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape)
+    _finish(kp.summary(top), kp.profile, trace, force, json_out)
+
+
+@app.command("prefill")
+def prefill(
+    input: InputArg = None,
+    tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
+    hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
+    experts: Annotated[int | None, _opt_int("--experts", "E, router experts.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
+    router: Annotated[
+        str, typer.Option("--router", help="noaux_tc, sigmoid or softmax.")
+    ] = "noaux_tc",
+    n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = 8,
+    topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = 4,
+    lnc: LncOpt = 2,
+    target: TargetOpt = "trn3",
+    trace: TraceOpt = None,
+    top: TopOpt = 10,
+    force: Force = False,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Profile rmsnorm_mx_prefill (file, or --tokens/--hidden/--experts)."""
+
+    def body() -> None:
+        from mxcli.kernels import profiling
+
+        shape = {"tokens": tokens, "hidden": hidden, "experts": experts}
+        _shape_or_file(input, shape)
+        full: dict[str, Any] = dict(
+            shape, top_k=top_k, router=router, n_group=n_group, topk_group=topk_group
+        )
+        _run(profiling.PREFILL, input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
+             full, lnc, target, trace, force, json_out, top)  # fmt: skip
+
+    guarded(debug, body)
+
+
+@app.command("bwd")
+def bwd(
+    input: InputArg = None,
+    tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
+    hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
+    intermediate: Annotated[int | None, _opt_int("--intermediate", "I, expert FFN size.")] = None,
+    experts: Annotated[int | None, _opt_int("--experts", "E, (local) experts.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
+    block_size: Annotated[int, typer.Option("--block-size", help="B, tokens per block.")] = 512,
+    lnc: LncOpt = 2,
+    target: TargetOpt = "trn3",
+    trace: TraceOpt = None,
+    top: TopOpt = 10,
+    force: Force = False,
+    json_out: Json = False,
+    debug: Debug = False,
+) -> None:
+    """Profile blockwise_mm_bwd_mxfp8 (file, or --tokens/--hidden/--intermediate/--experts)."""
+
+    def body() -> None:
+        from mxcli.kernels import profiling
+
+        shape = {"tokens": tokens, "hidden": hidden, "intermediate": intermediate,
+                 "experts": experts}  # fmt: skip
+        _shape_or_file(input, shape)
+        full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
+        _run(profiling.BWD, input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
+             full, lnc, target, trace, force, json_out, top)  # fmt: skip
+
+    guarded(debug, body)

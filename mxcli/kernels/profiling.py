@@ -1,0 +1,309 @@
+"""Cost-model profiles of the two NKI kernels (``mxcli profile``, ``scripts/bench_nki.py``).
+
+Each kernel runs once in the interpreter's check-only mode (every hardware rule and the
+SBUF/PSUM capacity checked, float arithmetic skipped) with instruction recording on; the recorded
+stream is costed and scheduled by `mxcli.nkisim.cost` / `mxcli.nkisim.schedule`. Inputs come from
+a ``make-inputs`` file or are synthesized (zeros; routing round-robin) from shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mxcli.errors import InputError
+
+__all__ = [
+    "PREFILL",
+    "BWD",
+    "PrefillShape",
+    "BwdShape",
+    "PlanPadding",
+    "KernelProfile",
+    "prefill_inputs",
+    "bwd_inputs",
+    "file_inputs",
+    "profile_kernel",
+]
+
+PREFILL = "rmsnorm_mx_prefill"
+BWD = "blockwise_mm_bwd_mxfp8"
+TARGETS = ("trn3", "trn2")
+
+
+@dataclass(frozen=True)
+class PrefillShape:
+    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router."""
+
+    tokens: int
+    hidden: int
+    experts: int
+    top_k: int
+    router: str = "noaux_tc"
+    n_group: int = 8
+    topk_group: int = 4
+
+
+@dataclass(frozen=True)
+class BwdShape:
+    """Backward launch shape: T tokens, hidden H, intermediate I, E experts, top-K, block B."""
+
+    tokens: int
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    block_size: int
+
+
+@dataclass(frozen=True)
+class PlanPadding:
+    """The block plan's padding (kept apart from kernel efficiency)."""
+
+    pairs: int  # routed (token, expert) pairs
+    blocks: int  # N, the plan's static block count
+    block_size: int
+    blocks_needed: int  # sum over experts of ceil(c_e / B)
+
+    @property
+    def positions(self) -> int:
+        return self.blocks * self.block_size
+
+    @property
+    def efficiency(self) -> float:
+        """Routed pairs / positions the kernel processes (1.0 = no padding)."""
+        return self.pairs / self.positions if self.positions else 0.0
+
+
+@dataclass
+class KernelProfile:
+    """A kernel's profile plus what it ran on."""
+
+    kernel: str
+    profile: Any  # mxcli.nkisim.schedule.Profile
+    shape: dict[str, Any]
+    padding: PlanPadding | None
+    run_seconds: float
+
+    def summary(self, top: int = 10) -> dict[str, Any]:
+        out: dict[str, Any] = {"kernel": self.kernel, "shape": self.shape}
+        out.update(self.profile.summary(top))
+        if self.padding is not None:
+            p = self.padding
+            out["plan_padding"] = {
+                "pairs": p.pairs, "blocks": p.blocks, "block_size": p.block_size,
+                "positions": p.positions, "blocks_needed": p.blocks_needed,
+                "efficiency": p.efficiency,
+            }  # fmt: skip
+        out["check_only_run_s"] = round(self.run_seconds, 3)
+        return out
+
+
+def _positive(name: str, v: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise InputError(f"{name}: expected a positive integer, got {v!r}")
+
+
+def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Zero inputs of the prefill kernel at shape `s` (values do not matter in check-only)."""
+    from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
+
+    for k in ("tokens", "hidden", "experts", "top_k", "n_group", "topk_group"):
+        _positive(k, getattr(s, k))
+    acts = {a.name.lower(): a for a in RouterActFnType}
+    if s.router.lower() not in acts:
+        raise InputError(f"router: expected one of {', '.join(sorted(acts))}, got {s.router!r}")
+    act = acts[s.router.lower()]
+    bf = torch.bfloat16
+    tensors = {
+        "hidden_states": torch.zeros(1, s.tokens, s.hidden, dtype=bf),
+        "gamma": torch.ones(s.hidden, dtype=bf),
+        "router_weights": torch.zeros(s.hidden, s.experts, dtype=bf),
+        "router_bias": torch.zeros(s.experts, dtype=torch.float32),
+    }
+    kwargs: dict[str, Any] = {"top_k": s.top_k, "router_act_fn": act, "pack_affinities": True}
+    if act is RouterActFnType.NOAUX_TC:
+        kwargs.update(n_group=s.n_group, topk_group=s.topk_group, routed_scaling_factor=2.5)
+    return tensors, kwargs
+
+
+def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inputs of the backward kernel at shape `s`: zeros, and a round-robin routing with
+    `top_k` distinct experts per token (even expert loads: the padding is the plan's own)."""
+    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+
+    for k in ("tokens", "hidden", "intermediate", "experts", "top_k", "block_size"):
+        _positive(k, getattr(s, k))
+    if s.top_k > s.experts:
+        raise InputError(f"top_k: expected at most experts={s.experts}, got {s.top_k}")
+    T, H, I, E, K, B = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.block_size  # noqa: E741
+    tok = torch.arange(T).unsqueeze(1)
+    choices = (tok + torch.arange(K).unsqueeze(0) * max(1, E // K)) % E  # [T, K] distinct
+    tpi, b2e = build_block_plan(choices, E, B)
+    N = b2e.shape[0]
+    bf = torch.bfloat16
+    tensors = {
+        "hidden_states": torch.zeros(T, H, dtype=bf),
+        "expert_affinities_masked": torch.zeros(T * E, 1, dtype=bf),
+        "gate_up_proj_weight": torch.zeros(E, H, 2, I, dtype=bf),
+        "down_proj_weight": torch.zeros(E, I, H, dtype=bf),
+        "token_position_to_id": tpi,
+        "block_to_expert": b2e,
+        "output_hidden_states_grad": torch.zeros(T, H, dtype=bf),
+        "gate_up_proj_act_checkpoint_T": torch.zeros(N, 2, I, B, dtype=bf),
+    }
+    kwargs = {"block_size": B, "config": MXFP8MOEBwdConfig.routed(top_k=K)}
+    return tensors, kwargs
+
+
+def file_inputs(kernel: str, path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tensors and kwargs of a ``make-inputs`` file (``.safetensors``) for `kernel`."""
+    from mxcli.tensorio import (
+        check_tensors,
+        kernel_io,
+        metadata_kwargs,
+        read_file,
+        resolve_kwargs,
+    )
+
+    io = kernel_io(kernel)
+    f = read_file(path)
+    if f.kernel not in (None, kernel):
+        raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
+    tensors = dict(f.tensors)
+    check_tensors(io, tensors, str(f.path), allow_nonfinite=True)
+    kwargs = resolve_kwargs(io, metadata_kwargs(io, f.metadata))
+    return tensors, kwargs
+
+
+def _padding(tensors: dict[str, Any], kwargs: dict[str, Any]) -> PlanPadding:
+    tpi = torch.as_tensor(tensors["token_position_to_id"]).reshape(-1)
+    b2e = torch.as_tensor(tensors["block_to_expert"]).reshape(-1)
+    B = int(kwargs.get("block_size") or 4096)
+    valid = tpi.reshape(-1, B) >= 0 if tpi.numel() % B == 0 else None
+    pairs = int((tpi >= 0).sum())
+    needed = int(valid.any(dim=1).sum()) if valid is not None else int(b2e.numel())
+    return PlanPadding(pairs, int(b2e.numel()), B, needed)
+
+
+def profile_kernel(
+    kernel: str,
+    tensors: dict[str, Any],
+    kwargs: dict[str, Any],
+    *,
+    lnc: int = 2,
+    target: str = "trn3",
+    shape: dict[str, Any] | None = None,
+) -> KernelProfile:
+    """Run `kernel` in check-only mode with recording and return its cost-model profile."""
+    from mxcli.nkisim import cost, schedule, trace
+
+    if target not in TARGETS:
+        raise InputError(f"target: expected trn3 or trn2, got {target!r}")
+    if target != "trn3":
+        raise InputError(
+            "target: both kernels use MX instructions (quantize_mx, nc_matmul_mx), which exist "
+            f"on NeuronCore-v4 (trn3) only; got {target}"
+        )
+    if lnc not in (1, 2):
+        raise InputError(f"lnc: expected 1 or 2, got {lnc}")
+    if kernel == PREFILL:
+        from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import launch_sim
+    elif kernel == BWD:
+        from mxcli.kernels.blockwise_moe.nki_backend import launch_sim  # type: ignore[no-redef]
+    else:
+        raise InputError(f"kernel: expected {PREFILL} or {BWD}, got {kernel!r}")
+    t0 = time.perf_counter()
+    with trace.recording() as recorders:
+        launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True)
+    secs = time.perf_counter() - t0
+    prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
+    padding = _padding(tensors, kwargs) if kernel == BWD else None
+    if shape is None:
+        shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    return KernelProfile(kernel, prof, shape, padding, secs)
+
+
+def _sample_bwd_inputs(s: BwdShape, n_blocks: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plan of `n_blocks` full blocks (block b: expert b, tokens 0..B-1) at the shape's H, I,
+    E and B, with the shape's top-K config."""
+    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
+
+    T, H, I, E, B = s.block_size, s.hidden, s.intermediate, s.experts, s.block_size  # noqa: E741
+    bf = torch.bfloat16
+    tpi = torch.arange(T, dtype=torch.int32).repeat(n_blocks)
+    b2e = (torch.arange(n_blocks, dtype=torch.int32) % E).reshape(n_blocks, 1)
+    tensors = {
+        "hidden_states": torch.zeros(T, H, dtype=bf),
+        "expert_affinities_masked": torch.zeros(T * E, 1, dtype=bf),
+        "gate_up_proj_weight": torch.zeros(E, H, 2, I, dtype=bf),
+        "down_proj_weight": torch.zeros(E, I, H, dtype=bf),
+        "token_position_to_id": tpi,
+        "block_to_expert": b2e,
+        "output_hidden_states_grad": torch.zeros(T, H, dtype=bf),
+        "gate_up_proj_act_checkpoint_T": torch.zeros(n_blocks, 2, I, B, dtype=bf),
+    }
+    return tensors, {"block_size": B, "config": MXFP8MOEBwdConfig.routed(top_k=s.top_k)}
+
+
+def _linear(a: Any, b: Any, na: int, nb: int, n: int) -> Any:
+    """Extrapolate matching numbers of two summaries (at na and nb blocks) to n blocks."""
+    if isinstance(a, dict):
+        return {k: _linear(a[k], b[k], na, nb, n) for k in a if k in b}
+    if isinstance(a, (int, float)) and not isinstance(a, bool):
+        v = a + (b - a) * (n - na) / (nb - na)
+        return int(round(v)) if isinstance(a, int) else v
+    return a
+
+
+def profile_bwd_scaled(
+    s: BwdShape, *, lnc: int = 2, target: str = "trn3", sample: tuple[int, int] = (2, 4)
+) -> dict[str, Any]:
+    """The backward kernel's profile at shape `s`, extrapolated from two short runs.
+
+    Scaling argument: the kernel processes the plan block by block with the same instruction
+    stream per block (only the expert's weight offset and the token ids differ), so every
+    engine's busy time, the DMA bytes, the PE FLOPs and, past the pipeline fill, the list
+    schedule grow linearly in the block count N: ``m(N) = m(n1) + (N - n1) * slope``. The
+    samples use full blocks of real tokens; padding positions of the real plan are skipped by
+    the DMAs (oob skip) but computed like real ones, so the estimate is an upper bound for
+    padded blocks. The plan's padding itself comes from the real plan (`bwd_inputs`).
+    """
+    n1, n2 = sample
+    runs = []
+    for nb in (n1, n2):
+        tensors, kwargs = _sample_bwd_inputs(s, nb)
+        runs.append(profile_kernel(BWD, tensors, kwargs, lnc=lnc, target=target))
+    full_t, full_k = bwd_inputs(s)
+    pad = _padding(full_t, full_k)
+    a, b = (r.summary(10) for r in runs)
+    keys = ("busy_us", "dma_queue_us", "schedule_us", "pe_flops", "dma", "instructions")
+    out: dict[str, Any] = {"kernel": BWD, "shape": dict(s.__dict__), "target": target, "lnc": lnc}
+    for k in keys:
+        out[k] = _linear(a[k], b[k], n1, n2, pad.blocks)
+    busy = out["busy_us"]
+    out["bottleneck"] = max(busy, key=lambda k: busy[k])
+    out["lower_bound_us"] = max(busy.values())
+    hw = runs[1].profile.hw
+    mx_peak, bf_peak = hw["pe_mx_tflops"] * 1e6 * lnc, hw["pe_bf16_tflops"] * 1e6 * lnc  # FLOP/us
+
+    def util(t_us: float) -> dict[str, float]:
+        mx = out["pe_flops"]["mx"] / (t_us * mx_peak)
+        bf = out["pe_flops"]["bf16"] / (t_us * bf_peak)
+        return {"mx": mx, "bf16": bf, "total": mx + bf}
+
+    out["pe_utilization"] = util(out["schedule_us"])
+    out["pe_utilization_at_lower_bound"] = util(out["lower_bound_us"])
+    out["plan_padding"] = {
+        "pairs": pad.pairs, "blocks": pad.blocks, "block_size": pad.block_size,
+        "positions": pad.positions, "blocks_needed": pad.blocks_needed,
+        "efficiency": pad.efficiency,
+    }  # fmt: skip
+    out["top_lines"] = b["top_lines"]
+    out["sampled_blocks"] = [n1, n2]
+    out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
+    return out
