@@ -16,10 +16,12 @@ Shapes (LNC=2):
   512 and 1024. The plan's padding is its own line: routed pairs / the positions of the plan's
   static block count N = ceil((T*K - (E-1)) / B) + E - 1.
 
-The backward kernel is profiled on 2- and 4-block plans and extrapolated linearly to the plan's
-N blocks (`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction
-stream per block). Running every block of the real plans in check-only mode takes 100k-1M
-instructions (several minutes each on 2 cores).
+The backward kernel is profiled on (blocks, experts) = (1, 2), (2, 2), (1, 4) at the real T, H,
+I, B and extrapolated linearly to the plan's N blocks and E experts
+(`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction stream per
+block, and its per-launch work is per token or per expert). The real plans take 100k-1M
+instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
+weights as inputs, 10-25 GB of memory.
 
 Last line: the minimum over kernels of the estimated Tensor-engine utilization at the
 bottleneck (useful PE time at peak / the lower bound), given the plan (padded positions count).
@@ -60,12 +62,16 @@ def _report(s: dict[str, Any], top: int) -> float:
             f"{p['block_size']} = {p['positions']} positions: {p['efficiency']:.3f} useful "
             f"({p['blocks_needed']} blocks hold tokens)"
         )
+    if "sampled" in s:
+        print("   top source lines of the (2 blocks, 2 experts) sample, engine time of both cores:")
     for r in s["top_lines"][:top]:
         print(
             f"   {r['busy_us']:10.1f} us {100 * r['share']:5.1f}%  {r['track']:<10} "
             f"{r['op']:<20} x{r['count']:<6} {r['source']}"
         )
-    sampled = f", sampled blocks {s['sampled_blocks']}" if "sampled_blocks" in s else ""
+    sampled = ""
+    if "sampled" in s:
+        sampled = f", extrapolated from (blocks, experts) = {s['sampled']['blocks_experts']}"
     print(f"   (check-only runs took {s['check_only_run_s']:.1f} s{sampled})")
     return float(ub["total"])
 

@@ -228,14 +228,16 @@ def profile_kernel(
     return KernelProfile(kernel, prof, shape, padding, secs)
 
 
-def _sample_bwd_inputs(s: BwdShape, n_blocks: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A plan of `n_blocks` full blocks (block b: expert b, tokens 0..B-1) at the shape's H, I,
-    E and B, with the shape's top-K config."""
+def _sample_bwd_inputs(
+    s: BwdShape, n_blocks: int, n_experts: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plan of `n_blocks` full blocks (block b: expert b mod `n_experts`, tokens b*B.. mod T)
+    at the shape's T, H, I and B with `n_experts` experts and the shape's top-K config."""
     from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
 
-    T, H, I, E, B = s.block_size, s.hidden, s.intermediate, s.experts, s.block_size  # noqa: E741
+    T, H, I, E, B = s.tokens, s.hidden, s.intermediate, n_experts, s.block_size  # noqa: E741
     bf = torch.bfloat16
-    tpi = torch.arange(T, dtype=torch.int32).repeat(n_blocks)
+    tpi = (torch.arange(n_blocks * B, dtype=torch.int64) % T).to(torch.int32)
     b2e = (torch.arange(n_blocks, dtype=torch.int32) % E).reshape(n_blocks, 1)
     tensors = {
         "hidden_states": torch.zeros(T, H, dtype=bf),
@@ -250,41 +252,51 @@ def _sample_bwd_inputs(s: BwdShape, n_blocks: int) -> tuple[dict[str, Any], dict
     return tensors, {"block_size": B, "config": MXFP8MOEBwdConfig.routed(top_k=s.top_k)}
 
 
-def _linear(a: Any, b: Any, na: int, nb: int, n: int) -> Any:
-    """Extrapolate matching numbers of two summaries (at na and nb blocks) to n blocks."""
-    if isinstance(a, dict):
-        return {k: _linear(a[k], b[k], na, nb, n) for k in a if k in b}
-    if isinstance(a, (int, float)) and not isinstance(a, bool):
-        v = a + (b - a) * (n - na) / (nb - na)
-        return int(round(v)) if isinstance(a, int) else v
-    return a
+def _extrapolate(base: Any, per_block: Any, per_expert: Any, db: float, de: float) -> Any:
+    """``base + db * (per_block - base) + de * (per_expert - base)`` on matching numbers."""
+    if isinstance(base, dict):
+        return {
+            k: _extrapolate(base[k], per_block[k], per_expert[k], db, de)
+            for k in base
+            if k in per_block and k in per_expert
+        }
+    if isinstance(base, (int, float)) and not isinstance(base, bool):
+        v = base + db * (per_block - base) + de * (per_expert - base)
+        return int(round(v)) if isinstance(base, int) else float(v)
+    return base
 
 
 def profile_bwd_scaled(
-    s: BwdShape, *, lnc: int = 2, target: str = "trn3", sample: tuple[int, int] = (2, 4)
+    s: BwdShape, *, lnc: int = 2, target: str = "trn3", blocks: tuple[int, int] = (1, 2)
 ) -> dict[str, Any]:
-    """The backward kernel's profile at shape `s`, extrapolated from two short runs.
+    """The backward kernel's profile at shape `s`, extrapolated from three short runs.
 
     Scaling argument: the kernel processes the plan block by block with the same instruction
-    stream per block (only the expert's weight offset and the token ids differ), so every
-    engine's busy time, the DMA bytes, the PE FLOPs and, past the pipeline fill, the list
-    schedule grow linearly in the block count N: ``m(N) = m(n1) + (N - n1) * slope``. The
-    samples use full blocks of real tokens; padding positions of the real plan are skipped by
-    the DMAs (oob skip) but computed like real ones, so the estimate is an upper bound for
-    padded blocks. The plan's padding itself comes from the real plan (`bwd_inputs`).
+    stream per block (only the expert's weight offset and the token ids differ), and its other
+    work is per launch: per token (zeroing the hidden-state gradient, exact here: the samples
+    use the real T) and per expert (zeroing each expert's weight gradients). So every engine's
+    busy time, the DMA bytes, the PE FLOPs and, past the pipeline fill, the list schedule are
+    ``m(N, E) = m0 + N * per_block + E * per_expert``; three runs — (n1, e1), (n2, e1),
+    (n1, e2) blocks and experts — give the slopes. The sampled blocks are full of real tokens;
+    padding positions of the real plan are skipped by the DMAs (oob skip) but computed like
+    real ones, so the estimate is an upper bound for padded blocks. The plan's padding comes
+    from the real plan (`bwd_inputs`). Small E also keeps the runs' memory small (the weights of
+    all E experts are inputs).
     """
-    n1, n2 = sample
+    n1, n2 = blocks
+    e1, e2 = n2, 2 * n2
     runs = []
-    for nb in (n1, n2):
-        tensors, kwargs = _sample_bwd_inputs(s, nb)
+    for nb, ne in ((n1, e1), (n2, e1), (n1, e2)):
+        tensors, kwargs = _sample_bwd_inputs(s, nb, ne)
         runs.append(profile_kernel(BWD, tensors, kwargs, lnc=lnc, target=target))
-    full_t, full_k = bwd_inputs(s)
-    pad = _padding(full_t, full_k)
-    a, b = (r.summary(10) for r in runs)
+    pad = _padding(*bwd_inputs(s))
+    base, pb, pe = (r.summary(10) for r in runs)
+    db = (pad.blocks - n1) / (n2 - n1)
+    de = (s.experts - e1) / (e2 - e1)
     keys = ("busy_us", "dma_queue_us", "schedule_us", "pe_flops", "dma", "instructions")
     out: dict[str, Any] = {"kernel": BWD, "shape": dict(s.__dict__), "target": target, "lnc": lnc}
     for k in keys:
-        out[k] = _linear(a[k], b[k], n1, n2, pad.blocks)
+        out[k] = _extrapolate(base[k], pb[k], pe[k], db, de)
     busy = out["busy_us"]
     out["bottleneck"] = max(busy, key=lambda k: busy[k])
     out["lower_bound_us"] = max(busy.values())
@@ -303,7 +315,7 @@ def profile_bwd_scaled(
         "positions": pad.positions, "blocks_needed": pad.blocks_needed,
         "efficiency": pad.efficiency,
     }  # fmt: skip
-    out["top_lines"] = b["top_lines"]
-    out["sampled_blocks"] = [n1, n2]
+    out["top_lines"] = pb["top_lines"]
+    out["sampled"] = {"blocks_experts": [[n1, e1], [n2, e1], [n1, e2]]}
     out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
     return out
