@@ -96,6 +96,34 @@ def test_tensor_scalar_python_int_and_bitvec_int_tiles_are_fine() -> None:
     np.testing.assert_array_equal(run(k, data), (data * 3) & 6)
 
 
+def test_tensor_scalar_reduce_operand_fp32_and_reduction() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    scale = np.array([[1.0], [2.0], [3.0]], dtype=np.float32)
+
+    def k(x, scale, operand_dtype):
+        t = nl.ndarray((3, 4), nl.float32)
+        nisa.dma_copy(dst=t, src=x)
+        s = nl.ndarray((3, 1), operand_dtype)
+        nisa.dma_copy(dst=s, src=scale)  # casting copy when operand_dtype is int32
+        y = nl.ndarray((3, 4), nl.float32)
+        r = nl.ndarray((3, 1), nl.float32)
+        m = nl.ndarray((3, 1), nl.float32)
+        nisa.tensor_scalar_reduce(
+            dst=y, data=t, op0=nl.multiply, operand0=s, reduce_op=nl.add, reduce_res=r
+        )
+        nisa.tensor_scalar_reduce(
+            dst=y, data=t, op0=nl.subtract, operand0=1.0, reduce_op=nl.maximum,
+            reduce_res=m, reduce_res_negate=True,
+        )  # fmt: skip
+        return _store(r), _store(m)
+
+    err = _rejects(Rule.TENSOR_SCALAR_FP32, k, x, scale, nl.int32)
+    assert "tensor_scalar_reduce: operand0" in str(err)
+    r, m = run(k, x, scale, nl.float32)
+    np.testing.assert_array_equal(r[:, 0], (x * scale).sum(1))  # small integers: exact
+    np.testing.assert_array_equal(m[:, 0], -(x - 1).max(1))
+
+
 # -- MX scales in their data's quadrant --------------------------------------------------------
 
 
