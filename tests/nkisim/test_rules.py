@@ -281,3 +281,40 @@ def test_disjoint_halves_need_no_barrier() -> None:
 
     x = np.arange(16, dtype=np.float32).reshape(4, 4)
     np.testing.assert_array_equal(nkisim.simulate(jit(k)[2])(x), x)
+
+
+def _indirect_handover(table, idx, barrier):
+    """Core 0 scatters rows through indices; core 1 gathers rows through indices. Rows with
+    index -1 are skipped and are no access."""
+    pid = nl.program_id(0)
+    it = nl.ndarray((4, 1), nl.int32)
+    nisa.dma_copy(dst=it, src=idx[pid * 4 : pid * 4 + 4, :])
+    view = table.ap([[2, 4], [1, 2]], offset=0, vector_offset=it, indirect_dim=0)
+    rows = nl.ndarray((4, 2), nl.float32)
+    if pid == 0:
+        nisa.memset(rows, 5.0)
+        nisa.dma_copy(dst=view, src=rows, oob_mode=oob_mode.skip)
+    if barrier:
+        nisa.core_barrier(table, (0, 1))
+    out = nl.ndarray((4, 2), nl.float32, buffer=nl.shared_hbm)
+    if pid == 1:
+        nisa.memset(rows, 0.0)
+        nisa.dma_copy(dst=rows, src=view, oob_mode=oob_mode.skip)
+        nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+def test_lnc_race_through_indirect_dma_rows() -> None:
+    # core 0 writes rows 1 and 3 (the -1 rows are skipped); core 1 reads rows 0 and 3
+    idx = np.array([[1], [-1], [3], [-1], [0], [3], [-1], [-1]], dtype=np.int32)
+    table = np.zeros((4, 2), np.float32)
+    with pytest.raises(NkiRuleError, match=r"tensor table.*\[lnc-race\]"):
+        nkisim.simulate(jit(_indirect_handover)[2])(table, idx, False)
+    table = np.zeros((4, 2), np.float32)
+    out = nkisim.simulate(jit(_indirect_handover)[2])(table, idx, True)
+    np.testing.assert_array_equal(out, [[0, 0], [5, 5], [0, 0], [0, 0]])
+    # disjoint rows: core 1 reads rows 0 and 2 only, which core 0 never writes
+    idx2 = np.array([[1], [-1], [3], [-1], [0], [2], [-1], [-1]], dtype=np.int32)
+    table = np.zeros((4, 2), np.float32)
+    out = nkisim.simulate(jit(_indirect_handover)[2])(table, idx2, False)
+    np.testing.assert_array_equal(out, np.zeros((4, 2), np.float32))
