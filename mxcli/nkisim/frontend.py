@@ -264,9 +264,6 @@ class _Scope:
                 return True, table[name]
         return False, None
 
-    def is_builtin(self, name: str) -> bool:
-        return name not in self.local and not self.lookup(name)[0] and name in self.builtins
-
 
 class _Checker:
     def __init__(self) -> None:
