@@ -26,9 +26,13 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
     decode_packed_rows,
     rmsnorm_mx_prefill,
     row_geometry,
+    validate,
 )
-from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, launch_sim, run_sim
+from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
+from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config, launch_sim, run_sim
 from mxcli.mx import fake_quantize_mx
+from mxcli.nkisim import language
+from mxcli.nkisim.dtypes import DType
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 A = RouterActFnType
@@ -248,20 +252,56 @@ def test_tolerance_is_far_below_the_mx_error() -> None:
         (dict(gamma=torch.ones(1000, dtype=torch.bfloat16)), "gamma"),
     ],
 )
-def test_kernel_validates_before_any_work(change: dict[str, Any], name: str) -> None:
-    """The kernel's own checks (prefill spec §2.3 + errata 2), reached by launching it directly
-    (bypassing the contract's Python-side validation)."""
+def test_launcher_validates_before_any_launch(
+    change: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation (prefill spec §2.3 + errata 2) runs once, in the launcher, before the kernel
+    is loaded or traced (issue 11: the kernel itself holds no duplicate of it)."""
     (x, gamma), kw = make_case(8, 1024, E=24, K=2, bias_dtype=torch.float32)
     kw.update(change)
     g = kw.pop("gamma", gamma)
-    if kw.get("router_act_fn") is A.NOAUX_TC and "router_weights" in kw:
-        kw["router_weights"] = arrange_router_weights(
-            kw["router_weights"][: x.shape[-1]], A.NOAUX_TC
-        )
+
+    def no_launch(*a: Any, **k: Any) -> None:
+        raise AssertionError("the kernel was launched with invalid arguments")
+
+    monkeypatch.setattr(nki_runtime, "run_sim", no_launch)
     with pytest.raises(PrefillValidationError, match=name):
-        nki_runtime.run_sim(KERNEL, [x, g], kw, engine="mxcli.nkisim")
+        launch_sim(x, g, **kw, engine="mxcli.nkisim")
     with pytest.raises(PrefillValidationError, match=name):
         rmsnorm_mx_prefill(x, g, **kw, backend="sim")
+
+
+def test_kernel_asserts_its_plan_matches_the_tensors() -> None:
+    """The kernel re-asserts (``assert``, as upstream's kernel_assert) only what its addressing
+    relies on: a plan made for other tensors is refused at trace time."""
+    (x, gamma), kw = make_case(8, 1024, E=16, K=2)
+    cfg = validate(x, gamma, **kw)
+    other = validate(x[:, :, :512], gamma[:, :512], **{**kw, "router_weights": None})
+    args = [x, gamma, kernel_config(other), kw["router_weights"], None, None]
+    with pytest.raises(AssertionError, match="cfg.H"):
+        nki_runtime.run_sim(KERNEL, args, engine="mxcli.nkisim")
+    args[2] = kernel_config(cfg)
+    out = nki_runtime.run_sim(KERNEL, args, engine="mxcli.nkisim").outputs
+    ref = rmsnorm_mx_prefill(x, gamma, **kw)
+    assert torch.equal(out[0], ref[0].view(torch.uint8)) and torch.equal(out[1], ref[1])
+
+
+def test_kernel_config_holds_only_front_end_values() -> None:
+    """The plan crosses to the kernel as an NKIObject of ints, floats, bools, the basic
+    `RouterMode` enum and nki dtypes (issue 11: no torch dtypes, no host enums)."""
+    (x, gamma), kw = make_case(8, 1024, E=32, K=4, act=A.NOAUX_TC, bias_dtype=torch.float32)
+    obj = kernel_config(validate(x, gamma, **kw, n_group=4, topk_group=2))
+    kern_mod = nki_runtime.load_kernel_module(KERNEL.partition(":")[0], "mxcli.nkisim")
+    built = nki_runtime._convert_arg(
+        obj, language, nki_runtime.to_numpy, nki_runtime.SimEngine.INTERPRETER
+    )
+    assert type(built) is kern_mod.PrefillKernelConfig
+    assert isinstance(built, language.NKIObject)
+    assert built.router_mode == RouterMode.NOAUX_TC and built.compute_dtype == language.bfloat16
+    assert built.qmx_dtype == language.float8_e4m3fn_x4
+    for name, value in vars(built).items():
+        assert isinstance(value, (int, float, bool, RouterMode, DType)), name
+    assert (built.T, built.H, built.NB, built.E, built.K, built.row) == (8, 1024, 2, 32, 4, 1152)
 
 
 def test_check_only_rejects_the_real_simulator() -> None:
