@@ -167,9 +167,6 @@ def launch_sim(
         check_only=check_only,
         engine=engine,
         check_capacity=check_capacity,
-        # the programs never communicate (disjoint token ranges): running them one after the
-        # other is exact and spares the interpreter two threads contending for the GIL
-        serialize_programs=True,
     )
     res.outputs = _finish(res.outputs, hidden_states.device)
     return res
