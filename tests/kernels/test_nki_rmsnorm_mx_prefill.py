@@ -10,6 +10,7 @@ the tests demand bit equality.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxcli import nkisim
 from mxcli.kernels import backends, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.rmsnorm_mx_prefill import (
@@ -31,6 +33,7 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config, launch_sim, run_sim
 from mxcli.mx import fake_quantize_mx
+from mxcli.nkisim import kernel as nkisim_kernel
 from mxcli.nkisim import language
 from mxcli.nkisim.dtypes import DType
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
@@ -302,6 +305,73 @@ def test_kernel_config_holds_only_front_end_values() -> None:
     for name, value in vars(built).items():
         assert isinstance(value, (int, float, bool, RouterMode, DType)), name
     assert (built.T, built.H, built.NB, built.E, built.K, built.row) == (8, 1024, 2, 32, 4, 1152)
+
+
+# -- the NKI 0.6 front end (issue 11) ---------------------------------------------------------------
+
+# every configuration this file runs (shapes shrunk: the front end sees structure, not sizes)
+_FRONT_END_CASES = {
+    "no_router": (256, 1024, {}),
+    "softmax": (200, 1024, dict(E=16, K=2)),
+    "sigmoid_bias_packed_e17": (
+        130, 1024, dict(E=17, K=3, act=A.SIGMOID, bias_dtype=torch.float16, pack_affinities=True)
+    ),
+    "noaux_packed": (
+        96, 1024, dict(E=32, K=4, act=A.NOAUX_TC, bias_dtype=torch.float32, n_group=4,
+                       topk_group=2, routed_scaling_factor=2.5, pack_affinities=True)
+    ),
+    "noaux_deepseek": (
+        64, 512, dict(E=256, K=8, act=A.NOAUX_TC, bias_dtype=torch.float32, n_group=8,
+                      topk_group=4)
+    ),
+    "residual_norm_unpadded_unfolded_fp16": (
+        100, 3072, dict(E=8, K=4, w_dtype=torch.float16, residual_dtype=torch.bfloat16,
+                        emit_norm_bf16=True, unpadded_hidden_size=2880, pack_scales=False)
+    ),
+    "fp32_residual_e5": (70, 512, dict(E=5, K=2, residual_dtype=torch.float32)),
+    "interleaved": (
+        64, 1024, dict(residual_dtype=torch.bfloat16, emit_norm_bf16=True, hidden_interleaved=True)
+    ),
+    "e5m2_single_token": (1, 512, dict(E=8, K=1, act=A.SIGMOID, qmx_output_dtype="e5m2")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("case", sorted(_FRONT_END_CASES))
+def test_front_end_check_passes(case: str, lnc: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch runs `nkisim.assert_frontend` on the kernel and its actual arguments (the
+    plan object included) before tracing; for each tested configuration and LNC it finds
+    nothing outside the NKI 0.6 subset."""
+    T, H, opts = _FRONT_END_CASES[case]
+    args, kw = make_case(T, H, **opts)
+    checked: list[tuple[Any, ...]] = []
+    real = nkisim_kernel.assert_frontend
+
+    def spy(fn: Any, a: Any, k: Any) -> None:
+        checked.append(nkisim.check_frontend(fn, a, k))
+        real(fn, a, k)
+
+    monkeypatch.setattr(nkisim_kernel, "assert_frontend", spy)
+    launch_sim(*args, **kw, lnc=lnc, check_only=True)
+    assert checked == [()]
+
+
+def test_front_end_check_sees_the_plan() -> None:
+    """The check reaches into the argument objects: a plan carrying a torch dtype (what the
+    pre-issue-11 kernel received) is refused, naming the rule; the launcher's plan passes."""
+    (x, gamma), kw = make_case(8, 512, E=8, K=2)
+    kern = nki_runtime.resolve_kernel(KERNEL, "mxcli.nkisim")
+    built = nki_runtime._convert_arg(
+        kernel_config(validate(x, gamma, **kw)),
+        language,
+        nki_runtime.to_numpy,
+        nki_runtime.SimEngine.INTERPRETER,
+    )
+    tensors = [nki_runtime.to_numpy(t) for t in (x, gamma, kw["router_weights"])]
+    assert nkisim.check_frontend(kern, [tensors[0], tensors[1], built, tensors[2]]) == ()
+    bad = dataclasses.replace(built, compute_dtype=torch.bfloat16)
+    found = nkisim.check_frontend(kern, [tensors[0], tensors[1], bad, tensors[2]])
+    assert [v.rule for v in found] == [nkisim.Rule.TORCH_NUMPY]
 
 
 def test_check_only_rejects_the_real_simulator() -> None:
