@@ -63,6 +63,8 @@ _NKI_ROOTS = ("mxcli.nkisim", "nki")
 # Decorators: `@dataclass` on classes (documented), `@staticmethod` on methods (upstream).
 _CLASS_DECORATORS = frozenset({"dataclass", "dataclasses.dataclass"})
 _METHOD_DECORATORS = frozenset({"staticmethod"})
+# module-level helpers may also be @nki.jit sub-kernels, as upstream's are
+_FUNCTION_DECORATORS = frozenset({"staticmethod", "nki.jit", "jit"})
 _MAX_VALUE_DEPTH = 8
 
 
@@ -132,6 +134,11 @@ def _is_torch_numpy(value: Any) -> bool:
         if _module_root(mod) in _TORCH_NUMPY_ROOTS:
             return True
     return False
+
+
+def _is_nki_dtype(value: Any) -> bool:
+    """NKI 0.6 dtypes are strings (the stub's ``DType = str``); ours compare equal to their name."""
+    return type(value).__name__ == "DType" and _is_nki(value)
 
 
 def _is_nki_object_class(cls: type) -> bool:
@@ -257,9 +264,6 @@ class _Scope:
                 return True, table[name]
         return False, None
 
-    def is_builtin(self, name: str) -> bool:
-        return name not in self.local and not self.lookup(name)[0] and name in self.builtins
-
 
 class _Checker:
     def __init__(self) -> None:
@@ -288,13 +292,8 @@ class _Checker:
         if value is Ellipsis:
             return
         if type(value).__name__ == "Kernel" and hasattr(value, "fn"):
-            self.add(
-                Rule.JIT_SUBKERNEL,
-                path,
-                line,
-                f"{where} is an @nki.jit kernel; sub-kernels called from a kernel must not be "
-                "decorated (migration guide)",
-            )
+            # an @nki.jit sub-kernel: the migration guide asks to drop the decorator, but upstream
+            # core kernels call jit-decorated helpers (moe_tkg, moe_cte); its body is checked
             self.check_function(_unwrap_callable(value))
             return
         if _is_nki(value):
@@ -314,7 +313,7 @@ class _Checker:
             return
         if isinstance(value, dict):
             for k, item in value.items():
-                if not isinstance(k, str):
+                if not (isinstance(k, str) or _is_nki_dtype(k)):
                     self.add(Rule.VALUE, path, line, f"{where} is a dict with a non-str key {k!r}")
                 self.reach(item, f"{where}[{k!r}]", path, line, depth + 1)
             return
@@ -412,7 +411,7 @@ class _Checker:
         if is_entry:
             self._check_signature(node, path, entry=True)
         elif not method:
-            self._check_decorators(node, scope, _METHOD_DECORATORS, "function")
+            self._check_decorators(node, scope, _FUNCTION_DECORATORS, "function")
         _BodyVisitor(self, scope, is_entry).visit_function(node)
 
     def _check_signature(

@@ -41,7 +41,6 @@ class Rule(str, enum.Enum):
     VALUE = "value"
     TORCH_NUMPY = "torch-numpy"
     BUILTIN = "builtin"
-    JIT_SUBKERNEL = "jit-subkernel"
     SOURCE = "source"
     # -- interpreter: hardware and synchronization rules (checked while the kernel runs)
     MEMSET_X4 = "memset-x4"

@@ -96,6 +96,34 @@ def test_tensor_scalar_python_int_and_bitvec_int_tiles_are_fine() -> None:
     np.testing.assert_array_equal(run(k, data), (data * 3) & 6)
 
 
+def test_tensor_scalar_reduce_operand_fp32_and_reduction() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    scale = np.array([[1.0], [2.0], [3.0]], dtype=np.float32)
+
+    def k(x, scale, operand_dtype):
+        t = nl.ndarray((3, 4), nl.float32)
+        nisa.dma_copy(dst=t, src=x)
+        s = nl.ndarray((3, 1), operand_dtype)
+        nisa.dma_copy(dst=s, src=scale)  # casting copy when operand_dtype is int32
+        y = nl.ndarray((3, 4), nl.float32)
+        r = nl.ndarray((3, 1), nl.float32)
+        m = nl.ndarray((3, 1), nl.float32)
+        nisa.tensor_scalar_reduce(
+            dst=y, data=t, op0=nl.multiply, operand0=s, reduce_op=nl.add, reduce_res=r
+        )
+        nisa.tensor_scalar_reduce(
+            dst=y, data=t, op0=nl.subtract, operand0=1.0, reduce_op=nl.maximum,
+            reduce_res=m, reduce_res_negate=True,
+        )  # fmt: skip
+        return _store(r), _store(m)
+
+    err = _rejects(Rule.TENSOR_SCALAR_FP32, k, x, scale, nl.int32)
+    assert "tensor_scalar_reduce: operand0" in str(err)
+    r, m = run(k, x, scale, nl.float32)
+    np.testing.assert_array_equal(r[:, 0], (x * scale).sum(1))  # small integers: exact
+    np.testing.assert_array_equal(m[:, 0], -(x - 1).max(1))
+
+
 # -- MX scales in their data's quadrant --------------------------------------------------------
 
 
@@ -253,3 +281,40 @@ def test_disjoint_halves_need_no_barrier() -> None:
 
     x = np.arange(16, dtype=np.float32).reshape(4, 4)
     np.testing.assert_array_equal(nkisim.simulate(jit(k)[2])(x), x)
+
+
+def _indirect_handover(table, idx, barrier):
+    """Core 0 scatters rows through indices; core 1 gathers rows through indices. Rows with
+    index -1 are skipped and are no access."""
+    pid = nl.program_id(0)
+    it = nl.ndarray((4, 1), nl.int32)
+    nisa.dma_copy(dst=it, src=idx[pid * 4 : pid * 4 + 4, :])
+    view = table.ap([[2, 4], [1, 2]], offset=0, vector_offset=it, indirect_dim=0)
+    rows = nl.ndarray((4, 2), nl.float32)
+    if pid == 0:
+        nisa.memset(rows, 5.0)
+        nisa.dma_copy(dst=view, src=rows, oob_mode=oob_mode.skip)
+    if barrier:
+        nisa.core_barrier(table, (0, 1))
+    out = nl.ndarray((4, 2), nl.float32, buffer=nl.shared_hbm)
+    if pid == 1:
+        nisa.memset(rows, 0.0)
+        nisa.dma_copy(dst=rows, src=view, oob_mode=oob_mode.skip)
+        nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+def test_lnc_race_through_indirect_dma_rows() -> None:
+    # core 0 writes rows 1 and 3 (the -1 rows are skipped); core 1 reads rows 0 and 3
+    idx = np.array([[1], [-1], [3], [-1], [0], [3], [-1], [-1]], dtype=np.int32)
+    table = np.zeros((4, 2), np.float32)
+    with pytest.raises(NkiRuleError, match=r"tensor table.*\[lnc-race\]"):
+        nkisim.simulate(jit(_indirect_handover)[2])(table, idx, False)
+    table = np.zeros((4, 2), np.float32)
+    out = nkisim.simulate(jit(_indirect_handover)[2])(table, idx, True)
+    np.testing.assert_array_equal(out, [[0, 0], [5, 5], [0, 0], [0, 0]])
+    # disjoint rows: core 1 reads rows 0 and 2 only, which core 0 never writes
+    idx2 = np.array([[1], [-1], [3], [-1], [0], [2], [-1], [-1]], dtype=np.int32)
+    table = np.zeros((4, 2), np.float32)
+    out = nkisim.simulate(jit(_indirect_handover)[2])(table, idx2, False)
+    np.testing.assert_array_equal(out, np.zeros((4, 2), np.float32))

@@ -53,6 +53,7 @@ STUB_ISA = {
     "tensor_copy": "dst, src, engine=engine.unknown, name=None",
     "tensor_reduce": "dst, op, data, axis, negate=False, keepdims=False, name=None",
     "tensor_scalar": "dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=engine.unknown, name=None",
+    "tensor_scalar_reduce": "dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False, reduce_cmd=reduce_cmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None",
     "tensor_tensor": "dst, data1, data2, op, engine=engine.unknown, name=None",
     "topk": "val_dst, idx_dst, src, n, name=None",
 }

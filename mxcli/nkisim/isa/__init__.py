@@ -41,6 +41,7 @@ from mxcli.nkisim.isa.vector import (
     tensor_copy,
     tensor_reduce,
     tensor_scalar,
+    tensor_scalar_reduce,
     tensor_tensor,
     topk,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "tensor_engine",
     "tensor_reduce",
     "tensor_scalar",
+    "tensor_scalar_reduce",
     "tensor_tensor",
     "topk",
     "unknown_engine",
@@ -113,7 +115,6 @@ _NOT_IMPLEMENTED = {
     "select_reduce",
     "tensor_copy_predicated",
     "range_select",
-    "tensor_scalar_reduce",
     "tensor_scalar_cumulative",
     "bn_stats",
     "bn_aggr",

@@ -48,6 +48,7 @@ __all__ = [
     "iota",
     "tensor_tensor",
     "tensor_scalar",
+    "tensor_scalar_reduce",
     "scalar_tensor_tensor",
     "tensor_reduce",
     "activation",
@@ -358,6 +359,71 @@ def _bitvec(tok: OpToken, v: np.ndarray, s: Any, reverse: bool) -> np.ndarray:
     a, b = (sv, v) if reverse else (v, sv)
     assert tok.bitvec is not None
     return tok.bitvec(a, b)
+
+
+_REDUCERS = {"add": np.add, "multiply": np.multiply, "maximum": np.maximum, "minimum": np.minimum}
+
+
+@isa_op()
+def tensor_scalar_reduce(
+    dst: NkiTensor,
+    data: NkiTensor,
+    op0: Any,
+    operand0: Any,
+    reduce_op: Any,
+    reduce_res: Any = None,
+    reverse0: bool = False,
+    reduce_cmd: reduce_cmd = reduce_cmd.reset_reduce,
+    reduce_init: Any = None,
+    reduce_res_negate: bool = False,
+    name: str | None = None,
+) -> NkiInstruction:
+    """``dst = data <op0> operand0`` on the Vector engine, reduced along the free dims into the
+    VectorE accumulator (2.32 stub). reset_reduce starts from reduce_op's identity, reduce
+    continues, load_reduce starts from `reduce_init`; `reduce_res` (P, 1) receives the result,
+    negated when `reduce_res_negate`."""
+    opn = "tensor_scalar_reduce"
+    t0 = check_token(opn, "op0", op0)
+    _alu_check(opn, "op0", t0)
+    if t0.is_bitvec:
+        raise NkiValidationError(f"{opn}: op0 must be arithmetic (bitvec operators unsupported)")
+    red = check_token(opn, "reduce_op", reduce_op)
+    if red.name not in _REDUCERS:
+        raise NkiValidationError(
+            f"{opn}: reduce_op must be nl.add, nl.multiply, nl.maximum or nl.minimum (got {red!r})"
+        )
+    if reverse0:
+        raise NkiValidationError(f"{opn}: reverse0 is not supported yet (2.32 stub)")
+    cmd = as_enum(reduce_cmd, _RC, opn, "reduce_cmd")
+    if cmd not in (_RC.reset_reduce, _RC.reduce, _RC.load_reduce):
+        raise NkiValidationError(
+            f"{opn}: reduce_cmd must be reset_reduce, reduce or load_reduce (got {cmd.name})"
+        )
+    if (reduce_init is not None) != (cmd is _RC.load_reduce):
+        raise NkiValidationError(f"{opn}: reduce_init is given exactly when reduce_cmd=load_reduce")
+    prog = machine.current()
+    x, d = elementwise_operands(opn, dst, ("data", data), engine_name="vector")
+    prog.begin(opn, "vector")
+    fp32_tile_operands(opn, operand0=operand0, reduce_init=reduce_init)
+    P = x.parts
+    s0 = scalar_operand(opn, "operand0", operand0, P, allow_none=t0.is_unary_alu)
+    init = scalar_operand(opn, "reduce_init", reduce_init, P, allow_none=True)
+    rr = _reduce_res_operand(opn, reduce_res, P)
+    if skip_arithmetic(prog, d, x):
+        _store_reduce_res(rr, None)
+        return NkiInstruction(opn)
+    r = _apply(t0, flat2(x.read_f32(), P), s0, False)
+    store_f32(d, r)
+    acc = prog.vector_acc
+    if cmd is _RC.reset_reduce:
+        acc[:P] = F32(red.identity)
+    elif cmd is _RC.load_reduce:
+        acc[:P] = np.broadcast_to(np.asarray(init, dtype=F32).reshape(-1), (P,))
+    f = _REDUCERS[red.name]
+    acc[:P] = f(acc[:P], f.reduce(np.asarray(r, dtype=F32), axis=-1, dtype=F32)).astype(F32)
+    if rr is not None:
+        store_f32(rr, (-acc[:P] if reduce_res_negate else acc[:P]).reshape(P, 1))
+    return NkiInstruction(opn)
 
 
 @isa_op()
