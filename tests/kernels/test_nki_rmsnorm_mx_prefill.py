@@ -10,6 +10,7 @@ the tests demand bit equality.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxcli import nkisim
 from mxcli.kernels import backends, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.rmsnorm_mx_prefill import (
@@ -26,9 +28,14 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
     decode_packed_rows,
     rmsnorm_mx_prefill,
     row_geometry,
+    validate,
 )
-from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, launch_sim, run_sim
+from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
+from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config, launch_sim, run_sim
 from mxcli.mx import fake_quantize_mx
+from mxcli.nkisim import kernel as nkisim_kernel
+from mxcli.nkisim import language
+from mxcli.nkisim.dtypes import DType
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 A = RouterActFnType
@@ -248,20 +255,123 @@ def test_tolerance_is_far_below_the_mx_error() -> None:
         (dict(gamma=torch.ones(1000, dtype=torch.bfloat16)), "gamma"),
     ],
 )
-def test_kernel_validates_before_any_work(change: dict[str, Any], name: str) -> None:
-    """The kernel's own checks (prefill spec §2.3 + errata 2), reached by launching it directly
-    (bypassing the contract's Python-side validation)."""
+def test_launcher_validates_before_any_launch(
+    change: dict[str, Any], name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Validation (prefill spec §2.3 + errata 2) runs once, in the launcher, before the kernel
+    is loaded or traced (issue 11: the kernel itself holds no duplicate of it)."""
     (x, gamma), kw = make_case(8, 1024, E=24, K=2, bias_dtype=torch.float32)
     kw.update(change)
     g = kw.pop("gamma", gamma)
-    if kw.get("router_act_fn") is A.NOAUX_TC and "router_weights" in kw:
-        kw["router_weights"] = arrange_router_weights(
-            kw["router_weights"][: x.shape[-1]], A.NOAUX_TC
-        )
+
+    def no_launch(*a: Any, **k: Any) -> None:
+        raise AssertionError("the kernel was launched with invalid arguments")
+
+    monkeypatch.setattr(nki_runtime, "run_sim", no_launch)
     with pytest.raises(PrefillValidationError, match=name):
-        nki_runtime.run_sim(KERNEL, [x, g], kw, engine="mxcli.nkisim")
+        launch_sim(x, g, **kw, engine="mxcli.nkisim")
     with pytest.raises(PrefillValidationError, match=name):
         rmsnorm_mx_prefill(x, g, **kw, backend="sim")
+
+
+def test_kernel_asserts_its_plan_matches_the_tensors() -> None:
+    """The kernel re-asserts (``assert``, as upstream's kernel_assert) only what its addressing
+    relies on: a plan made for other tensors is refused at trace time."""
+    (x, gamma), kw = make_case(8, 1024, E=16, K=2)
+    cfg = validate(x, gamma, **kw)
+    other = validate(x[:, :, :512], gamma[:, :512], **{**kw, "router_weights": None})
+    args = [x, gamma, kernel_config(other), kw["router_weights"], None, None]
+    with pytest.raises(AssertionError, match="cfg.H"):
+        nki_runtime.run_sim(KERNEL, args, engine="mxcli.nkisim")
+    args[2] = kernel_config(cfg)
+    out = nki_runtime.run_sim(KERNEL, args, engine="mxcli.nkisim").outputs
+    ref = rmsnorm_mx_prefill(x, gamma, **kw)
+    assert torch.equal(out[0], ref[0].view(torch.uint8)) and torch.equal(out[1], ref[1])
+
+
+def test_kernel_config_holds_only_front_end_values() -> None:
+    """The plan crosses to the kernel as an NKIObject of ints, floats, bools, the basic
+    `RouterMode` enum and nki dtypes (issue 11: no torch dtypes, no host enums)."""
+    (x, gamma), kw = make_case(8, 1024, E=32, K=4, act=A.NOAUX_TC, bias_dtype=torch.float32)
+    obj = kernel_config(validate(x, gamma, **kw, n_group=4, topk_group=2))
+    kern_mod = nki_runtime.load_kernel_module(KERNEL.partition(":")[0], "mxcli.nkisim")
+    built = nki_runtime._convert_arg(
+        obj, language, nki_runtime.to_numpy, nki_runtime.SimEngine.INTERPRETER
+    )
+    assert type(built) is kern_mod.PrefillKernelConfig
+    assert isinstance(built, language.NKIObject)
+    assert built.router_mode == RouterMode.NOAUX_TC and built.compute_dtype == language.bfloat16
+    assert built.qmx_dtype == language.float8_e4m3fn_x4
+    for name, value in vars(built).items():
+        assert isinstance(value, (int, float, bool, RouterMode, DType)), name
+    assert (built.T, built.H, built.NB, built.E, built.K, built.row) == (8, 1024, 2, 32, 4, 1152)
+
+
+# -- the NKI 0.6 front end (issue 11) ---------------------------------------------------------------
+
+# every configuration this file runs (shapes shrunk: the front end sees structure, not sizes)
+_FRONT_END_CASES = {
+    "no_router": (256, 1024, {}),
+    "softmax": (200, 1024, dict(E=16, K=2)),
+    "sigmoid_bias_packed_e17": (
+        130, 1024, dict(E=17, K=3, act=A.SIGMOID, bias_dtype=torch.float16, pack_affinities=True)
+    ),
+    "noaux_packed": (
+        96, 1024, dict(E=32, K=4, act=A.NOAUX_TC, bias_dtype=torch.float32, n_group=4,
+                       topk_group=2, routed_scaling_factor=2.5, pack_affinities=True)
+    ),
+    "noaux_deepseek": (
+        64, 512, dict(E=256, K=8, act=A.NOAUX_TC, bias_dtype=torch.float32, n_group=8,
+                      topk_group=4)
+    ),
+    "residual_norm_unpadded_unfolded_fp16": (
+        100, 3072, dict(E=8, K=4, w_dtype=torch.float16, residual_dtype=torch.bfloat16,
+                        emit_norm_bf16=True, unpadded_hidden_size=2880, pack_scales=False)
+    ),
+    "fp32_residual_e5": (70, 512, dict(E=5, K=2, residual_dtype=torch.float32)),
+    "interleaved": (
+        64, 1024, dict(residual_dtype=torch.bfloat16, emit_norm_bf16=True, hidden_interleaved=True)
+    ),
+    "e5m2_single_token": (1, 512, dict(E=8, K=1, act=A.SIGMOID, qmx_output_dtype="e5m2")),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("case", sorted(_FRONT_END_CASES))
+def test_front_end_check_passes(case: str, lnc: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launch runs `nkisim.assert_frontend` on the kernel and its actual arguments (the
+    plan object included) before tracing; for each tested configuration and LNC it finds
+    nothing outside the NKI 0.6 subset."""
+    T, H, opts = _FRONT_END_CASES[case]
+    args, kw = make_case(T, H, **opts)
+    checked: list[tuple[Any, ...]] = []
+    real = nkisim_kernel.assert_frontend
+
+    def spy(fn: Any, a: Any, k: Any) -> None:
+        checked.append(nkisim.check_frontend(fn, a, k))
+        real(fn, a, k)
+
+    monkeypatch.setattr(nkisim_kernel, "assert_frontend", spy)
+    launch_sim(*args, **kw, lnc=lnc, check_only=True)
+    assert checked == [()]
+
+
+def test_front_end_check_sees_the_plan() -> None:
+    """The check reaches into the argument objects: a plan carrying a torch dtype (what the
+    pre-issue-11 kernel received) is refused, naming the rule; the launcher's plan passes."""
+    (x, gamma), kw = make_case(8, 512, E=8, K=2)
+    kern = nki_runtime.resolve_kernel(KERNEL, "mxcli.nkisim")
+    built = nki_runtime._convert_arg(
+        kernel_config(validate(x, gamma, **kw)),
+        language,
+        nki_runtime.to_numpy,
+        nki_runtime.SimEngine.INTERPRETER,
+    )
+    tensors = [nki_runtime.to_numpy(t) for t in (x, gamma, kw["router_weights"])]
+    assert nkisim.check_frontend(kern, [tensors[0], tensors[1], built, tensors[2]]) == ()
+    bad = dataclasses.replace(built, compute_dtype=torch.bfloat16)
+    found = nkisim.check_frontend(kern, [tensors[0], tensors[1], bad, tensors[2]])
+    assert [v.rule for v in found] == [nkisim.Rule.TORCH_NUMPY]
 
 
 def test_check_only_rejects_the_real_simulator() -> None:

@@ -4,7 +4,9 @@ launched through `mxcli.kernels.nki_runtime`.
 Both take the reference's parameters (same order, same defaults) and return the reference's
 list of torch tensors (prefill spec §2.2): the packed rows as ``torch.float8_e4m3fn`` (the kernel
 writes raw bytes), then index / affinities / residual / norm as the reference does, on the device
-of ``hidden_states``. Arguments are validated with the contract before any launch.
+of ``hidden_states``. Arguments are validated with the contract (`contract.validate`) and the
+launch is planned (`kernel_config`) here, on the host, once and before the kernel is traced: the
+kernel receives tensors and a `PrefillKernelConfig` NKIObject, as NKI 0.6 requires (issue 11).
 """
 
 from __future__ import annotations
@@ -14,10 +16,48 @@ from typing import Any
 import torch
 
 from mxcli.kernels import nki_runtime
-from mxcli.kernels.nki_runtime import DTypeName, SimEngine, SimResult
-from mxcli.kernels.rmsnorm_mx_prefill.contract import RouterActFnType, validate
+from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
+from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 
-KERNEL = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel"
+KERNEL_MODULE = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel"
+KERNEL = f"{KERNEL_MODULE}:rmsnorm_mx_prefill_kernel"
+KERNEL_CONFIG = f"{KERNEL_MODULE}:PrefillKernelConfig"
+
+
+def _nki_dtype(dt: torch.dtype) -> DTypeName:
+    """The ``nl`` dtype named like the 16-bit torch dtype (``torch.bfloat16`` -> bfloat16)."""
+    return DTypeName(str(dt).removeprefix("torch."))
+
+
+def kernel_config(cfg: PrefillConfig) -> KernelObject:
+    """The kernel's launch plan (`nki_kernel.PrefillKernelConfig`) from a validated
+    configuration: shapes, row geometry (prefill spec §2.4), router mode and ``nki`` dtypes."""
+    geo = cfg.geometry
+    fields: dict[str, object] = dict(
+        T=cfg.T,
+        H=cfg.H,
+        NB=geo.num_h512,
+        N=cfg.unpadded_hidden_size,
+        eps=cfg.eps,
+        E=cfg.num_experts,
+        K=cfg.top_k,
+        router_mode=RouterMode[cfg.act.name],
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        compute_dtype=_nki_dtype(cfg.compute_dtype),
+        qmx_dtype=DTypeName(cfg.qmx.value),  # nl.float8_e4m3fn_x4 / nl.float8_e5m2_x4
+        pack_scales=cfg.pack_scales,
+        n_packs=geo.scale_region // 128,
+        pack_affinities=cfg.pack_affinities,
+        aff_width=4 if cfg.act is RouterActFnType.NOAUX_TC else 2,
+        affin_off=geo.affin_off,
+        row=geo.row_region,
+        emit_norm_bf16=cfg.emit_norm_bf16,
+        hidden_interleaved=cfg.hidden_interleaved,
+    )
+    return KernelObject(KERNEL_CONFIG, tuple(fields.items()))
 
 
 def _prepare(
@@ -39,7 +79,7 @@ def _prepare(
     emit_norm_bf16: bool,
     hidden_interleaved: bool,
 ) -> list[Any]:
-    """Validate (prefill spec §2.3) and build the kernel's positional arguments."""
+    """Validate (prefill spec §2.3), plan, and build the kernel's positional arguments."""
     cfg = validate(
         hidden_states,
         gamma,
@@ -59,25 +99,8 @@ def _prepare(
         emit_norm_bf16,
         hidden_interleaved,
     )
-    return [
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        cfg.eps,
-        cfg.top_k,
-        RouterActFnType(cfg.act),
-        cfg.n_group,
-        cfg.topk_group,
-        cfg.routed_scaling_factor,
-        DTypeName(cfg.qmx.value),  # nl.float8_e4m3fn_x4 / nl.float8_e5m2_x4 of the runtime
-        cfg.pack_scales,
-        cfg.pack_affinities,
-        cfg.unpadded_hidden_size,
-        residual,
-        cfg.emit_norm_bf16,
-        cfg.hidden_interleaved,
-    ]
+    # the kernel's positional parameters: tensors, the plan, optional tensors
+    return [hidden_states, gamma, kernel_config(cfg), router_weights, router_bias, residual]
 
 
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -144,9 +167,6 @@ def launch_sim(
         check_only=check_only,
         engine=engine,
         check_capacity=check_capacity,
-        # the programs never communicate (disjoint token ranges): running them one after the
-        # other is exact and spares the interpreter two threads contending for the GIL
-        serialize_programs=True,
     )
     res.outputs = _finish(res.outputs, hidden_states.device)
     return res

@@ -31,7 +31,15 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
    fp32 (§5.3); affinities either to their own tensor or into the packed row tail (§4.3).
 
 LNC: with ``kernel[2]`` the two programs split the tokens (core 0 the first ``ceil(T/2)``,
-prefill spec §7); tokens are independent, so results do not depend on it.
+prefill spec §7); tokens are independent, so results do not depend on it. The programs write
+disjoint rows of the shared outputs and never read what the other wrote: no tensor is handed
+over between the cores, so no ``core_barrier`` is needed.
+
+Front end (NKI 0.6 meta-programming subset, nki_python_subset.md): the launcher
+(`nki_backend`) validates the arguments (`contract.validate`, prefill spec §2.3) and plans the
+launch (`PrefillKernelConfig`) before tracing, once; the kernel receives tensors and that
+NKIObject config (ints, floats, bools, a basic enum, ``nki`` dtypes) and only re-asserts what
+its own addressing relies on. Helpers are plain functions over tensors (inlined at each call).
 
 Bytes the hardware kernel leaves unwritten (scale-region holes, the affinity-row pad, spec §4.2,
 §4.3) are written as 0x00 here, the reference's default (`HoleFill.ZERO`).
@@ -39,7 +47,6 @@ Bytes the hardware kernel leaves unwritten (scale-region holes, the affinity-row
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,18 +54,12 @@ import nki
 import nki.isa as nisa
 import nki.language as nl
 
-from mxcli.kernels.rmsnorm_mx_prefill.contract import (
-    HIDDEN_MULTIPLE,
-    MAX_EXPERTS,
-    MAX_GROUPS,
-    MAX_TOP_K,
-    PrefillValidationError,
-    RouterActFnType,
-)
+from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 
 P = 128  # partitions (nl.tile_size.pmax)
 TOK_TILE = 128  # tokens per tile: the token-major tiles put tokens on partitions
 BLOCK = 512  # one H512 block = 128 partitions x 4 lanes
+MAX8 = 8  # candidates of max8 / nc_find_index8
 FP32_LOWEST = -3.4028234663852886e38  # §5.2: pads of short logit rows never win
 NOAUX_SENTINEL = 30000.0  # §5.3: finite "minus infinity" of group masking
 NOAUX_DEN_EPS = 1e-20  # §5.3: added to the selected-score sum
@@ -66,152 +67,35 @@ T_BLOCKS_PER_PSUM = 4  # swizzle transposes: 4 blocks x n tokens x 2 fp32 words 
 SCALE_PACKS_PER_PSUM = 8  # scale transposes: 8 x 128 x 2 bytes = one PSUM bank
 
 
-def _fail(name: str, expected: str, actual: object) -> PrefillValidationError:
-    return PrefillValidationError(f"{name}: expected {expected}, got {actual}")
-
-
-def _is_16bit(dt: Any) -> bool:
-    return dt == nl.bfloat16 or dt == nl.float16
-
-
-def _is_float(dt: Any) -> bool:
-    return str(dt).startswith(("float", "bfloat", "tfloat"))
-
-
-def _validate(
-    hidden_states: Any,
-    gamma: Any,
-    router_weights: Any,
-    router_bias: Any,
-    top_k: int,
-    act: RouterActFnType,
-    n_group: int,
-    topk_group: int,
-    unpadded_hidden_size: int | None,
-    residual: Any,
-) -> None:
-    """Every check of prefill spec §2.3 (in the kernel's order, errata 2), then the checks the
-    upstream kernel leaves to trace-time failures or undefined results. Runs before any work."""
-    if len(hidden_states.shape) != 3:
-        raise _fail("hidden_states", "a [B, S, H] tensor (rank 3)", f"shape {hidden_states.shape}")
-    H = hidden_states.shape[2]
-    if H % HIDDEN_MULTIPLE:
-        raise _fail("hidden_states", "H (last dim) a positive multiple of 512", f"H={H}")
-    N = H if unpadded_hidden_size is None else unpadded_hidden_size
-    if not 0 < N <= H:
-        raise _fail("unpadded_hidden_size", f"a value in (0, H={H}]", N)
-    if residual is not None and tuple(residual.shape) != tuple(hidden_states.shape):
-        raise _fail(
-            "residual",
-            f"shape {tuple(hidden_states.shape)} (same as hidden_states)",
-            residual.shape,
-        )
-    if router_weights is not None:
-        E = router_weights.shape[-1]
-        if not 0 < E <= MAX_EXPERTS:
-            raise _fail("router_weights", f"E (dim 1) in [1, {MAX_EXPERTS}]", f"E={E}")
-        if top_k > MAX_TOP_K:
-            raise _fail("top_k", f"<= {MAX_TOP_K}", top_k)
-        if act is RouterActFnType.NOAUX_TC:
-            if router_bias is None:
-                raise _fail(
-                    "router_bias",
-                    "a [1, E] or [E] tensor (NOAUX_TC requires the e_score_correction_bias)",
-                    "None",
-                )
-            if topk_group > MAX_GROUPS:
-                raise _fail("topk_group", f"<= {MAX_GROUPS}", topk_group)
-            if n_group > MAX_GROUPS:
-                raise _fail("n_group", f"<= {MAX_GROUPS} (max8-based group selection)", n_group)
-            if n_group >= 1 and E % n_group:
-                raise _fail("n_group", f"a divisor of E={E}", n_group)
-    # --- checks the upstream kernel leaves out (§2.3 "NOT validated", errata 2) ---
-    if not _is_16bit(hidden_states.dtype):
-        raise _fail("hidden_states", "dtype bfloat16 or float16", hidden_states.dtype)
-    if tuple(gamma.shape) not in ((H,), (1, H)):
-        raise _fail("gamma", f"shape ({H},) or (1, {H})", tuple(gamma.shape))
-    if not _is_float(gamma.dtype):
-        raise _fail("gamma", "a floating-point dtype", gamma.dtype)
-    if residual is not None and not _is_float(residual.dtype):
-        raise _fail("residual", "a floating-point dtype", residual.dtype)
-    if router_weights is None:
-        return
-    E = router_weights.shape[-1]
-    if len(router_weights.shape) != 2 or router_weights.shape[0] != H:
-        raise _fail("router_weights", f"an [H={H}, E] tensor", tuple(router_weights.shape))
-    if not _is_16bit(router_weights.dtype):
-        # §1: cd must be 2 bytes (the router matmul runs on cd activations)
-        raise _fail(
-            "router_weights",
-            "dtype bfloat16 or float16 (16-bit compute dtype)",
-            router_weights.dtype,
-        )
-    if not 1 <= top_k <= E:
-        raise _fail("top_k", f"in [1, E={E}]", top_k)
-    if router_bias is not None:
-        if tuple(router_bias.shape) not in ((E,), (1, E)):
-            raise _fail("router_bias", f"shape ({E},) or (1, {E})", tuple(router_bias.shape))
-        if not _is_float(router_bias.dtype):
-            raise _fail("router_bias", "a floating-point dtype", router_bias.dtype)
-    if act is RouterActFnType.NOAUX_TC:
-        if n_group < 1:
-            raise _fail("n_group", ">= 1", n_group)
-        if not 1 <= topk_group <= n_group:
-            raise _fail("topk_group", f"in [1, n_group={n_group}]", topk_group)
-        if E < MAX_TOP_K:
-            raise _fail("router_weights", "E >= 8 for NOAUX_TC (max8 expert selection)", f"E={E}")
-
-
-def _qmx_dtype(qmx_output_dtype: Any) -> Any:
-    """The x4 dtype of ``quantize_mx``'s output: e5m2 when asked for, else e4m3fn."""
-    return nl.float8_e5m2_x4 if "e5m2" in str(qmx_output_dtype).lower() else nl.float8_e4m3fn_x4
-
-
 @dataclass(frozen=True)
-class _Geometry:
-    """Static facts of one launch (trace-time Python values)."""
+class PrefillKernelConfig(nl.NKIObject):
+    """The launch plan, computed by the launcher before tracing (`nki_backend.kernel_config`).
 
-    H: int
+    Shapes and row geometry (prefill spec §2.4) are those of validated arguments; ``E == 0``
+    means no router. Dtypes are ``nki`` dtypes.
+    """
+
+    T: int  # tokens (B * S)
+    H: int  # hidden size (multiple of 512)
     NB: int  # H512 blocks
-    N: int  # unpadded hidden size (RMS divisor)
-    E: int  # experts (0 without a router)
-    K: int
+    N: int  # unpadded hidden size: the RMS divisor (§3.2)
     eps: float
-    in_dt: Any  # hidden_states dtype
-    cd: Any  # compute dtype (§1)
-    qdt: Any  # x4 output dtype of quantize_mx
-    pack_scales: bool
-    n_packs: int  # 128-byte scale blocks per row
-    act: RouterActFnType
+    E: int  # experts, 0 without a router
+    K: int  # top-K
+    router_mode: RouterMode
     n_group: int
     topk_group: int
-    rsf: float
+    routed_scaling_factor: float
+    compute_dtype: Any  # cd (§1): the router dtype with a router, else the hidden dtype
+    qmx_dtype: Any  # x4 output dtype of quantize_mx
+    pack_scales: bool
+    n_packs: int  # 128-byte scale blocks per row
+    pack_affinities: bool  # effective (False without a router)
+    aff_width: int  # bytes per packed affinity: 2 (bf16) or 4 (fp32, NOAUX_TC)
+    affin_off: int  # byte offset of the affinity tail
+    row: int  # bytes per packed row (row_region)
+    emit_norm_bf16: bool
     hidden_interleaved: bool
-    affin_off: int
-    row: int
-    pack_aff: bool
-
-
-@dataclass(frozen=True)
-class _Tensors:
-    """HBM views and per-program SBUF constants shared by all tiles (None when unused)."""
-
-    hs2: Any  # [T, H] hidden_states
-    res2: Any  # [T, H] residual
-    ident: Any  # [128, 128] fp32 identity
-    gamma_sw: Any  # [128, NB, 4] fp32 swizzled gamma
-    gamma_tm: Any  # [128, H] fp32 gamma on every partition (emit_norm_bf16)
-    w_sb: Any  # [128, NB*4, E] router weights
-    bias_tm: Any  # [128, E] fp32 router bias on every partition
-    iota_e: Any  # [128, max(E, 8)] fp32 expert ids
-    gid_e: Any  # [128, E] fp32 group id of each expert (NOAUX_TC)
-    packed_f32: Any  # [T, row/4] fp32 view of the packed rows (code words)
-    packed_u8: Any  # [T, row] the packed rows (bytes)
-    out_packed: Any
-    out_index: Any
-    out_aff: Any
-    out_res: Any
-    out_norm: Any
 
 
 def _flat_1d(t: Any, n: int) -> Any:
@@ -222,74 +106,38 @@ def _flat_1d(t: Any, n: int) -> Any:
 def rmsnorm_mx_prefill_nki(
     hidden_states: Any,
     gamma: Any,
+    cfg: PrefillKernelConfig,
     router_weights: Any = None,
     router_bias: Any = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = nl.float8_e4m3fn_x4,
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
     residual: Any = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
 ) -> list[Any]:
     """Fused RMSNorm + MXFP8 quantization (+ router top-K) for prefill, Trn3 only.
 
-    Parameters are those of the API reference (``hidden_interleaved`` is the documented V-B
-    extra, prefill spec errata 1). ``hidden_states`` [B, S, H] bf16/fp16 HBM, ``gamma`` [H] or
-    [1, H], ``router_weights`` [H, E] bf16/fp16 arranged for the act fn (§6.1), ``router_bias``
-    [E] or [1, E]. Returns the HBM outputs of prefill spec §2.2, in order: the packed rows
-    ``[T, row_region]`` uint8 (bytes: codes, scales, optional affinity tail; fp8 codes),
+    ``hidden_states`` [B, S, H] bf16/fp16 HBM, ``gamma`` [H] or [1, H], ``router_weights``
+    [H, E] bf16/fp16 arranged for the router mode (§6.1), ``router_bias`` [E] or [1, E],
+    ``residual`` [B, S, H]; ``cfg`` the launch plan of validated arguments (the launcher,
+    `nki_backend`, runs `contract.validate`). Returns the HBM outputs of prefill spec §2.2, in
+    order: the packed rows ``[T, row_region]`` uint8 (codes, scales, optional affinity tail),
     ``expert_index`` [T, K] int32 (SIGMOID/SOFTMAX), ``expert_affinities`` [T, E] bf16 / fp32
     (router without ``pack_affinities``), ``output_residual`` [T, H], ``norm_bf16`` [T, H].
-    Raises `PrefillValidationError` (before any instruction) when an argument breaks §2.3.
     """
-    act = RouterActFnType.coerce(router_act_fn)
-    has_router = router_weights is not None
-    _validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        top_k,
-        act,
-        n_group,
-        topk_group,
-        unpadded_hidden_size,
-        residual,
-    )
-    B, S, H = (int(d) for d in hidden_states.shape)
-    T = B * S
-    NB = H // BLOCK
-    N = H if unpadded_hidden_size is None else int(unpadded_hidden_size)
-    in_dt = hidden_states.dtype
-    cd = router_weights.dtype if has_router else in_dt  # §1 compute dtype
-    qdt = _qmx_dtype(qmx_output_dtype)
-    noaux = has_router and act is RouterActFnType.NOAUX_TC
-    pack_aff = bool(pack_affinities) and has_router  # §2.1: silently off without a router
-    E = int(router_weights.shape[1]) if has_router else 0
-    K = int(top_k)
-
-    # --- row geometry (§2.4) ---
-    n_packs = (NB + 3) // 4 if pack_scales else NB
-    SR = P * n_packs  # scale region bytes
-    affin_off = H + SR
-    aff_bytes = 4 if noaux else 2
-    row = 4 * math.ceil((affin_off + E * aff_bytes) / 4) if pack_aff else affin_off
+    T, H, NB, E, K = cfg.T, cfg.H, cfg.NB, cfg.E, cfg.K
+    # what the addressing below relies on: the plan belongs to these tensors
+    assert hidden_states.shape[0] * hidden_states.shape[1] == T, "cfg.T != B * S"
+    assert hidden_states.shape[2] == H and NB * BLOCK == H, "cfg.H != hidden_states H"
+    assert (router_weights is not None) == (E > 0), "cfg.E and router_weights disagree"
+    noaux = cfg.router_mode == RouterMode.NOAUX_TC
+    if noaux:
+        assert router_bias is not None, "NOAUX_TC needs router_bias"
 
     # --- outputs (§2.2), in shared HBM (visible to both LNC programs) ---
     # raw bytes (uint8): MX data crosses to torch as uint8; the backend views it as fp8
-    out_packed = nl.ndarray((T, row), dtype=nl.uint8, buffer=nl.shared_hbm, name="packed")
+    out_packed = nl.ndarray((T, cfg.row), dtype=nl.uint8, buffer=nl.shared_hbm, name="packed")
     out_index = None
     out_aff = None
-    if has_router and not noaux:
+    if E > 0 and not noaux:
         out_index = nl.ndarray((T, K), dtype=nl.int32, buffer=nl.shared_hbm, name="expert_index")
-    if has_router and not pack_aff:
+    if E > 0 and not cfg.pack_affinities:
         aff_dt = nl.float32 if noaux else nl.bfloat16
         out_aff = nl.ndarray((T, E), dtype=aff_dt, buffer=nl.shared_hbm, name="expert_affinities")
     out_res = None
@@ -298,21 +146,21 @@ def rmsnorm_mx_prefill_nki(
             (T, H), dtype=residual.dtype, buffer=nl.shared_hbm, name="output_residual"
         )
     out_norm = None
-    if emit_norm_bf16:
+    if cfg.emit_norm_bf16:
         out_norm = nl.ndarray((T, H), dtype=nl.bfloat16, buffer=nl.shared_hbm, name="norm_bf16")
 
     # --- this program's tokens (LNC split, prefill spec §7) ---
     n_prog = nl.num_programs(axes=0)
     pid = nl.program_id(axis=0)
-    per_core = -(-T // n_prog)
+    per_core = (T + n_prog - 1) // n_prog
     tok_begin = min(T, pid * per_core)
     tok_end = min(T, tok_begin + per_core)
 
-    hs2 = hidden_states.reshape((T, H))  # [T, H]
-    res2 = residual.reshape((T, H)) if residual is not None else None
+    hs2 = hidden_states.reshape((T, H))
+    res2 = None
+    if residual is not None:
+        res2 = residual.reshape((T, H))
     gamma1 = _flat_1d(gamma, H)
-    packed_f32 = out_packed.view(nl.float32)  # [T, row/4]: code words
-    packed_u8 = out_packed  # [T, row]: scale bytes, pad
 
     # --- per-program constants ---
     ident = nl.shared_identity_matrix(P, dtype=nl.float32)
@@ -320,7 +168,7 @@ def rmsnorm_mx_prefill_nki(
     gamma_sw = nl.ndarray((P, NB, 4), dtype=nl.float32, buffer=nl.sbuf, name="gamma_sw")
     nisa.dma_copy(dst=gamma_sw, src=gamma1.ap([[4, P], [BLOCK, NB], [1, 4]], offset=0))
     gamma_tm = None
-    if emit_norm_bf16:
+    if cfg.emit_norm_bf16:
         # token-major gamma broadcast to every partition [128, H] fp32 (stride-0 HBM rows)
         gamma_tm = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf, name="gamma_tm")
         nisa.dma_copy(dst=gamma_tm, src=gamma1.ap([[0, P], [1, H]], offset=0))
@@ -328,10 +176,10 @@ def rmsnorm_mx_prefill_nki(
     bias_tm = None
     iota_e = None
     gid_e = None
-    if has_router:
+    if E > 0:
         # router weights [128 p, NB*4 (h512, q), E]: arranged row h512*512 + q*128 + p (§6.1);
         # NOAUX_TC rows are already partition-major ([128, H/128, E] contiguous)
-        w_sb = nl.ndarray((P, NB * 4, E), dtype=cd, buffer=nl.sbuf, name="router_w")
+        w_sb = nl.ndarray((P, NB * 4, E), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="router_w")
         if noaux:
             w_src = router_weights.reshape((P, NB * 4, E))
         else:
@@ -340,55 +188,27 @@ def rmsnorm_mx_prefill_nki(
         if router_bias is not None:
             bias_tm = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="router_bias")
             nisa.dma_copy(dst=bias_tm, src=_flat_1d(router_bias, E).ap([[0, P], [1, E]], offset=0))
-        Ew = max(E, MAX_TOP_K)
+        Ew = max(E, MAX8)
         iota_e = nl.ndarray((P, Ew), dtype=nl.float32, buffer=nl.sbuf, name="iota_e")
         nisa.iota(dst=iota_e, pattern=[[1, Ew]], offset=0, channel_multiplier=0)
         if noaux:
-            epg = E // n_group
+            epg = E // cfg.n_group
             gid_e = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="group_id")
-            nisa.iota(dst=gid_e, pattern=[[1, n_group], [0, epg]], offset=0, channel_multiplier=0)
+            nisa.iota(
+                dst=gid_e, pattern=[[1, cfg.n_group], [0, epg]], offset=0, channel_multiplier=0
+            )
 
-    geo = _Geometry(
-        H=H,
-        NB=NB,
-        N=N,
-        E=E,
-        K=K,
-        eps=float(eps),
-        in_dt=in_dt,
-        cd=cd,
-        qdt=qdt,
-        pack_scales=bool(pack_scales),
-        n_packs=n_packs,
-        act=act,
-        n_group=int(n_group),
-        topk_group=int(topk_group),
-        rsf=float(routed_scaling_factor),
-        hidden_interleaved=bool(hidden_interleaved),
-        affin_off=affin_off,
-        row=row,
-        pack_aff=pack_aff,
-    )
-    ts = _Tensors(
-        hs2=hs2,
-        res2=res2,
-        ident=ident,
-        gamma_sw=gamma_sw,
-        gamma_tm=gamma_tm,
-        w_sb=w_sb,
-        bias_tm=bias_tm,
-        iota_e=iota_e,
-        gid_e=gid_e,
-        packed_f32=packed_f32,
-        packed_u8=packed_u8,
-        out_packed=out_packed,
-        out_index=out_index,
-        out_aff=out_aff,
-        out_res=out_res,
-        out_norm=out_norm,
-    )
     for t0 in range(tok_begin, tok_end, TOK_TILE):
-        _tile(geo, ts, t0, min(TOK_TILE, tok_end - t0))
+        n = min(TOK_TILE, tok_end - t0)
+        x, inv = _load_and_rms(cfg, t0, n, hs2, res2, out_res)
+        a_sw, y_sw = _swizzle_and_scale(cfg, n, x, inv, ident, gamma_sw)
+        _quantize_and_store(cfg, t0, n, y_sw, out_packed)
+        if out_norm is not None:
+            _store_norm_bf16(cfg, t0, n, x, inv, gamma_tm, out_norm)
+        if E > 0:
+            _route(
+                cfg, t0, n, a_sw, inv, w_sb, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff
+            )
 
     outputs = [out_packed]
     for t in (out_index, out_aff, out_res, out_norm):
@@ -397,27 +217,26 @@ def rmsnorm_mx_prefill_nki(
     return outputs
 
 
-def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
-    """One tile of `n` tokens starting at token `t0` (module docstring, steps 1-8)."""
-    H, NB, N, E, K, eps = g.H, g.NB, g.N, g.E, g.K, g.eps
-    in_dt, cd, qdt, n_packs, act = g.in_dt, g.cd, g.qdt, g.n_packs, g.act
-    res2, gamma_sw, gamma_tm, w_sb, bias_tm = ts.res2, ts.gamma_sw, ts.gamma_tm, ts.w_sb, ts.bias_tm
-    out_res, out_norm, out_aff = ts.out_res, ts.out_norm, ts.out_aff
-    SR = P * n_packs
-
+def _load_and_rms(
+    cfg: PrefillKernelConfig, t0: int, n: int, hs2: Any, res2: Any, out_res: Any
+) -> tuple[Any, Any]:
+    """Steps 1-2 for tokens ``[t0, t0 + n)``: the token-major tile ``x [n, H]`` in natural H
+    order (input dtype) and ``inv_rms`` fp32 ``[n, 1]`` (prefill spec §3.1, §3.2)."""
+    H, NB = cfg.H, cfg.NB
+    in_dt = hs2.dtype
     # 1. token-major load [n, H] (partition = token), §3.1
     x_st = nl.ndarray((TOK_TILE, H), dtype=in_dt, buffer=nl.sbuf, name="x_tok")
     if res2 is not None:
         # the DMA adds in fp32 and writes the sum once rounded to the input dtype
         nisa.dma_compute(
-            dst=x_st[0:n, :], srcs=[ts.hs2[t0 : t0 + n, :], res2[t0 : t0 + n, :]], reduce_op=nl.add
+            dst=x_st[0:n, :], srcs=[hs2[t0 : t0 + n, :], res2[t0 : t0 + n, :]], reduce_op=nl.add
         )
         # output_residual: the sum in stored order, converted to residual.dtype
         nisa.dma_copy(dst=out_res[t0 : t0 + n, :], src=x_st[0:n, :])
     else:
-        nisa.dma_copy(dst=x_st[0:n, :], src=ts.hs2[t0 : t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
+        nisa.dma_copy(dst=x_st[0:n, :], src=hs2[t0 : t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
     x = x_st
-    if g.hidden_interleaved:
+    if cfg.hidden_interleaved:
         # §3.1 (V-B): x_nat[4p + q] = x_stored[q*(H/4) + p], a bit-exact strided copy
         x = nl.ndarray((TOK_TILE, H), dtype=in_dt, buffer=nl.sbuf, name="x_nat")
         Hq = H // 4
@@ -440,14 +259,23 @@ def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
         )
     # inv_rms = rsqrt(ss * fp32(1/N) + fp32(eps)): the mean is a multiply, eps the bias (§3.2)
     inv = stat[0:n, 1:2]
-    nisa.activation(dst=inv, op=nl.rsqrt, data=stat[0:n, 0:1], bias=eps, scale=1.0 / N)
+    nisa.activation(dst=inv, op=nl.rsqrt, data=stat[0:n, 0:1], bias=cfg.eps, scale=1.0 / cfg.N)
+    return x, inv
 
+
+def _swizzle_and_scale(
+    cfg: PrefillKernelConfig, n: int, x: Any, inv: Any, ident: Any, gamma_sw: Any
+) -> tuple[Any, Any]:
+    """Steps 3-5: ``a = R_cd(x * gamma)`` and ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled
+    layout ``[128 p, NB, n, 4 q]`` (element ``h512*512 + 4p + q``), prefill spec §3.3."""
+    NB, cd = cfg.NB, cfg.compute_dtype
+    in_dt = x.dtype
     # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
     inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
     nisa.nc_matmul(
         dst=inv_ps,
         stationary=inv.broadcast(1, P),
-        moving=ts.ident[0:n, 0:n],
+        moving=ident[0:n, 0:n],
         is_moving_onezero=True,
         accumulate=False,
     )
@@ -480,14 +308,28 @@ def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
         data2=r_sw.ap([[n, P], [0, NB], [1, n], [0, 4]], offset=0),
         op=nl.multiply,
     )
+    return a_sw, y_sw
 
-    # 6. MX quantization per H512 block: group = 8 partitions x 4 lanes = 32 natural elements.
-    # Scale tile rows 32*(b//4) + b%4 (+ (h512%4)*4 when folded), one column per token (§4.2).
-    q_sw = nl.ndarray((P, NB, n), dtype=qdt, buffer=nl.sbuf, name="q_sw")
+
+def _quantize_and_store(
+    cfg: PrefillKernelConfig, t0: int, n: int, y_sw: Any, out_packed: Any
+) -> None:
+    """Steps 6-7: MX quantization per H512 block, then codes and scale bytes back to
+    token-major rows of ``out_packed`` (prefill spec §3.4, §4.1, §4.2)."""
+    H, NB, n_packs = cfg.H, cfg.NB, cfg.n_packs
+    SR = P * n_packs  # scale region bytes
+    # 6. group = 8 partitions x 4 lanes = 32 natural elements. Scale tile rows
+    # 32*(b//4) + b%4 (+ (h512%4)*4 when folded), one column per token (§4.2): every scale sits
+    # in its data's 32-partition quadrant, at offset 0/4/8/12 within it.
+    q_sw = nl.ndarray((P, NB, n), dtype=cfg.qmx_dtype, buffer=nl.sbuf, name="q_sw")
     sc = nl.ndarray((P, n_packs, n), dtype=nl.uint8, buffer=nl.sbuf, name="scales")
     nisa.memset(dst=sc, value=0)  # holes of the scale region are 0x00 (reference HoleFill.ZERO)
     for blk in range(NB):
-        pack, shift = (blk // 4, (blk % 4) * 4) if g.pack_scales else (blk, 0)
+        pack = blk
+        shift = 0
+        if cfg.pack_scales:
+            pack = blk // 4
+            shift = (blk % 4) * 4
         nisa.quantize_mx(dst=q_sw[:, blk, :], src=y_sw[:, blk, :, :], dst_scale=sc[shift:, pack, :])
 
     # 7a. codes back to token-major natural order: x4 words as fp32, PE transposes (§4.1)
@@ -499,8 +341,9 @@ def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
         for c in range(cb):
             nisa.nc_transpose(dst=ct_ps[0:n, c, :], data=q32[:, b0 + c, :])
         nisa.tensor_copy(dst=codes_tm[0:n, b0 * P : (b0 + cb) * P], src=ct_ps[0:n, :, :])
+    packed_f32 = out_packed.view(nl.float32)  # [T, row/4]: code words
     nisa.dma_copy(
-        dst=ts.packed_f32[t0 : t0 + n, 0 : H // 4],
+        dst=packed_f32[t0 : t0 + n, 0 : H // 4],
         src=codes_tm[0:n, :],
         dge_mode=nisa.dge_mode.hwdge,
     )
@@ -519,26 +362,44 @@ def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
             nisa.nc_transpose(dst=st_ps[0:n, c, :, 0], data=sc_e5[:, k0 + c, :])
         nisa.tensor_copy(dst=sc_tm_e5[0:n, k0 * P : (k0 + ck) * P], src=st_ps[0:n, :, :, 0])
     nisa.dma_copy(
-        dst=ts.packed_u8[t0 : t0 + n, H : H + SR], src=sc_tm[0:n, :], dge_mode=nisa.dge_mode.hwdge
+        dst=out_packed[t0 : t0 + n, H : H + SR], src=sc_tm[0:n, :], dge_mode=nisa.dge_mode.hwdge
     )
 
-    # emit_norm_bf16 (§3.5): R_bf16((x * inv_rms) * gamma), fp32 inv_rms, natural order
-    if out_norm is not None:
-        nrm = nl.ndarray((TOK_TILE, H), dtype=nl.bfloat16, buffer=nl.sbuf, name="norm_bf16")
-        nisa.scalar_tensor_tensor(
-            dst=nrm[0:n, :],
-            data=x[0:n, :],
-            op0=nl.multiply,
-            operand0=inv,
-            op1=nl.multiply,
-            operand1=gamma_tm[0:n, :],
-        )
-        nisa.dma_copy(dst=out_norm[t0 : t0 + n, :], src=nrm[0:n, :], dge_mode=nisa.dge_mode.hwdge)
 
-    if w_sb is None:
-        return
+def _store_norm_bf16(
+    cfg: PrefillKernelConfig, t0: int, n: int, x: Any, inv: Any, gamma_tm: Any, out_norm: Any
+) -> None:
+    """emit_norm_bf16 (§3.5): ``R_bf16((x * inv_rms) * gamma)``, fp32 inv_rms, natural order."""
+    nrm = nl.ndarray((TOK_TILE, cfg.H), dtype=nl.bfloat16, buffer=nl.sbuf, name="norm_bf16")
+    nisa.scalar_tensor_tensor(
+        dst=nrm[0:n, :],
+        data=x[0:n, :],
+        op0=nl.multiply,
+        operand0=inv,
+        op1=nl.multiply,
+        operand1=gamma_tm[0:n, :],
+    )
+    nisa.dma_copy(dst=out_norm[t0 : t0 + n, :], src=nrm[0:n, :], dge_mode=nisa.dge_mode.hwdge)
 
-    # 8. router logits: one matmul per (h512, q) contracting partitions p, PSUM chain (§5.1)
+
+def _route(
+    cfg: PrefillKernelConfig,
+    t0: int,
+    n: int,
+    a_sw: Any,
+    inv: Any,
+    w_sb: Any,
+    bias_tm: Any,
+    iota_e: Any,
+    gid_e: Any,
+    out_packed: Any,
+    out_index: Any,
+    out_aff: Any,
+) -> None:
+    """Step 8: router logits, top-K / NOAUX_TC selection and the affinities of tokens
+    ``[t0, t0 + n)`` into their own tensor or the packed row tail (prefill spec §4.3, §5)."""
+    NB, E, K = cfg.NB, cfg.E, cfg.K
+    # one matmul per (h512, q) contracting partitions p, one PSUM accumulation chain (§5.1)
     lg_ps = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.psum, name="logits")
     for blk in range(NB):
         for q in range(4):
@@ -549,36 +410,44 @@ def _tile(g: _Geometry, ts: _Tensors, t0: int, n: int) -> None:
                 moving=w_sb[:, i, :],
                 accumulate=i > 0,
             )
-    if act is RouterActFnType.NOAUX_TC:
+    if cfg.router_mode == RouterMode.NOAUX_TC:
         aff = _noaux_tc(
-            n, E, K, g.n_group, g.topk_group, g.rsf, lg_ps, inv, bias_tm, ts.iota_e, ts.gid_e
+            n,
+            E,
+            K,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.routed_scaling_factor,
+            lg_ps,
+            inv,
+            bias_tm,
+            iota_e,
+            gid_e,
         )
     else:
-        aff = _topk_router(n, E, K, act, lg_ps, inv, bias_tm, ts.iota_e, ts.out_index, t0)
+        aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
 
-    if not g.pack_aff:
+    if not cfg.pack_affinities:
         nisa.dma_copy(dst=out_aff[t0 : t0 + n, :], src=aff[0:n, :], dge_mode=nisa.dge_mode.hwdge)
         return
     # §4.3: affinity tail at byte affin_off (bf16 or fp32 little-endian), zero pad to the row end
-    aff_dt = aff.dtype
-    width = 4 if act is RouterActFnType.NOAUX_TC else 2
-    col = g.affin_off // width
-    tail = ts.out_packed.view(aff_dt)
+    col = cfg.affin_off // cfg.aff_width
+    tail = out_packed.view(aff.dtype)
     nisa.dma_copy(
         dst=tail[t0 : t0 + n, col : col + E], src=aff[0:n, :], dge_mode=nisa.dge_mode.hwdge
     )
-    pad = g.row - (g.affin_off + E * width)
-    if pad:
+    pad = cfg.row - (cfg.affin_off + E * cfg.aff_width)
+    if pad > 0:
         zpad = nl.ndarray((TOK_TILE, pad), dtype=nl.uint8, buffer=nl.sbuf, name="row_pad")
         nisa.memset(dst=zpad, value=0)
-        nisa.dma_copy(dst=ts.packed_u8[t0 : t0 + n, g.row - pad : g.row], src=zpad[0:n, :])
+        nisa.dma_copy(dst=out_packed[t0 : t0 + n, cfg.row - pad : cfg.row], src=zpad[0:n, :])
 
 
 def _topk_router(
     n: int,
     E: int,
     K: int,
-    act: RouterActFnType,
+    mode: RouterMode,
     lg_ps: Any,
     inv: Any,
     bias_tm: Any,
@@ -587,7 +456,7 @@ def _topk_router(
     t0: int,
 ) -> Any:
     """SIGMOID / SOFTMAX top-K (§5.2): returns the dense bf16 affinity tile [n, E]."""
-    Ew = max(E, MAX_TOP_K)
+    Ew = max(E, MAX8)
     lg = nl.ndarray((TOK_TILE, Ew), dtype=nl.float32, buffer=nl.sbuf, name="logits_sb")
     if Ew > E:
         nisa.memset(dst=lg[0:n, E:Ew], value=FP32_LOWEST)  # pads never beat a real logit
@@ -610,7 +479,7 @@ def _topk_router(
     nisa.dma_copy(dst=out_index[t0 : t0 + n, :], src=idx[0:n, 0:K], dge_mode=nisa.dge_mode.hwdge)
 
     s = nl.ndarray((TOK_TILE, 8), dtype=nl.float32, buffer=nl.sbuf, name="topk_act")
-    if act is RouterActFnType.SIGMOID:
+    if mode == RouterMode.SIGMOID:
         nisa.activation(dst=s[0:n, 0:K], op=nl.sigmoid, data=top8[0:n, 0:K])
     else:
         # softmax over the K selected: exp(l_k - l_0) * (1 / sum), reciprocal then multiply
@@ -651,12 +520,13 @@ def _topk_router(
 
 
 def _select8(n: int, src: Any, name: str) -> Any:
-    """``max8`` + ``nc_find_index8`` of `src` [n, >= 8]: the 8 indices as fp32 [n, 8]."""
-    top = nl.ndarray((TOK_TILE, 8), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_top8")
+    """``max8`` + ``nc_find_index8`` of `src` [n, >= 8]: the 8 indices as fp32 [n, 8] (fp32:
+    they are ``tensor_scalar`` operands downstream)."""
+    top = nl.ndarray((TOK_TILE, 8), dtype=nl.float32, buffer=nl.sbuf, name=name + "_top8")
     nisa.max8(dst=top[0:n, :], src=src)
-    idx = nl.ndarray((TOK_TILE, 8), dtype=nl.uint32, buffer=nl.sbuf, name=f"{name}_idx")
+    idx = nl.ndarray((TOK_TILE, 8), dtype=nl.uint32, buffer=nl.sbuf, name=name + "_idx")
     nisa.nc_find_index8(dst=idx[0:n, :], data=src, vals=top[0:n, :])
-    idx_f = nl.ndarray((TOK_TILE, 8), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_idx_f")
+    idx_f = nl.ndarray((TOK_TILE, 8), dtype=nl.float32, buffer=nl.sbuf, name=name + "_idx_f")
     nisa.tensor_copy(dst=idx_f[0:n, :], src=idx[0:n, :])
     return idx_f
 
@@ -684,8 +554,8 @@ def _noaux_tc(
     nisa.tensor_tensor(dst=sfc[0:n, :], data1=score[0:n, :], data2=bias_tm[0:n, :], op=nl.add)
 
     # group score = top1 + top2 of each group (groups padded with -SENT to 8 entries)
-    if epg < MAX_TOP_K:
-        grp = nl.ndarray((TOK_TILE, G, MAX_TOP_K), dtype=f32, buffer=nl.sbuf, name="noaux_groups")
+    if epg < MAX8:
+        grp = nl.ndarray((TOK_TILE, G, MAX8), dtype=f32, buffer=nl.sbuf, name="noaux_groups")
         nisa.memset(dst=grp[0:n, :, :], value=-NOAUX_SENTINEL)
         nisa.tensor_copy(dst=grp[0:n, :, 0:epg], src=sfc[0:n, :].reshape((n, G, epg)))
     else:
@@ -693,9 +563,9 @@ def _noaux_tc(
     g8 = nl.ndarray((TOK_TILE, G, 8), dtype=f32, buffer=nl.sbuf, name="noaux_group_top8")
     for g in range(G):
         nisa.max8(dst=g8[0:n, g, :], src=grp[0:n, g, :])
-    gs = nl.ndarray((TOK_TILE, MAX_TOP_K), dtype=f32, buffer=nl.sbuf, name="noaux_group_score")
-    if G < MAX_TOP_K:
-        nisa.memset(dst=gs[0:n, G:MAX_TOP_K], value=-NOAUX_SENTINEL)
+    gs = nl.ndarray((TOK_TILE, MAX8), dtype=f32, buffer=nl.sbuf, name="noaux_group_score")
+    if G < MAX8:
+        nisa.memset(dst=gs[0:n, G:MAX8], value=-NOAUX_SENTINEL)
     nisa.tensor_tensor(dst=gs[0:n, 0:G], data1=g8[0:n, :, 0], data2=g8[0:n, :, 1], op=nl.add)
     kept = _select8(n, gs[0:n, :], "noaux_kept")
 
