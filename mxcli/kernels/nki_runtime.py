@@ -41,6 +41,7 @@ import torch
 
 __all__ = [
     "DTypeName",
+    "KernelObject",
     "SimEngine",
     "SimResult",
     "load_kernel_module",
@@ -80,6 +81,21 @@ class DTypeName:
     """
 
     name: str
+
+
+@dataclass(frozen=True)
+class KernelObject:
+    """An ``nl.NKIObject`` kernel argument (a config), described on the host side.
+
+    ``cls`` names the class, ``"package.module:Class"``, in the kernel module; ``fields`` are
+    its constructor arguments (ints, floats, bools, strings, enums, `DTypeName`s). The runtime
+    builds the instance from the kernel module loaded for the engine that runs the kernel, so
+    the class and its dtypes are that engine's (a privately loaded interpreter module has its
+    own class objects), and the object is built before the kernel is traced.
+    """
+
+    cls: str
+    fields: tuple[tuple[str, Any], ...]
 
 
 @dataclass
@@ -351,11 +367,16 @@ def _nl_module(engine: SimEngine) -> Any:
     return importlib.import_module("nki.language")
 
 
-def _convert_arg(x: Any, nl_mod: Any, convert: Callable[[torch.Tensor], Any]) -> Any:
+def _convert_arg(
+    x: Any, nl_mod: Any, convert: Callable[[torch.Tensor], Any], engine: SimEngine
+) -> Any:
     if isinstance(x, torch.Tensor):
         return convert(x)
     if isinstance(x, DTypeName):
         return getattr(nl_mod, x.name)
+    if isinstance(x, KernelObject):
+        fields = {k: _convert_arg(v, nl_mod, convert, engine) for k, v in x.fields}
+        return resolve_kernel(x.cls, engine)(**fields)
     return x
 
 
@@ -384,7 +405,7 @@ def run_sim(
     """Run the NKI kernel ``"module:attr"`` on a simulator.
 
     `args` / `kwargs`: torch tensors (converted with `to_numpy`; any device), `DTypeName`s,
-    Python scalars, enums, None. `lnc`: LNC degree (1 or 2; tokens/work split by the kernel).
+    `KernelObject`s, Python scalars, enums, tuples, None. `lnc`: LNC degree (1 or 2; tokens/work split by the kernel).
     `check_only`: interpreter only — validate every rule and the SBUF/PSUM capacity and count
     instructions, skipping arithmetic (outputs are then meaningless zeros). `target`,
     `uninit`, `check_capacity`: interpreter options (`mxcli.nkisim.simulate`).
@@ -397,8 +418,8 @@ def run_sim(
     eng = _pick_engine(engine, check_only)
     kern = resolve_kernel(kernel, eng)
     nl_mod = _nl_module(eng)
-    np_args = [_convert_arg(a, nl_mod, to_numpy) for a in args]
-    np_kwargs = {k: _convert_arg(v, nl_mod, to_numpy) for k, v in (kwargs or {}).items()}
+    np_args = [_convert_arg(a, nl_mod, to_numpy, eng) for a in args]
+    np_kwargs = {k: _convert_arg(v, nl_mod, to_numpy, eng) for k, v in (kwargs or {}).items()}
     if eng is SimEngine.REAL:
         nki = importlib.import_module("nki")
         launch = kern[lnc] if lnc != 1 else kern
@@ -507,7 +528,7 @@ def run_neuron(
         # tensors by position (args then kwargs); everything else bound into the custom op
         flat: list[tuple[str | int, Any]] = list(enumerate(all_args)) + list(kw.items())
         positions = tuple(i for i, (_, v) in enumerate(flat) if isinstance(v, torch.Tensor))
-        statics = [(k, _convert_arg(v, nl_mod, lambda t: t)) for k, v in flat]
+        statics = [(k, _convert_arg(v, nl_mod, lambda t: t, SimEngine.REAL)) for k, v in flat]
 
         def call(*tensors: torch.Tensor) -> Any:
             vals = [v for _, v in statics]
@@ -534,7 +555,8 @@ def run_neuron(
             import torch_xla.core.xla_model as xm
 
             dev = xm.xla_device()
-        dev_args = [_convert_arg(a, nl_mod, lambda t: t.to(dev)) for a in all_args]
-        dev_kw = {k: _convert_arg(v, nl_mod, lambda t: t.to(dev)) for k, v in kw.items()}
+        real = SimEngine.REAL
+        dev_args = [_convert_arg(a, nl_mod, lambda t: t.to(dev), real) for a in all_args]
+        dev_kw = {k: _convert_arg(v, nl_mod, lambda t: t.to(dev), real) for k, v in kw.items()}
         out = launch(*dev_args, **dev_kw)
     return [o.cpu() for o in _as_list(out)]
