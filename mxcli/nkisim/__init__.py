@@ -24,13 +24,24 @@ from mxcli.nkisim.errors import (
     NkiUninitializedReadError,
     NkiValidationError,
 )
+from mxcli.nkisim.frontend import (
+    FrontendViolation,
+    NkiFrontendError,
+    assert_frontend,
+    check_frontend,
+)
 from mxcli.nkisim.kernel import Kernel, SimulatedKernel, run_kernel
 from mxcli.nkisim.machine import Counters, RunReport, UninitPolicy
+from mxcli.nkisim.rules import NkiRuleError, Rule
 from mxcli.nkisim.target import TARGETS, Target
 
 __all__ = [
     "Counters",
+    "FrontendViolation",
     "Kernel",
+    "NkiFrontendError",
+    "NkiRuleError",
+    "Rule",
     "NkiCapacityError",
     "NkiNotActiveError",
     "NkiOutOfBoundsError",
@@ -42,6 +53,8 @@ __all__ = [
     "Target",
     "UninitPolicy",
     "activate",
+    "assert_frontend",
+    "check_frontend",
     "deactivate",
     "installed",
     "is_active",
@@ -163,6 +176,7 @@ def simulate(
     uninit: UninitPolicy | str = UninitPolicy.ERROR,
     check_capacity: bool = True,
     sub_version: int | None = None,
+    frontend: bool = True,
 ) -> SimulatedKernel:
     """``simulate(kernel[, lnc])(*arrays)`` on this interpreter, mirroring ``nki.simulate``.
 
@@ -173,6 +187,7 @@ def simulate(
     uninit: "error" (default) | "warn" | "ignore" for reads of never-written memory.
     check_capacity: raise when live SBUF/PSUM bytes per partition exceed the budget.
     sub_version: the value ``nisa.get_nc_sub_version()`` returns (default 0).
+    frontend: run the NKI 0.6 front-end check (`check_frontend`) before tracing (default on).
     The returned callable takes NumPy arrays or torch tensors and returns the same kind; its
     ``.report`` (a `RunReport`) holds the counters of the last call.
     """
@@ -185,4 +200,5 @@ def simulate(
         uninit=uninit,
         check_capacity=check_capacity,
         sub_version=sub_version,
+        frontend=frontend,
     )

@@ -21,6 +21,7 @@ import torch
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, dtype_of_numpy
 from mxcli.nkisim.errors import NkiValidationError
+from mxcli.nkisim.frontend import assert_frontend
 from mxcli.nkisim.machine import Program, Run, RunConfig, RunReport, UninitPolicy
 from mxcli.nkisim.target import Target, nc_version, resolve_target
 from mxcli.nkisim.tensor import MemoryRegion, NkiTensor, resolve, wrap_array
@@ -200,16 +201,21 @@ def run_kernel(
     uninit: UninitPolicy | str = UninitPolicy.ERROR,
     check_capacity: bool = True,
     sub_version: int | None = None,
+    frontend: bool = True,
 ) -> tuple[Any, RunReport]:
     """Run `kernel` on `args`; return ``(outputs, report)``.
 
     lnc: LNC degree (default: the kernel's ``[lnc]`` or 1). target: "trn2" / "trn3" (default:
     ``NEURON_PLATFORM_TARGET_OVERRIDE``, then the kernel's platform_target, then trn3).
     check_only: validate every rule and count, skipping float arithmetic (api issue: production
-    shapes in seconds). uninit: what a read of never-written memory does.
+    shapes in seconds). uninit: what a read of never-written memory does. frontend: first check
+    that everything the kernel reaches is inside the NKI 0.6 Python subset (`frontend`); raises
+    `NkiFrontendError` listing every violation.
     """
     k = kernel if isinstance(kernel, Kernel) else Kernel(kernel)
     kwargs = dict(kwargs or {})
+    if frontend:
+        assert_frontend(k.fn, args, kwargs)
     tgt = resolve_target(target, k.platform_target)
     if sub_version is not None:
         import dataclasses

@@ -20,7 +20,7 @@ def tiled_matmul(a, b):
     M, K = a.shape
     _, N = b.shape
     c = nl.ndarray((M, N), nl.float32, buffer=nl.shared_hbm, name="c")
-    ident = nl.shared_identity_matrix(P, dtype=nl.bfloat16)
+    nl.shared_identity_matrix(P, dtype=nl.bfloat16)  # allocated and unused (capacity)
     for m0 in nl.affine_range(M // P):
         # stationary operands: a tile transposed on the PE -> [K-tile, M-tile]
         aT = nl.ndarray((P, K // P, P), nl.bfloat16, name="aT")
@@ -39,7 +39,6 @@ def tiled_matmul(a, b):
             ct = nl.ndarray((P, 512), nl.float32)
             nisa.tensor_copy(dst=ct, src=acc, engine=nisa.scalar_engine)
             nisa.dma_copy(dst=c[m0 * P : (m0 + 1) * P, n0 * 512 : (n0 + 1) * 512], src=ct)
-    del ident
     return c
 
 

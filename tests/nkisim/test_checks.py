@@ -18,9 +18,9 @@ from tests.nkisim.conftest import DUMMY, run, run_report
 
 def test_sbuf_capacity_live_bytes_per_partition() -> None:
     def k(_, n):
-        tiles = [
-            nl.ndarray((128, 16384), nl.float32, name=f"t{i}") for i in range(n)
-        ]  # 64 KiB each
+        tiles = []
+        for i in range(n):
+            tiles.append(nl.ndarray((128, 16384), nl.float32, name=f"t{i}"))  # 64 KiB each
         for t in tiles:
             nisa.memset(t, 0.0)
         for t in tiles:  # all live together
@@ -45,7 +45,9 @@ def test_sbuf_capacity_live_bytes_per_partition() -> None:
 
 def test_psum_banks_and_explicit_address() -> None:
     def k(_, n):
-        ps = [nl.ndarray((128, 8), nl.float32, buffer=nl.psum) for _ in range(n)]  # 1 bank each
+        ps = []
+        for _ in range(n):
+            ps.append(nl.ndarray((128, 8), nl.float32, buffer=nl.psum))  # 1 bank each
         for p in ps:
             nisa.memset(p, 0.0)
         for p in ps:

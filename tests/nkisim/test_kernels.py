@@ -23,6 +23,12 @@ def kernels():
         yield nki, mod
 
 
+def test_example_kernels_pass_the_front_end_check(kernels) -> None:
+    _, k = kernels
+    for kern in (k.tiled_matmul, k.rmsnorm, k.gather_scatter_add, k.scatter_add_dma_compute):
+        assert nkisim.check_frontend(kern) == (), kern
+
+
 def test_tiled_matmul_with_psum_accumulation(kernels) -> None:
     nki, k = kernels
     g = torch.Generator().manual_seed(0)

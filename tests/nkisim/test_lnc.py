@@ -94,7 +94,9 @@ def _many_outputs_kernel(x):
     P, F = x.shape
     pid = nl.program_id(0)
     half = P // nl.num_programs(0)
-    outs = [nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm, name=f"o{i}") for i in range(6)]
+    outs = []
+    for i in range(6):
+        outs.append(nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm, name=f"o{i}"))
     t = nl.ndarray((half, F), nl.float32)
     nisa.dma_copy(dst=t, src=x[pid * half : (pid + 1) * half, :])
     for o in outs:

@@ -238,9 +238,11 @@ def test_quantize_mx_bit_identical_to_mxcli_mx(rng, elem, dt, start) -> None:
     x[0:8, 0:4] = 0  # an all-zero group
     x[8, 8] = np.inf
 
+    code_dtype = getattr(nl, dt)
+
     def k(x):
         src = _load(x)
-        q = nl.ndarray((P, n // 4), getattr(nl, dt))
+        q = nl.ndarray((P, n // 4), code_dtype)
         s = nl.ndarray((P, n // 4), nl.uint8)
         nisa.memset(s, 0)
         nisa.quantize_mx(dst=q, src=src, dst_scale=s[start:, :])

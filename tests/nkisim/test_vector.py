@@ -271,9 +271,11 @@ def test_activation_reduce_chain_rsqrt_and_tokens(rng) -> None:
 def test_activation_functions_exact_in_fp32(rng, tok, ref) -> None:
     x = (rng.standard_normal((32, 64)) * 3).astype(np.float32)
 
+    act = getattr(nl, tok)
+
     def k(x):
         d = nl.ndarray((32, 64), nl.float32)
-        nisa.activation(dst=d, op=getattr(nl, tok), data=_load(x))
+        nisa.activation(dst=d, op=act, data=_load(x))
         return _store(d)
 
     out = run(k, x)

@@ -38,6 +38,7 @@ from mxcli.nkisim.isa._common import (
 )
 from mxcli.nkisim.isa.enums import as_enum, engine, reduce_cmd
 from mxcli.nkisim.ops import OpToken
+from mxcli.nkisim.rules import Rule, rule_error
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import Access, NkiTensor, VirtualRegister, register_or_int
 
@@ -128,7 +129,7 @@ def memset(
     dt = d.dtype
     if dt.kind == "x4":
         if value != 0:
-            raise NkiValidationError(f"{op}: {dt} dst accepts only value=0 (got {value!r})")
+            raise rule_error(Rule.MEMSET_X4, f"{op}: {dt} dst accepts only value=0 (got {value!r})")
         d.write(np.zeros(d.shape, dtype=dt.np_dtype))
         return NkiInstruction(op)
     if is_int_dtype(dt):
