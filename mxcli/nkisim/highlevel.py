@@ -19,11 +19,16 @@ def _new_like(x: NkiTensor, dtype: Any) -> NkiTensor:
     return allocate(x.shape, dt, MemoryRegion.sbuf)
 
 
-def call_token(tok: Any, *args: Any, dtype: Any = None, **kwargs: Any) -> NkiTensor:
+def call_token(tok: Any, *args: Any, **kwargs: Any) -> NkiTensor:
     from mxcli.nkisim import isa
 
-    if kwargs:
-        raise TypeError(f"nl.{tok.name}() got unexpected keyword arguments {sorted(kwargs)}")
+    try:  # the stub's parameter names: nl.add(x, y, dtype=None), nl.exp(x, dtype=None)
+        bound = tok.__signature__.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"nl.{tok.name}(): {exc}") from None
+    bound.apply_defaults()
+    dtype = bound.arguments.pop("dtype")
+    args = tuple(bound.arguments.values())
     if not args or not isinstance(args[0], NkiTensor):
         raise TypeError(f"nl.{tok.name}(x, ...) needs an on-chip tile as its first argument")
     x = args[0]

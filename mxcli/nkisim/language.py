@@ -87,20 +87,20 @@ shared_hbm = MemoryRegion.shared_hbm
 hbm = MemoryRegion.private_hbm  # alias (api spec §2.2)
 
 
-def is_hbm(buf: MemoryRegion) -> bool:
-    return buf in (private_hbm, shared_hbm)
+def is_hbm(buffer: MemoryRegion) -> bool:
+    return buffer in (private_hbm, shared_hbm)
 
 
-def is_on_chip(buf: MemoryRegion) -> bool:
-    return buf in (sbuf, psum)
+def is_on_chip(buffer: MemoryRegion) -> bool:
+    return buffer in (sbuf, psum)
 
 
-def is_psum(buf: MemoryRegion) -> bool:
-    return buf is psum
+def is_psum(buffer: MemoryRegion) -> bool:
+    return buffer is psum
 
 
-def is_sbuf(buf: MemoryRegion) -> bool:
-    return buf is sbuf
+def is_sbuf(buffer: MemoryRegion) -> bool:
+    return buffer is sbuf
 
 
 # -- creation (api spec §4.1) -----------------------------------------------------------------

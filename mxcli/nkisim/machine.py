@@ -26,6 +26,7 @@ from mxcli.nkisim.errors import (
     NkiUninitializedReadError,
     NkiValidationError,
 )
+from mxcli.nkisim.races import RaceTracker
 from mxcli.nkisim.target import Target
 
 __all__ = [
@@ -154,6 +155,9 @@ class Run:
         self.finished: set[int] = set()
         self.failed = False
         self.barrier_count = [0] * config.lnc
+        # the data tensor (storage) each program's n-th core_barrier synchronizes on
+        self.barrier_data: dict[int, dict[int, Any]] = defaultdict(dict)
+        self.race: RaceTracker | None = RaceTracker() if config.lnc > 1 else None
         self.warned: set[str] = set()
 
     def warn_once(self, key: str, message: str) -> None:
@@ -279,8 +283,10 @@ class Program:
             "(LNC programs must issue matching sendrecv calls)"
         )
 
-    def core_barrier(self) -> None:
-        """Two-party barrier keyed by call order (api spec §6.5)."""
+    def core_barrier(self, data: Any = None) -> None:
+        """Two-party barrier keyed by call order (api spec §6.5). `data` is the storage of the
+        barrier's tensor: when both programs' n-th barriers name the same tensor, the race
+        detector orders that tensor's accesses across it (and only that tensor's)."""
         run = self.run
         n = run.config.lnc
         if n == 1:
@@ -289,10 +295,17 @@ class Program:
         with run.cond:
             gen = run.barrier_count[me]
             run.barrier_count[me] += 1
-            run.cond.notify_all()
+            run.barrier_data[gen][me] = data
 
             def released() -> bool:
                 return all(run.barrier_count[p] > gen for p in range(n))
+
+            if released():  # the last to arrive closes the window of the common tensor
+                named = run.barrier_data.pop(gen)
+                tensors = {id(v) for v in named.values()}
+                if run.race is not None and data is not None and len(tensors) == 1:
+                    run.race.clear(data)
+            run.cond.notify_all()
 
             ok = run.cond.wait_for(
                 lambda: (

@@ -8,6 +8,7 @@ the hardware uses table/polynomial approximations, which this interpreter does n
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +19,14 @@ import torch
 __all__ = ["OpToken", "ALU_TOKENS", "ACT_TOKENS", "TOKENS"]
 
 F32 = np.float32
+
+
+# high-level ``nl.<op>(x, y, dtype=None)`` calls of the 2.32 stub (the rest take ``(x, dtype)``)
+BINARY_CALLS = frozenset(
+    "add subtract multiply divide maximum minimum equal not_equal greater greater_equal less "
+    "less_equal logical_and logical_or logical_xor power abs_max abs_min bitwise_and bitwise_or "
+    "bitwise_xor left_shift right_shift".split()
+)
 
 
 class OpToken:
@@ -70,6 +79,16 @@ class OpToken:
         if self.unary is not None:
             return np.asarray(self.unary(a), dtype=F32)
         raise TypeError(f"nl.{self.name} is not an ALU operator")
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The 2.32 stub's signature of the high-level call: ``(x, y, dtype=None)`` for binary
+        operators, ``(x, dtype=None)`` otherwise."""
+        P = inspect.Parameter
+        names = ("x", "y") if self.name in BINARY_CALLS else ("x",)
+        params = [P(n, P.POSITIONAL_OR_KEYWORD) for n in names]
+        params.append(P("dtype", P.POSITIONAL_OR_KEYWORD, default=None))
+        return inspect.Signature(params)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # high-level experimental wrappers (api spec §4.8), built on the ISA ops

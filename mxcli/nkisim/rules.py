@@ -49,6 +49,7 @@ class Rule(str, enum.Enum):
     TENSOR_SCALAR_FP32 = "tensor-scalar-fp32"
     MX_SCALE_QUADRANT = "mx-scale-quadrant"
     LNC_RACE = "lnc-race"
+    DMA_NEGATIVE_INDEX = "dma-negative-index"
 
 
 class NkiRuleError(NkiValidationError):

@@ -23,6 +23,7 @@ import numpy as np
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, as_dtype, sentinel_fill
 from mxcli.nkisim.errors import NkiOutOfBoundsError, NkiValidationError
+from mxcli.nkisim.rules import Rule, rule_error
 
 __all__ = [
     "MemoryRegion",
@@ -263,8 +264,14 @@ def _new_tensor(
     owner = None if buffer is MemoryRegion.shared_hbm else prog.program_id
     st = Storage(buf, init, buffer, shp, dt, name or "", owner)
     if buffer.on_chip:
-        bpp = st.row_bytes
         t = prog.target
+        if shp[0] > t.pmax:  # dim 0 of an on-chip tensor is the partition dim (API stubs)
+            raise rule_error(
+                Rule.PARTITION_DIM,
+                f"nl.ndarray: {name or 'tensor'} in {buffer.value} has {shp[0]} partitions "
+                f"(shape {shp}; expected dim 0 <= nl.tile_size.pmax = {t.pmax})",
+            )
+        bpp = st.row_bytes
         if buffer is MemoryRegion.psum:
             bank = t.psum_bank_fmax_bytes
             bpp = -(-bpp // bank) * bank  # PSUM is allocated in whole 2 KiB banks
@@ -905,10 +912,19 @@ class Access:
     def _mask_dtype(self) -> Any:
         return {1: np.uint8, 2: np.uint16, 4: np.uint32}[self.dtype.itemsize]
 
+    def _track(self, write: bool, mask: np.ndarray | None = None) -> None:
+        """LNC=2: report this access of a shared_hbm tensor to the race detector."""
+        if self.st.buffer is not MemoryRegion.shared_hbm:
+            return
+        prog = machine.current_or_none()
+        if prog is not None and prog.run.race is not None:
+            prog.run.race.record(self, prog.program_id, write, mask)
+
     def read(self, check_init: bool = True) -> np.ndarray:
         """Raw elements (a copy) in the storage dtype; vector rows that are skipped read as 0."""
         if check_init:
             self.check_init()
+        self._track(write=False)
         np_dt = self.dtype.np_dtype
         if self.rows is None:
             return self._strided(self.st.buf, np_dt).copy()
@@ -964,6 +980,7 @@ class Access:
         if vals.dtype != np_dt:
             vals = vals.astype(np_dt)
         vals = vals.reshape(self.shape) if vals.shape != self.shape else vals
+        self._track(write=True, mask=mask)
         mdt = self._mask_dtype()
         full = np.iinfo(mdt).max
         if self.rows is None:
@@ -1055,6 +1072,18 @@ def resolve(
     raw = idx_acc.read().reshape(-1).astype(np.int64)  # int32 signed, uint32 unsigned
     rest_ext = ext - (t.shape[0] - 1) * t.strides[0]
     rows = offset + raw * vec.mult
+    if oob_skip:
+        # upstream (nki-library MoE kernels) marks a row to skip with index -1 (int32; uint32_max
+        # as uint32), clamping other negative offsets with max(idx, -1) first: the DGE scales the
+        # index by the row stride, so only -1 is a reliable skip marker
+        neg = (raw < 0) & (raw != -1)
+        if neg.any():
+            p = int(np.argmax(neg))
+            raise rule_error(
+                Rule.DMA_NEGATIVE_INDEX,
+                f"{op}: {name} indirect row {p} index {int(raw[p])} is negative; under "
+                "oob_mode.skip only -1 marks a skipped row (clamp with max(index, -1))",
+            )
     valid = (raw >= 0) & (raw < vec.limit) & (rows >= 0) & ((rows + rest_ext + 1) * s <= st.nbytes)
     if not valid.all() and not oob_skip:
         p = int(np.argmin(valid))

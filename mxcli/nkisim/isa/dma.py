@@ -379,5 +379,5 @@ def core_barrier(
         raise NkiValidationError(f"{op}: data must be a shared_hbm tensor (got {got})")
     if prog.target.version < nc_version.gen3:
         raise NkiValidationError(f"{op}: needs NeuronCore-v3+ (target {prog.target.name})")
-    prog.core_barrier()
+    prog.core_barrier(data._st)
     return NkiInstruction(op)

@@ -31,6 +31,7 @@ from mxcli.nkisim.isa._common import (
     store_f32,
 )
 from mxcli.nkisim.isa.enums import as_enum, engine, matmul_perf_mode
+from mxcli.nkisim.rules import Rule, rule_error
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import Access, NkiTensor
 
@@ -281,6 +282,29 @@ def _scale_indices(op: str, sc: Access, k: int, ncols: int) -> np.ndarray:
     return rows[:, None] * row + cols[None, :]
 
 
+def _physical_partition(a: Access) -> int:
+    """First SBUF partition of a view: its storage's placement (``address=``) plus its start."""
+    base = a.st.address[0] if a.st.address is not None else 0
+    return base + a.start_partition
+
+
+def _check_scale_quadrant(op: str, data: Access, sc: Access, k: int) -> None:
+    """MXFP matmul guide: "scale values must be placed in the same quadrant as their corresponding
+    scaling group" (SBUF <-> VectorE connectivity). Group G spans data partitions
+    ``d0 + 8G .. d0 + 8G + 7``; its scale sits in row ``s0 + 32 (G // 4) + G % 4``."""
+    d0, s0 = _physical_partition(data), _physical_partition(sc)
+    for g in range(k // 8):
+        data_q = {(d0 + 8 * g) // 32, (d0 + 8 * g + 7) // 32}
+        row = s0 + 32 * (g // 4) + g % 4
+        if data_q != {row // 32}:
+            raise rule_error(
+                Rule.MX_SCALE_QUADRANT,
+                f"{op}: {sc.name} scale row {row} (quadrant {row // 32}) of scaling group {g} is "
+                f"not in the quadrant of its data {data.name} partitions {d0 + 8 * g}.."
+                f"{d0 + 8 * g + 7} (quadrant {'/'.join(str(q) for q in sorted(data_q))})",
+            )
+
+
 def _check_scale_init(op: str, sc: Access, idx: np.ndarray) -> None:
     prog = machine.current()
     if sc.st.init is None or not prog.checks_init:
@@ -370,6 +394,8 @@ def nc_matmul_mx(
     _check_tiling(op, tile_position, tile_size, K, M, True)
     sidx = _scale_indices(op, ss, K, M)
     midx = _scale_indices(op, ms, K, N)
+    _check_scale_quadrant(op, s, ss, K)
+    _check_scale_quadrant(op, m, ms, K)
     _check_scale_init(op, ss, sidx)
     _check_scale_init(op, ms, midx)
     prog.counters.mx_matmul_flops += 2 * 4 * K * M * N
@@ -429,6 +455,7 @@ def quantize_mx(
             f"{op}: dst_scale elements per partition must equal dst's (got {sc.per_part}, expected {n // 4})"
         )
     idx = _scale_indices(op, sc, P, n // 4)  # [P/8, n/4]
+    _check_scale_quadrant(op, x, sc, P)
     if skip_arithmetic(prog, d, x):
         _write_scale_bytes(sc, idx, np.zeros(idx.shape, dtype=np.uint8))
         return NkiInstruction(op)

@@ -252,6 +252,19 @@ def tensor_tensor(
     return NkiInstruction(opn)
 
 
+def fp32_tile_operands(op: str, **operands: Any) -> None:
+    """2.32 stub of ``tensor_scalar`` / ``tensor_scalar_reduce``: with arithmetic operators "the
+    operand0 and operand1 (if used) must be float32" -- a tile operand of another dtype is not
+    converted by value on hardware."""
+    for nm, val in operands.items():
+        if isinstance(val, NkiTensor) and val.dtype.name != "float32":
+            raise rule_error(
+                Rule.TENSOR_SCALAR_FP32,
+                f"{op}: {nm} tile must be float32 (got {val.dtype}); convert it with "
+                "tensor_copy first",
+            )
+
+
 _SCALAR_ENGINE_PAIRS = {("multiply", "add"), ("multiply", None), ("add", None)}
 
 
@@ -304,6 +317,8 @@ def tensor_scalar(
     prog = machine.current()
     x, d = elementwise_operands(opn, dst, ("data", data), engine_name=eng)
     prog.begin(opn, eng)
+    if not t0.is_bitvec:
+        fp32_tile_operands(opn, operand0=operand0, operand1=operand1)
     s0 = scalar_operand(opn, "operand0", operand0, x.parts, allow_none=True)
     s1 = scalar_operand(opn, "operand1", operand1, x.parts, allow_none=True)
     if t0.is_bitvec:

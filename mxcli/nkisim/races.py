@@ -1,0 +1,175 @@
+"""LNC race detector for shared HBM (issue 11 item 2; NKI 0.6 ``core_barrier`` stub).
+
+Under LNC=2 the two cores run concurrently and share ``shared_hbm``. ``core_barrier(data, cores)``
+synchronizes the cores *on its data tensor only*. So an access by one core and a conflicting
+access by the other core to the same bytes of a shared tensor are ordered only when both cores
+passed a ``core_barrier`` on that same tensor in between.
+
+The detector keeps, per shared tensor (storage), one byte map of who touched which bytes since the
+last barrier both cores made on that tensor (bit ``2p``: read by core p, bit ``2p + 1``: written by
+core p), plus the access sites. A read of bytes the other core wrote in the same window, or a write
+over bytes the other core read in that window, raises naming both sites. Barriers on other tensors
+do not clear it. Write/write overlaps (both cores storing the same region) are not reported: the
+rule covers hand-overs (a value produced by one core and consumed by the other).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from mxcli.nkisim.rules import Rule, rule_error
+
+if TYPE_CHECKING:
+    from mxcli.nkisim.tensor import Access, Storage
+
+__all__ = ["RaceTracker", "kernel_site"]
+
+_PACKAGE_DIR = str(Path(__file__).resolve().parent)
+
+
+def kernel_site() -> str:
+    """``file:line`` of the innermost caller outside this package (the kernel source line)."""
+    f = sys._getframe(1)
+    while f is not None:
+        path = f.f_code.co_filename
+        if not path.startswith(_PACKAGE_DIR):
+            return f"{path}:{f.f_lineno}"
+        f = f.f_back  # type: ignore[assignment]
+    return "<unknown>"
+
+
+@dataclass
+class _Record:
+    """One access of a shared tensor: who, where, and its byte footprint (bounding range first)."""
+
+    program: int
+    write: bool
+    site: str
+    op: str
+    operand: str
+    lo: int
+    hi: int
+    footprint: Any  # callable () -> flat byte indices, computed only when a race is reported
+
+    def describe(self) -> str:
+        kind = "wrote" if self.write else "read"
+        return f"core {self.program} {kind} it in {self.op} ({self.operand}) at {self.site}"
+
+
+class _Window:
+    """Accesses of one shared tensor since the last barrier both cores made on it."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.bits = np.zeros(nbytes, dtype=np.uint8)
+        self.records: list[_Record] = []
+
+
+class RaceTracker:
+    """Accesses to shared HBM per tensor and barrier window; see the module docstring."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.enabled = True
+        self._windows: dict[int, _Window] = {}
+        self._keep: dict[int, Storage] = {}
+
+    def clear(self, st: Storage) -> None:
+        """Both cores passed a barrier on `st`: its earlier accesses are ordered before later ones."""
+        with self.lock:
+            self._windows.pop(id(st), None)
+
+    def record(self, acc: Access, program: int, write: bool, mask: np.ndarray | None) -> None:
+        if not self.enabled or acc.skip:
+            return
+        st = acc.st
+        s = acc.dtype.itemsize
+        if acc.rows is None:
+            base = acc.offset * s
+            shape = tuple(acc.shape) + (s,)
+            strides = tuple(x * s for x in acc.strides) + (1,)
+            ext = sum((n - 1) * abs(x) for n, x in zip(shape, strides, strict=True))
+            lo, hi = base, base + ext + 1
+            sel = None if mask is None else np.asarray(mask, dtype=bool)
+
+            def view(bits: np.ndarray) -> np.ndarray:
+                return np.lib.stride_tricks.as_strided(
+                    bits[base:], shape=shape, strides=strides, writeable=True
+                )
+
+            def footprint() -> np.ndarray:
+                grid = np.arange(st.nbytes, dtype=np.int64)
+                v = np.lib.stride_tricks.as_strided(
+                    grid[base:], shape=shape, strides=tuple(x * grid.itemsize for x in strides)
+                )
+                return (v if sel is None else v[sel]).reshape(-1)
+
+        else:
+
+            def footprint() -> np.ndarray:
+                assert acc.valid is not None
+                em = np.broadcast_to(
+                    acc.valid.reshape((-1,) + (1,) * (len(acc.shape) - 1)), tuple(acc.shape)
+                )
+                if mask is not None:
+                    em = em & np.asarray(mask, dtype=bool)
+                return (acc._grid()[em].reshape(-1, 1) * s + np.arange(s)).reshape(-1)
+
+            idx = footprint()
+            if idx.size == 0:
+                return
+            lo, hi = int(idx.min()), int(idx.max()) + 1
+
+        me = 1 << (2 * program + (1 if write else 0))
+        other = 1 - program
+        conflict = np.uint8(1 << (2 * other + (0 if write else 1)))
+        with self.lock:
+            win = self._windows.get(id(st))
+            if win is None:
+                win = self._windows[id(st)] = _Window(st.nbytes)
+                self._keep[id(st)] = st
+            if acc.rows is None:
+                v = view(win.bits)
+                touched = v if sel is None else v[sel]
+                hit = np.flatnonzero(touched & conflict)
+                if hit.size:
+                    first = int(footprint()[hit[0]])
+                    self._raise(acc, program, write, first, win, st)
+                if sel is None:
+                    v |= np.uint8(me)
+                else:
+                    v[sel] |= np.uint8(me)
+            else:
+                hits = idx[(win.bits[idx] & conflict) != 0]
+                if hits.size:
+                    self._raise(acc, program, write, int(hits[0]), win, st)
+                win.bits[idx] |= np.uint8(me)
+            win.records.append(
+                _Record(program, write, kernel_site(), acc.op, acc.name, lo, hi, footprint)
+            )
+
+    @staticmethod
+    def _raise(
+        acc: Access, program: int, write: bool, byte: int, win: _Window, st: Storage
+    ) -> None:
+        theirs = "<unknown site>"
+        for rec in win.records:
+            if rec.program != program and rec.write != write and rec.lo <= byte < rec.hi:
+                if np.any(rec.footprint() == byte):
+                    theirs = rec.describe()
+                    break
+        mine = _Record(program, write, kernel_site(), acc.op, acc.name, 0, 0, None).describe()
+        what = (
+            "overwrites bytes the other core read" if write else "reads bytes the other core wrote"
+        )
+        raise rule_error(
+            Rule.LNC_RACE,
+            f"LNC race on shared_hbm tensor {st.name or '<unnamed>'} (byte {byte}): core "
+            f"{program} {what} with no core_barrier on this tensor by both cores in between; "
+            f"{mine}; {theirs}",
+        )
