@@ -37,7 +37,7 @@ MXFP8_TFLOPS_PER_CORE = 315.0
 BF16_TFLOPS_PER_CORE = 671.0 / 8
 HBM_TBPS_PER_CORE = 4.9 / 8
 
-BWD_KERNEL = "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_nki"
+BWD_KERNEL = "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit"
 
 
 @dataclass
@@ -144,7 +144,10 @@ def bench_bwd(T: int, H: int, I: int, E: int, B: int, K: int, lnc: int) -> float
     )
     t0 = time.perf_counter()
     try:
-        res = nki_runtime.run_sim(BWD_KERNEL, kwargs=inputs, lnc=lnc, check_only=True)
+        from mxcli.kernels.blockwise_moe.nki_backend import launch_sim
+
+        # through the launcher: it validates, plans and builds the kernel's config
+        res = launch_sim(**inputs, lnc=lnc, check_only=True)
     except Exception as exc:
         print(
             f"== blockwise_mm_bwd_mxfp8: skipped (check-only run failed: {type(exc).__name__}: {exc})"
