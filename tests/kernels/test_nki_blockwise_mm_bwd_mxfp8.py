@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxcli import mx
 from mxcli.kernels import backends, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.blockwise_moe import (
@@ -26,25 +27,18 @@ from mxcli.kernels.blockwise_moe import (
     MatmulMxfp8KernelConfig,
     MXFP8MOEBwdConfig,
     QuantScheme,
+    ScaleLayout,
     SkipMode,
     blockwise_mm_bwd_mxfp8,
     build_block_plan,
+    nki_backend,
+    prequant,
     prequantize_weights,
 )
 from mxcli.kernels.blockwise_moe.config import AffinityOption
 from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
-from mxcli.kernels.blockwise_moe.nki_backend import (
-    dma_runs,
-    launch_sim,
-    packed_scale_placement,
-    prepare,
-    run_neuron,
-    run_sim,
-)
+from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
-from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, scale_row_index
-from mxcli.kernels.nki_runtime import DTypeName, KernelObject
-from mxcli.mx import wrapx_chunks
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
@@ -179,7 +173,7 @@ def test_packed_scales_off_512_boundary_move_to_data_quadrant() -> None:
     )
     pq = prequantize_weights(args["gate_up_proj_weight"], args["down_proj_weight"], config=cfg)
     args.update(pq.as_kwargs())
-    kw, _ = prepare(**args, config=cfg)
+    kw, _ = nki_backend.prepare(**args, config=cfg)
     fields = dict(kw["config"].fields)
     assert fields["d_place"] == ((0, 0, -1), (1, 0, 64))  # (slot, start, HBM row)
     assert sum(row >= 0 for _, _, row in fields["gu_place"]) == 2
@@ -195,9 +189,9 @@ def test_packed_scale_placement_matches_layout(K: int, tile_k: int) -> None:
     planned group slot or quadrant copy) is the packed row of that lane's MX group
     (`prequant.scale_row_index`), and the scale tile starts at partition 0/4/8/12 of the data's
     first quadrant, the MX matmul's rule."""
-    chunks = tuple(wrapx_chunks(K, tile_k))
-    groups, place = packed_scale_placement(chunks)
-    rows = scale_row_index(K, ScaleLayout.PACKED)
+    chunks = tuple(mx.wrapx_chunks(K, tile_k))
+    groups, place = nki_backend.packed_scale_placement(chunks)
+    rows = prequant.scale_row_index(K, ScaleLayout.PACKED)
     for (k0, c), (slot, start, row) in zip(chunks, place, strict=True):
         assert start in (0, 4, 8, 12)
         for p in range(c // 4):
@@ -208,8 +202,12 @@ def test_packed_scale_placement_matches_layout(K: int, tile_k: int) -> None:
 
 def test_dma_runs() -> None:
     """Full 128-lane chunks with contiguous rows share one DMA; remainders stand alone."""
-    assert dma_runs(((0, 512), (512, 512), (1024, 256), (1280, 128))) == ((0, 2), (2, 1), (3, 1))
-    assert dma_runs(((0, 384), (384, 512))) == ((0, 1), (1, 1))
+    assert nki_backend.dma_runs(((0, 512), (512, 512), (1024, 256), (1280, 128))) == (
+        (0, 2),
+        (2, 1),
+        (3, 1),
+    )
+    assert nki_backend.dma_runs(((0, 384), (384, 512))) == ((0, 1), (1, 1))
 
 
 def test_affinity_offsets_reach_last_expert_and_skip_padding() -> None:
@@ -412,10 +410,11 @@ def _as_kernel_arguments(kw: dict[str, Any]) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for k, v in kw.items():
-        if isinstance(v, KernelObject):
+        if isinstance(v, nki_runtime.KernelObject):
             cls = nki_runtime.resolve_kernel(v.cls, nki_runtime.SimEngine.INTERPRETER)
             fields = {
-                f: getattr(language, x.name) if isinstance(x, DTypeName) else x for f, x in v.fields
+                f: getattr(language, x.name) if isinstance(x, nki_runtime.DTypeName) else x
+                for f, x in v.fields
             }
             out[k] = cls(**fields)
         elif isinstance(v, torch.Tensor):
@@ -438,7 +437,7 @@ def test_kernel_passes_nki_frontend(name: str, lnc: int) -> None:
         "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
         nki_runtime.SimEngine.INTERPRETER,
     )
-    kw, _ = prepare(**args, config=cfg)
+    kw, _ = nki_backend.prepare(**args, config=cfg)
     assert nkisim.check_frontend(kern, (), _as_kernel_arguments(kw)) == ()
     res = launch_sim(**args, config=cfg, lnc=lnc, check_only=True)
     assert res.report.counters.mx_matmul_flops > 0
@@ -454,7 +453,7 @@ def test_frontend_check_sees_the_public_config() -> None:
         "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
         nki_runtime.SimEngine.INTERPRETER,
     )
-    kw, _ = prepare(**args, config=cfg)
+    kw, _ = nki_backend.prepare(**args, config=cfg)
     kw = _as_kernel_arguments(kw)
     kw["config"] = cfg
     rules = {v.rule for v in nkisim.check_frontend(kern, (), kw)}
