@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from mxcli import mx
 from mxcli.kernels import backends, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.blockwise_moe import (
@@ -26,9 +27,12 @@ from mxcli.kernels.blockwise_moe import (
     MatmulMxfp8KernelConfig,
     MXFP8MOEBwdConfig,
     QuantScheme,
+    ScaleLayout,
     SkipMode,
     blockwise_mm_bwd_mxfp8,
     build_block_plan,
+    nki_backend,
+    prequant,
     prequantize_weights,
 )
 from mxcli.kernels.blockwise_moe.config import AffinityOption
@@ -153,6 +157,71 @@ def test_prequantized_weights(packed: bool) -> None:
     assert args["gate_up_proj_weight"].dtype == torch.uint32
     out, ref = both(args, cfg, lnc=2 if packed else 1)
     compare(out, ref)
+
+
+def test_packed_scales_off_512_boundary_move_to_data_quadrant() -> None:
+    """Packed pre-quantized scales of chunks that do not start on a 512 boundary (H=384: a
+    128-chunk at 256; phase-2 tile_k 256: chunks at 256 and 768 of 2I=1024) sit one to three
+    quadrants below their data in HBM; the launcher plans copies into the data's quadrant and
+    the results match the reference, LNC 2. (The placement itself is checked lane by lane
+    against the layout in the next test.)"""
+    args = case(128, 384, 2, 128, 1, 512)
+    cfg = MXFP8MOEBwdConfig.routed(
+        top_k=1,
+        phase1_config=MatmulMxfp8KernelConfig(enable_scale_packing=True),
+        phase2_config=MatmulMxfp8KernelConfig(tile_k=256, enable_scale_packing=True),
+    )
+    pq = prequantize_weights(args["gate_up_proj_weight"], args["down_proj_weight"], config=cfg)
+    args.update(pq.as_kwargs())
+    kw, _ = nki_backend.prepare(**args, config=cfg)
+    fields = dict(kw["config"].fields)
+    assert fields["d_place"] == ((0, 0, -1), (1, 0, 64))  # (slot, start, HBM row)
+    assert sum(row >= 0 for _, _, row in fields["gu_place"]) == 2
+    out, ref = both(args, cfg, lnc=2)
+    compare(out, ref)
+
+
+@pytest.mark.parametrize(
+    "K, tile_k", [(384, 512), (896, 512), (1024, 256), (640, 128), (4096, 512)]
+)
+def test_packed_scale_placement_matches_layout(K: int, tile_k: int) -> None:
+    """Independent oracle: for every chunk and lane, the HBM row the kernel reads (through the
+    planned group slot or quadrant copy) is the packed row of that lane's MX group
+    (`prequant.scale_row_index`), and the scale tile starts at partition 0/4/8/12 of the data's
+    first quadrant, the MX matmul's rule."""
+    chunks = tuple(mx.wrapx_chunks(K, tile_k))
+    groups, place = nki_backend.packed_scale_placement(chunks)
+    rows = prequant.scale_row_index(K, ScaleLayout.PACKED)
+    for (k0, c), (slot, start, row) in zip(chunks, place, strict=True):
+        assert start in (0, 4, 8, 12)
+        for p in range(c // 4):
+            part = start + 32 * (p // 32) + (p % 32) // 8
+            hbm = groups[slot] * 128 + part if row < 0 else row + part - start
+            assert hbm == int(rows[k0 // 32 + p // 8]), (k0, c, p)
+
+
+def test_dma_runs() -> None:
+    """Full 128-lane chunks with contiguous rows share one DMA; remainders stand alone."""
+    assert nki_backend.dma_runs(((0, 512), (512, 512), (1024, 256), (1280, 128))) == (
+        (0, 2),
+        (2, 1),
+        (3, 1),
+    )
+    assert nki_backend.dma_runs(((0, 384), (384, 512))) == ((0, 1), (1, 1))
+
+
+def test_affinity_offsets_reach_last_expert_and_skip_padding() -> None:
+    """E=3, top-2, B=128: affinity-grad entries ``t*E + e`` are computed on the device as an
+    fp32 multiply then an int32 add (tensor_scalar operands are fp32); every routed entry of
+    every expert (including the last, where padding gives ``-E + E-1 = -1``) matches the
+    reference and every non-routed one stays exactly 0."""
+    args = case(128, 256, 3, 128, 2, 128)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
+    out, ref = both(args, cfg, lnc=1)
+    compare(out, ref)
+    routed = args["expert_affinities_masked"].float().reshape(-1) != 0
+    assert routed.reshape(128, 3)[:, 2].any()
+    assert (out[1].float().reshape(-1)[~routed] == 0).all()
 
 
 def test_dense_with_token_count() -> None:
@@ -280,10 +349,115 @@ def test_kernel_source_is_plain_nki() -> None:
     allowed = {
         "dma_copy", "nc_transpose", "tensor_copy", "tensor_tensor", "tensor_scalar",
         "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",
-        "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode",
+        "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode", "dma_transpose",
     }  # fmt: skip
     assert used <= allowed, used - allowed
     assert {"quantize_mx", "nc_matmul_mx", "nc_transpose", "core_barrier"} <= used
+
+
+# -- NKI 0.6 front end --------------------------------------------------------------------------
+
+
+def _prequant(args: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> dict[str, Any]:
+    pq = prequantize_weights(args["gate_up_proj_weight"], args["down_proj_weight"], config=cfg)
+    return dict(args, **pq.as_kwargs())
+
+
+def _frontend_cases() -> dict[str, tuple[dict[str, Any], MXFP8MOEBwdConfig]]:
+    """Every shape and configuration the tests of this module run the kernel at (the slow
+    ones included, as check-only launches are cheap)."""
+    r = MXFP8MOEBwdConfig.routed
+    mk = MatmulMxfp8KernelConfig
+    cl = ClampLimits(-1.0, 1.0, -0.5, 0.5)
+    c = case(128, 512, 1, 256, 1, 256)
+    ckpts = dict(
+        c, gate_act_checkpoint_T=c["gate_up_proj_act_checkpoint_T"][:, 0],
+        intermediate_checkpoint_T=c["gate_up_proj_act_checkpoint_T"][:, 1],
+        scaled_intermediate_checkpoint_T=c["gate_up_proj_act_checkpoint_T"][:, 1],
+    )  # fmt: skip
+    pk = r(top_k=1, phase1_config=mk(enable_scale_packing=True), phase2_config=mk(tile_k=256, enable_scale_packing=True))  # fmt: skip
+    unpk = r(top_k=1, phase1_config=mk(), phase2_config=mk())
+    fast = r(top_k=2, fast_dma_transpose=True, phase2_config=mk(tile_k=256), phase3_config=mk(tile_k=128), phase4_config=mk(tile_k=256))  # fmt: skip
+    nv = dict(case(512, 512, 1, 256, 1, 256, dense=True), num_valid_tokens=300)
+    return {
+        "routed": (case(256, 512, 2, 128, 1, 256), r(top_k=1)),
+        "tile_k_256": (case(256, 512, 2, 128, 1, 256), r(top_k=1, phase1_config=mk(tile_k=256))),
+        "top2_bias_clamp": (
+            case(256, 512, 2, 256, 2, 256, bias=True, clamp_limits=cl),
+            r(top_k=2, bias=True, clamp_limits=cl),
+        ),
+        "prequant_unpacked": (_prequant(case(128, 640, 2, 128, 1, 384), unpk), unpk),
+        "prequant_packed_off_512": (_prequant(case(128, 384, 2, 128, 1, 512), pk), pk),
+        "dense_token_count": (nv, MXFP8MOEBwdConfig()),
+        "dense": (case(512, 512, 1, 256, 1, 256, dense=True), MXFP8MOEBwdConfig()),
+        "optional_checkpoints": (ckpts, r(top_k=1)),
+        "remainders": (case(256, 384, 2, 512, 2, 384), r(top_k=2)),
+        "three_experts": (case(128, 256, 3, 128, 2, 128), r(top_k=2)),
+        "fast_dma_tile_k_mix": (case(512, 896, 2, 1024, 2, 256), fast),
+        "upstream_4experts": (case(1024, 1024, 4, 512, 4, 256), r(top_k=4)),
+        "upstream_bias": (case(1024, 2048, 2, 256, 2, 128, bias=True), r(top_k=2, bias=True)),
+        "upstream_1expert": (case(512, 1024, 1, 512, 1, 384), r(top_k=1)),
+    }
+
+
+FRONTEND_CASES = _frontend_cases()
+
+
+def _as_kernel_arguments(kw: dict[str, Any]) -> dict[str, Any]:
+    """The launcher's kernel kwargs as the interpreter receives them (NumPy arrays, the
+    kernel's own `BwdKernelConfig` instance with interpreter dtypes)."""
+    from mxcli.nkisim import language
+
+    out: dict[str, Any] = {}
+    for k, v in kw.items():
+        if isinstance(v, nki_runtime.KernelObject):
+            cls = nki_runtime.resolve_kernel(v.cls, nki_runtime.SimEngine.INTERPRETER)
+            fields = {
+                f: getattr(language, x.name) if isinstance(x, nki_runtime.DTypeName) else x
+                for f, x in v.fields
+            }
+            out[k] = cls(**fields)
+        elif isinstance(v, torch.Tensor):
+            out[k] = nki_runtime.to_numpy(v)
+        else:
+            out[k] = v
+    return out
+
+
+@pytest.mark.parametrize("lnc", [1, 2])
+@pytest.mark.parametrize("name", sorted(FRONTEND_CASES))
+def test_kernel_passes_nki_frontend(name: str, lnc: int) -> None:
+    """Issue 11: at every tested shape and configuration, what the kernel reaches is inside
+    the NKI 0.6 subset together with the launch's real arguments (`check_frontend`, no
+    violation), and a check-only launch at that LNC passes every interpreter rule."""
+    from mxcli import nkisim
+
+    args, cfg = FRONTEND_CASES[name]
+    kern = nki_runtime.resolve_kernel(
+        "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
+        nki_runtime.SimEngine.INTERPRETER,
+    )
+    kw, _ = nki_backend.prepare(**args, config=cfg)
+    assert nkisim.check_frontend(kern, (), _as_kernel_arguments(kw)) == ()
+    res = launch_sim(**args, config=cfg, lnc=lnc, check_only=True)
+    assert res.report.counters.mx_matmul_flops > 0
+
+
+def test_frontend_check_sees_the_public_config() -> None:
+    """The check is not vacuous: the public config (torch dtypes, host-side methods) passed
+    straight to the kernel is rejected, naming the torch/numpy rule."""
+    from mxcli import nkisim
+
+    args, cfg = FRONTEND_CASES["routed"]
+    kern = nki_runtime.resolve_kernel(
+        "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
+        nki_runtime.SimEngine.INTERPRETER,
+    )
+    kw, _ = nki_backend.prepare(**args, config=cfg)
+    kw = _as_kernel_arguments(kw)
+    kw["config"] = cfg
+    rules = {v.rule for v in nkisim.check_frontend(kern, (), kw)}
+    assert nkisim.Rule.TORCH_NUMPY in rules
 
 
 # -- check-only mode ---------------------------------------------------------------------------

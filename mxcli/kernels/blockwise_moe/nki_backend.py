@@ -1,11 +1,18 @@
-"""The ``sim`` and ``neuron`` backends of ``blockwise_mm_bwd_mxfp8``: the NKI kernel
-(`nki_kernel.blockwise_mm_bwd_mxfp8_nki`) launched through `mxcli.kernels.nki_runtime`.
+"""The ``sim`` and ``neuron`` backends of ``blockwise_mm_bwd_mxfp8``: the launcher of the NKI
+kernel (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`), run through `mxcli.kernels.nki_runtime`.
 
 `run_sim` and `run_neuron` take the reference's arguments (same order, same defaults, minus the
 reference-only ``emulate``) and return the reference's tuple of torch tensors on the device of
-``hidden_states``. Inputs are validated on the host first, with the reference's rules and error
-messages (bwd spec §10), including the data-dependent ones the device can only report as a DMA
-fault (padding ids without ``skip_token``, expert ids out of range).
+``hidden_states``.
+
+Everything that is not device work happens here, once, before the kernel is traced (as upstream
+NKI Library launchers do; nki_python_subset.md): the inputs are validated with the reference's
+rules and messages (bwd spec §10), including the data-dependent ones the device can only report
+as a DMA fault (padding ids without ``skip_token``, expert ids out of range); the public
+`MXFP8MOEBwdConfig` (torch dtypes, host enums) is checked against what the kernel implements and
+turned into the kernel's `BwdKernelConfig` (`kernel_config`: ints, bools, tuples, ``nki``
+dtypes), with the launch planned: the wrapX chunk lists of the four contractions (tile_k,
+errata 1), the DMA runs over them and the placement of packed pre-quantized scales.
 
 Tensors cross as NKI-compatible dtypes: token ids and expert ids as int32, ``num_valid_tokens``
 as a ``[1]`` int32 tensor, pre-quantized weights as uint32 x4 words and uint8 scale bytes
@@ -20,14 +27,36 @@ import torch
 
 from mxcli.kernels import nki_runtime
 from mxcli.kernels.blockwise_moe import _checks as ck
-from mxcli.kernels.blockwise_moe.backward import check_inputs, check_launch_rules
-from mxcli.kernels.blockwise_moe.config import BwdValidationError, MXFP8MOEBwdConfig
-from mxcli.kernels.nki_runtime import SimEngine, SimResult
+from mxcli.kernels.blockwise_moe.backward import (
+    BwdInputs,
+    _check_combinations,
+    check_inputs,
+    check_launch_rules,
+)
+from mxcli.kernels.blockwise_moe.config import (
+    AffinityOption,
+    BwdValidationError,
+    MXFP8MOEBwdConfig,
+)
+from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
+from mxcli.mx import QuantScheme, wrapx_chunks
 
-__all__ = ["KERNEL", "launch_sim", "prepare", "run_neuron", "run_sim"]
+__all__ = [
+    "KERNEL",
+    "NkiKernelUnsupportedError",
+    "kernel_config",
+    "launch_sim",
+    "prepare",
+    "run_neuron",
+    "run_sim",
+]
 
 KERNEL = "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit"
+KERNEL_CONFIG = "mxcli.kernels.blockwise_moe.nki_kernel:BwdKernelConfig"
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
+P = 128  # partitions
+QUAD = 32  # partitions per SBUF quadrant
 _NAMES = (
     "hidden_states",
     "expert_affinities_masked",
@@ -47,32 +76,192 @@ _NAMES = (
     "down_weight_scales",
     "num_valid_tokens",
 )
+# the kernel's tensor parameters (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`)
+_KERNEL_TENSORS = (
+    "hidden_states",
+    "expert_affinities_masked",
+    "gate_up_proj_weight",
+    "down_proj_weight",
+    "token_position_to_id",
+    "block_to_expert",
+    "output_hidden_states_grad",
+    "gate_up_proj_act_checkpoint_T",
+    "gate_act_checkpoint_T",
+    "intermediate_checkpoint_T",
+    "scaled_intermediate_checkpoint_T",
+    "gate_up_weight_scales",
+    "down_weight_scales",
+    "num_valid_tokens",
+)
 
 
-def _validate(kw: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> torch.device:
-    """The reference's input rules (bwd spec §10) on the host, before any launch; the device
-    of ``hidden_states``."""
+class NkiKernelUnsupportedError(BwdValidationError):
+    """A valid configuration that this NKI kernel does not implement (the reference does)."""
+
+
+# -- planning ------------------------------------------------------------------------------------
+
+Chunks = tuple[tuple[int, int], ...]
+
+
+def phase_chunks(K: int, grouping: Grouping) -> Chunks:
+    """wrapX chunks ``((k0, c), ...)`` of a contraction of length K (config tile_k, errata-1
+    override)."""
+    chunks = grouping.chunks if grouping.chunks is not None else wrapx_chunks(K, grouping.tile_k)
+    return tuple((int(k0), int(c)) for k0, c in chunks)
+
+
+def dma_runs(chunks: Chunks) -> tuple[tuple[int, int], ...]:
+    """``(first chunk, count)`` runs of full 128-lane chunks whose HBM rows (``k0/4 ...``)
+    are contiguous, so that one DMA loads a run; remainder chunks form runs of one."""
+    runs: list[tuple[int, int]] = []
+    for i, (k0, c) in enumerate(chunks):
+        if runs:
+            i0, m = runs[-1]
+            lk0, lc = chunks[i0 + m - 1]
+            if c // 4 == P and lc // 4 == P and lk0 // 4 + P == k0 // 4:
+                runs[-1] = (i0, m + 1)
+                continue
+        runs.append((i, 1))
+    return tuple(runs)
+
+
+def packed_scale_placement(
+    chunks: Chunks,
+) -> tuple[tuple[int, ...], tuple[tuple[int, int, int], ...]]:
+    """Where the kernel finds each chunk's scales in a packed scale tensor (bwd spec §5.5).
+
+    Packed row of MX group ``m`` (512-tile ``t = m // 16``, ``ml = m % 16``):
+    ``(t // 4)·128 + 4·(t % 4) + (ml // 4)·32 + ml % 4``. A chunk from ``k0`` has lane ``p`` in
+    quadrant ``p // 32`` and its scale in row ``g·128 + o + qoff + 32·(p // 32) + (p % 32) // 8``
+    with ``g = t // 4``, ``o = 4·(t % 4)`` and ``qoff = 32·((k0/32 % 16) // 4)``, which is not 0
+    when the chunk does not start on a 512 boundary: the scales would sit ``qoff/32`` quadrants
+    below their data, and the MX matmul needs them in the data's quadrant.
+
+    Returns ``(groups, place)``: the 128-row groups loaded whole (one slot each, used by the
+    chunks with ``qoff = 0``), and per chunk ``(slot, start partition o, first HBM row)``, the
+    row being -1 for a chunk served by its group and ``g·128 + o + qoff`` for a chunk whose
+    4 rows per quadrant the kernel copies into a slot of its own at partitions
+    ``o + 32·q ... o + 32·q + 3`` of quadrant ``q``.
+    """
+    groups: list[int] = []
+    info: list[tuple[int, int, int]] = []
+    for k0, _c in chunks:
+        m0 = k0 // 32
+        t, ml0 = m0 // 16, m0 % 16
+        g, o, qoff = t // 4, 4 * (t % 4), QUAD * (ml0 // 4)
+        info.append((g, o, qoff))
+        if qoff == 0 and g not in groups:
+            groups.append(g)
+    place: list[tuple[int, int, int]] = []
+    extra = len(groups)
+    for g, o, qoff in info:
+        if qoff == 0:
+            place.append((groups.index(g), o, -1))
+        else:
+            place.append((extra, o, g * P + o + qoff))
+            extra += 1
+    return tuple(groups), tuple(place)
+
+
+def kernel_config(
+    inp: BwdInputs, cfg: MXFP8MOEBwdConfig, nv: bool, pq_gu: bool, pq_d: bool
+) -> KernelObject:
+    """The kernel's `BwdKernelConfig` for validated inputs `inp` and config `cfg`, after
+    checking that this kernel implements the configuration (`NkiKernelUnsupportedError`)."""
+    if cfg.quant_scheme is not QuantScheme.WRAPX:
+        raise NkiKernelUnsupportedError(
+            f"config.quant_scheme: the NKI kernel implements WRAPX only, got {cfg.quant_scheme.name}"
+        )
+    if cfg.affinity_option is not AffinityOption.AFFINITY_ON_I:
+        raise NkiKernelUnsupportedError(
+            "config.affinity_option: the NKI kernel implements AFFINITY_ON_I only, got "
+            f"{cfg.affinity_option.name}"
+        )
+    T, H, I, E, B, N = inp.T, inp.H, inp.I, inp.E, inp.B, inp.N  # noqa: E741
+    p1, p2, p3, p4 = cfg.phase_configs()
+    cl = cfg.clamp_limits
+    assert cl is not None  # validated
+    k1 = phase_chunks(H, Grouping.for_phase(p1, H, cfg.fast_dma_transpose))
+    k2 = phase_chunks(2 * I, Grouping.for_phase(p2, 2 * I))
+    k3 = phase_chunks(B, Grouping.for_phase(p3, B))
+    k4 = phase_chunks(B, Grouping.for_phase(p4, B))
+    d_groups, d_place = packed_scale_placement(k1) if pq_d and p1.enable_scale_packing else ((), ())
+    gu_groups, gu_place = (
+        packed_scale_placement(k2) if pq_gu and p2.enable_scale_packing else ((), ())
+    )
+    fields: dict[str, Any] = dict(
+        T=T, H=H, I=I, E=E, B=B, N=N, W=min(B, 512),
+        dense=cfg.single_expert_dense, nv=nv, accumulate=cfg.accumulate_hidden_states_grad,
+        bias=cfg.bias, skip_token=cfg.effective_skip_dma.skip_token, pq_gu=pq_gu, pq_d=pq_d,
+        clamp=tuple(
+            None if x is None else float(x)
+            for x in (
+                cl.non_linear_clamp_lower_limit, cl.non_linear_clamp_upper_limit,
+                cl.linear_clamp_lower_limit, cl.linear_clamp_upper_limit,
+            )
+        ),
+        k1=k1, k2=k2, k3=k3, k4=k4,
+        runs1=dma_runs(k1), runs2=dma_runs(k2), runs3=dma_runs(k3), runs4=dma_runs(k4),
+        d_groups=d_groups, d_place=d_place, gu_groups=gu_groups, gu_place=gu_place,
+        x4_dtype=DTypeName("float8_e4m3fn_x4"), compute_dtype=DTypeName("bfloat16"),
+    )  # fmt: skip
+    return KernelObject(KERNEL_CONFIG, tuple(fields.items()))
+
+
+# -- validation and argument conversion ------------------------------------------------------------
+
+
+_CHECKPOINTS = (
+    "gate_act_checkpoint_T",
+    "intermediate_checkpoint_T",
+    "scaled_intermediate_checkpoint_T",
+)
+
+
+def _validate(kw: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> tuple[BwdInputs, int | None]:
+    """The reference's input rules (bwd spec §10) on the host, before any launch: the checked
+    inputs and ``num_valid_tokens`` clamped to ``[0, T]`` (None when not given)."""
     inp = check_inputs(
         kw["hidden_states"], kw["expert_affinities_masked"], kw["gate_up_proj_weight"],
         kw["down_proj_weight"], kw["token_position_to_id"], kw["block_to_expert"],
         kw["output_hidden_states_grad"], kw["block_size"], kw["gate_up_weight_scales"],
         kw["down_weight_scales"], cfg, _ACT_DTYPES,
     )  # fmt: skip
-    name = "gate_up_proj_act_checkpoint_T"
-    ckpt = ck.tensor(name, kw[name], False)
-    if ckpt is not None:
-        ck.check_shape(name, ckpt, (inp.N, 2, inp.I, inp.B))
-        ck.check_float(name, ckpt, _ACT_DTYPES)
-    check_launch_rules(
+    N, I, B, H = inp.N, inp.I, inp.B, inp.H  # noqa: E741
+    shapes = {"gate_up_proj_act_checkpoint_T": (N, 2, I, B), "down_proj_act_checkpoint": (N, B, H)}
+    shapes.update({name: (N, I, B) for name in _CHECKPOINTS})
+    ckpts: dict[str, torch.Tensor | None] = {}
+    for name, shape in shapes.items():
+        t = ck.tensor(name, kw[name], False)
+        if t is not None:
+            ck.check_shape(name, t, shape)
+            ck.check_float(name, t, _ACT_DTYPES)
+        ckpts[name] = t
+    on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
+    _check_combinations(
+        cfg, on_i, ckpts["gate_up_proj_act_checkpoint_T"], ckpts["gate_act_checkpoint_T"],
+        ckpts["intermediate_checkpoint_T"], ckpts["scaled_intermediate_checkpoint_T"],
+        ckpts["down_proj_act_checkpoint"], inp.gu_scales,
+    )  # fmt: skip
+    nv = check_launch_rules(
         cfg, inp, kw["num_valid_tokens"], kw["scaled_intermediate_checkpoint_T"] is not None
     )
-    return inp.x.device
+    if ckpts["gate_up_proj_act_checkpoint_T"] is None:
+        raise NkiKernelUnsupportedError(
+            "gate_up_proj_act_checkpoint_T: the NKI kernel needs the gate/up checkpoint (no "
+            "recompute from hidden_states), got None"
+        )
+    return inp, nv
 
 
 def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
-    """Validate the reference-style arguments and convert them for the kernel.
+    """Validate the reference-style arguments, plan the launch and convert the arguments for
+    the kernel.
 
-    Returns ``(kernel kwargs, device of hidden_states)``.
+    Returns ``(kernel kwargs, device of hidden_states)``: the kernel's tensors (int32 indices,
+    uint8 scale bytes, a ``[1]`` int32 token count) and ``config``, the kernel's
+    `BwdKernelConfig` as a `KernelObject`.
     """
     if len(args) > len(_NAMES):
         raise TypeError(
@@ -95,13 +284,12 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     if not isinstance(cfg, MXFP8MOEBwdConfig):
         raise BwdValidationError(f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}")
     cfg.validate()
-    kw["config"] = cfg
-    device = _validate(kw, cfg)
+    inp, nv = _validate(kw, cfg)
     out: dict[str, Any] = {}
-    for k in _NAMES:
+    for k in _KERNEL_TENSORS:
         v = kw[k]
-        if k in ("config", "block_size") or v is None:
-            out[k] = v
+        if v is None:
+            out[k] = None
             continue
         if k == "num_valid_tokens" and isinstance(v, int) and not isinstance(v, bool):
             out[k] = torch.tensor([min(max(v, -(2**31)), 2**31 - 1)], dtype=torch.int32)
@@ -116,7 +304,10 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
         elif k.endswith("_scales") and t.dtype == torch.float8_e8m0fnu:
             t = t.view(torch.uint8)
         out[k] = t.contiguous()
-    return out, device
+    out["config"] = kernel_config(
+        inp, cfg, nv is not None, inp.gu_scales is not None, inp.d_scales is not None
+    )
+    return out, inp.x.device
 
 
 def launch_sim(
