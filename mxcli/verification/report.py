@@ -91,7 +91,7 @@ def _details(r: TensorReport) -> str:
     return "; ".join(parts)
 
 
-def _wrap(text: str, width: int, indent: str) -> list[str]:
+def _wrap(text: str, width: int, indent: str, more: str | None = None) -> list[str]:
     """Wrap at spaces only: a number or a name is never split (a word longer than the line
     runs past it rather than break)."""
     import textwrap
@@ -100,7 +100,7 @@ def _wrap(text: str, width: int, indent: str) -> list[str]:
         text,
         width=max(width, len(indent) + 20),
         initial_indent=indent,
-        subsequent_indent=indent,
+        subsequent_indent=indent if more is None else more,
         break_long_words=False,
         break_on_hyphens=False,
     ) or [indent.rstrip()]
@@ -150,7 +150,8 @@ def render_table(
         t.stylize("green" if verdict == "pass" else "bold red", start, start + len(verdict))
         return t
 
-    console.print(Text(title, style="bold"), soft_wrap=True)
+    for text in _wrap(title, width, "", "    "):
+        console.print(Text(text, style="bold"), soft_wrap=True)
     console.print(Text(line(_HEADERS), style="bold"), soft_wrap=True)
     heading = None
     for head, error, cells, details in rows:
