@@ -125,13 +125,13 @@ def test_parallel_resume_runs_on_disjoint_layers(tmp_path: Path) -> None:
     clean = tmp_path / "clean"
     prepare_weights(src, clean, PrepOptions())
     out = tmp_path / "out"
-    slow = "slow-pieces=0.03"
-    first = procs.start(["prep-weights", src, out, "--resume", "--layers", "0-1", "-q"], mode=slow)
-    procs.wait_for(
-        lambda: (out / "manifest.json").is_file() and any((out / "rank0").glob(".layer_001*.tmp")),
-        first,
-    )
-    second = procs.start(["prep-weights", src, out, "--resume", "--layers", "2-3", "-q"], mode=slow)
+    prepare_weights(src, out, PrepOptions(layers="0"))  # a manifest exists: --resume cleans up
+    # the first run writes layer 1 slowly (8 pieces of 1 s): the second starts (and cleans up)
+    # while that layer's temporary file is open
+    first = procs.start(["prep-weights", src, out, "--resume", "--layers", "1", "-q"],
+                        mode="slow-pieces=1.0")  # fmt: skip
+    procs.wait_for(lambda: any((out / "rank0").glob(".layer_001*.tmp")), first)
+    second = procs.start(["prep-weights", src, out, "--resume", "--layers", "2-3", "-q"])
     results = [p.communicate(timeout=300) for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], results
     m = load_manifest(out)
