@@ -89,6 +89,7 @@ def main() -> None:
         install_signal_handlers,
         interrupted_message,
         report_error,
+        unreported_interrupt,
     )
 
     install_signal_handlers()
@@ -109,4 +110,9 @@ def main() -> None:
         message, code = interrupted_message(exc)
         report_error(message, code, json_out=json_out)
         sys.exit(code)
-    sys.exit(code if isinstance(code, int) else 0)
+    code = code if isinstance(code, int) else 0
+    late = unreported_interrupt(code)
+    if late is not None:
+        report_error(late[0], late[1], json_out=json_out)
+        code = late[1]
+    sys.exit(code)

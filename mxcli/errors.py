@@ -49,9 +49,24 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+# what the console entry point needs to know after typer has turned an interrupt into exit 130
+_STATE: dict[str, Any] = {"signal": None, "reported": False}
+
+
 def raise_terminated(signum: int, _frame: Any) -> None:
     """Signal handler: turn SIGTERM/SIGHUP into a `Terminated` exception in the main thread."""
+    _STATE["signal"] = signum
     raise Terminated(signum)
+
+
+def unreported_interrupt(code: int) -> tuple[str, int] | None:
+    """(message, exit code) for an interrupt that no command reported (it came while the
+    arguments were parsed: typer turns it into a silent exit 130), else None."""
+    if code != EXIT_INTERRUPTED or _STATE["reported"]:
+        return None
+    signum = _STATE["signal"]
+    exc = Terminated(signum) if signum is not None else KeyboardInterrupt()
+    return interrupted_message(exc)
 
 
 def install_signal_handlers() -> None:
@@ -88,6 +103,7 @@ def one_line(exc: BaseException) -> str:
 
 def report_error(message: str, exit_code: int, *, json_out: bool = False) -> None:
     """One line on stderr; with ``--json`` also ``{"error", "exit_code"}`` on stdout."""
+    _STATE["reported"] = True
     print(f"error: {message}", file=sys.stderr)
     if json_out:
         sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}) + "\n")
