@@ -295,9 +295,9 @@ def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | No
         refuse_inputs(out, folders=[("checkpoint folder", source)])
         _check_writable(out)
     except MxcliError as exc:
-        return str(exc)
+        return f"the real run would refuse: {exc}"
     if out.exists() and not out.is_dir():
-        return f"{out}: exists and is not a folder"
+        return f"the real run would refuse: {out} exists and is not a folder"
     if out.is_dir() and _not_empty(out) and not (resume or force):
         return (
             f"{out}: output folder exists and is not empty; the real run would refuse "
