@@ -108,7 +108,12 @@ def demo(
             _print(root, rows, files, passed, removed=temporary)
         return 0 if passed else 1
 
-    code = guarded(debug, body, json_out=json_out)
+    code = guarded(
+        debug,
+        body,
+        json_out=json_out,
+        interrupt_hint="the steps done so far stay in --out; a temporary folder is removed",
+    )
     if code:
         raise typer.Exit(code)
 
