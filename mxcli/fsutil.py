@@ -151,7 +151,7 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         return removed
     for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)  # NFS locks need write access
         except OSError:
             continue
         try:
