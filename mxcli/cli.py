@@ -2,16 +2,33 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
+from typing import Any
 
 import typer
 
 from mxcli import __version__
 
-try:  # typer < 0.20 runs on click; newer releases carry their own copy of it
-    import click.exceptions as _cx
-except ImportError:  # pragma: no cover - depends on the installed typer
-    import typer._click.exceptions as _cx  # type: ignore[no-redef]
+
+def _exception_classes(name: str) -> tuple[type[BaseException], ...]:
+    """`name` from every click flavour present: typer >= 0.20 raises the exceptions of its own
+    vendored copy (``typer._click``), older typer raises click's. Both may be installed (click
+    comes with huggingface_hub, for one), so catch from both."""
+    found = []
+    for module in ("typer._click.exceptions", "click.exceptions"):
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            found.append(cls)
+    return tuple(found)
+
+
+_NO_ARGS_IS_HELP = _exception_classes("NoArgsIsHelpError")
+_USAGE_ERRORS = _exception_classes("UsageError")
+_ABORTS: tuple[type[BaseException], ...] = (typer.Abort, *_exception_classes("Abort"))
 
 app = typer.Typer(
     name="mxcli",
@@ -19,6 +36,9 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    # click's plain help layout: option names are never truncated and flags show no metavar,
+    # which rich's option table does in an 80-column terminal (``--routed-scaling-…  <bool>``)
+    rich_markup_mode=None,
 )
 
 
@@ -56,18 +76,45 @@ app.command("prep-weights")(prep_weights.main)
 app.add_typer(_profile.app, name="profile")
 
 
+def _usage_message(exc: Any) -> str:
+    """A usage error as one line, with the command's --help as the hint."""
+    ctx = getattr(exc, "ctx", None)
+    hint = f" (see 'mxcli {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
+    return " ".join(exc.format_message().split()) + hint
+
+
 def main() -> None:
-    """Console entry point: usage errors become one line on stderr and exit code 2."""
+    """Console entry point: usage errors become one line on stderr and exit code 2; with
+    ``--json`` they are also printed as ``{"error": ..., "exit_code": ...}`` on stdout."""
+    from mxcli.errors import (
+        EXIT_USER_ERROR,
+        install_signal_handlers,
+        interrupted_message,
+        report_error,
+        unreported_interrupt,
+    )
+
+    install_signal_handlers()
+    json_out = "--json" in sys.argv[1:]
     try:
         code = app(standalone_mode=False)
-    except _cx.NoArgsIsHelpError as exc:
-        print(exc.ctx.get_help() if exc.ctx else str(exc))
+    except _NO_ARGS_IS_HELP as exc:
+        ctx = getattr(exc, "ctx", None)
+        print(ctx.get_help() if ctx is not None else str(exc))
         sys.exit(0)
-    except _cx.UsageError as exc:
-        hint = f" (see 'mxcli {exc.ctx.info_name} --help')" if exc.ctx and exc.ctx.parent else ""
-        print(f"error: {exc.format_message()}{hint}", file=sys.stderr)
-        sys.exit(2)
-    except (typer.Abort, KeyboardInterrupt):
-        print("error: aborted", file=sys.stderr)
+    except _USAGE_ERRORS as exc:
+        report_error(_usage_message(exc), EXIT_USER_ERROR, json_out=json_out)
+        sys.exit(EXIT_USER_ERROR)
+    except _ABORTS:
+        report_error("aborted", 130, json_out=json_out)
         sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+    except KeyboardInterrupt as exc:  # outside a command body (which reports its own)
+        message, code = interrupted_message(exc)
+        report_error(message, code, json_out=json_out)
+        sys.exit(code)
+    code = code if isinstance(code, int) else 0
+    late = unreported_interrupt(code)
+    if late is not None:
+        report_error(late[0], late[1], json_out=json_out)
+        code = late[1]
+    sys.exit(code)

@@ -2,18 +2,26 @@
 
 Every error a user can cause (bad tensor, bad flag, corrupt file, existing output) is an
 `MxcliError`. The CLI prints its message as one line on stderr and exits with code 2; a Python
-traceback is shown only with `--debug` (or MXCLI_DEBUG=1).
+traceback is shown only with `--debug` (or MXCLI_DEBUG=1). An output that cannot be written (disk
+full, read-only folder) is reported the same way: the command could not do its work, and no
+partial file is left. Exit code 1 is kept for a check that ran and failed (`verify`, `--strict`).
+
+An interrupt (Ctrl-C, SIGTERM) unwinds like an error, so every temporary file is removed, then
+prints one line and exits with 128 + the signal number (130 for Ctrl-C, 143 for SIGTERM).
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 128 + signal.SIGINT
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,6 +41,42 @@ class OutputExistsError(MxcliError, FileExistsError):
     """An output already exists and `--force` was not given."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (or SIGHUP) received: unwinds like Ctrl-C so temporaries are cleaned up."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+# what the console entry point needs to know after typer has turned an interrupt into exit 130
+_STATE: dict[str, Any] = {"signal": None, "reported": False}
+
+
+def raise_terminated(signum: int, _frame: Any) -> None:
+    """Signal handler: turn SIGTERM/SIGHUP into a `Terminated` exception in the main thread."""
+    _STATE["signal"] = signum
+    raise Terminated(signum)
+
+
+def unreported_interrupt(code: int) -> tuple[str, int] | None:
+    """(message, exit code) for an interrupt that no command reported (it came while the
+    arguments were parsed: typer turns it into a silent exit 130), else None."""
+    if code != EXIT_INTERRUPTED or _STATE["reported"]:
+        return None
+    signum = _STATE["signal"]
+    exc = Terminated(signum) if signum is not None else KeyboardInterrupt()
+    return interrupted_message(exc)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP raise `Terminated`; SIGINT raises KeyboardInterrupt (Python's default,
+    restored here if it was changed). Temporary files are removed as the exception unwinds."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, raise_terminated)
+
+
 def shape_error(name: str, expected: object, actual: object) -> InputError:
     """`InputError` for a shape mismatch, worded the same everywhere."""
     return InputError(f"{name}: expected shape {expected}, got {actual}")
@@ -47,24 +91,65 @@ def debug_enabled() -> bool:
     return os.environ.get("MXCLI_DEBUG", "") not in ("", "0")
 
 
-def report_user_errors(func: F) -> F:
+def one_line(exc: BaseException) -> str:
+    """The message of an error as one line (OS errors as 'path: reason')."""
+    if isinstance(exc, OSError) and not isinstance(exc, MxcliError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else ""
+        text = f"{where}: {exc.strerror}" if where else exc.strerror
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
+
+
+def report_error(message: str, exit_code: int, *, json_out: bool = False) -> None:
+    """One line on stderr; with ``--json`` also ``{"error", "exit_code"}`` on stdout."""
+    _STATE["reported"] = True
+    print(f"error: {message}", file=sys.stderr)
+    if json_out:
+        sys.stdout.write(json.dumps({"error": message, "exit_code": exit_code}) + "\n")
+        sys.stdout.flush()
+
+
+def interrupted_message(exc: KeyboardInterrupt, hint: str = "") -> tuple[str, int]:
+    """(message, exit code) for an interrupt; `hint` says how to continue (``--resume``)."""
+    if isinstance(exc, Terminated):
+        name, code = signal.Signals(exc.signum).name, 128 + exc.signum
+    else:
+        name, code = "Ctrl-C", EXIT_INTERRUPTED
+    return f"interrupted ({name}); {hint or 'no output was written'}", code
+
+
+def report_user_errors(
+    func: F | None = None, *, json_out: bool = False, interrupt_hint: str = ""
+) -> Any:
     """Decorator for command functions: user errors become one stderr line and exit code 2.
 
     `ValueError` raised by kernel validation is a user error too (kernels raise `InputError`,
-    a `ValueError`). Anything else is a bug and keeps its traceback.
+    a `ValueError`), and so is an `OSError` (a folder given as a file, a full disk). Anything
+    else is a bug and keeps its traceback. An interrupt prints one line (with `interrupt_hint`)
+    and exits 130 (Ctrl-C) or 128 + the signal. With `json_out` the error is also printed on
+    stdout as ``{"error": ..., "exit_code": ...}``.
     """
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return func(*args, **kwargs)
-        except (MxcliError, ValueError, FileNotFoundError, PermissionError) as exc:
-            if debug_enabled():
-                raise
-            msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            print(f"error: {msg}", file=sys.stderr)
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             import typer
 
-            raise typer.Exit(EXIT_USER_ERROR) from None
+            try:
+                return fn(*args, **kwargs)
+            except (MxcliError, ValueError, OSError) as exc:
+                if debug_enabled():
+                    raise
+                report_error(one_line(exc), EXIT_USER_ERROR, json_out=json_out)
+                raise typer.Exit(EXIT_USER_ERROR) from None
+            except KeyboardInterrupt as exc:
+                if debug_enabled():
+                    raise
+                message, code = interrupted_message(exc, interrupt_hint)
+                report_error(message, code, json_out=json_out)
+                raise typer.Exit(code) from None
 
-    return wrapper  # type: ignore[return-value]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate(func) if func is not None else decorate

@@ -1,44 +1,170 @@
-"""Atomic output files: write to a temporary file in the same folder, then rename into place."""
+"""Output files: checked before any work, written to a temporary file beside them, renamed into
+place, and never one of the command's inputs.
+
+A temporary file is named ``.<final name>.<random>.tmp`` and holds an exclusive `flock` for as long
+as its writer lives, so a cleaner can tell a stale temporary (its writer was killed: the kernel
+released the lock) from one still being written by another process (`remove_stale_temporaries`).
+Outputs get the mode a plain ``open(path, "w")`` would give (0644 under umask 022), not
+``mkstemp``'s 0600.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from mxcli.errors import MxcliError, OutputExistsError
 
+TEMP_SUFFIX = ".tmp"
+# errors of the file system being written (as opposed to a bad path, reported as it is)
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+
+
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows (``os.umask`` can only
+    be read by setting it, which races with other threads creating files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_mode() -> int:
+    """0o666 less the umask: the mode of a file created with ``open(path, "w")``."""
+    return 0o666 & ~current_umask()
+
+
+def _resolved(p: str | os.PathLike[str]) -> Path:
+    return Path(os.path.abspath(os.path.realpath(p)))
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if _resolved(a) == _resolved(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:
+        return False
+
+
+def refuse_inputs(
+    output: str | os.PathLike[str],
+    inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+    folders: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+) -> None:
+    """Refuse an output that is one of the inputs (``(what, path)`` pairs) or lies in or is one
+    of the input `folders` (the same path, a symlink or a hard link to it count alike)."""
+    out = Path(output)
+    for what, path in inputs:
+        if path is not None and _same_file(out, Path(path)):
+            raise MxcliError(f"{out}: this output would replace the {what} {path}")
+    r = _resolved(out)
+    for what, folder in folders:
+        if folder is None:
+            continue
+        f = _resolved(folder)
+        if r == f or f in r.parents:
+            raise MxcliError(f"{out}: output inside the {what} {folder}; write it elsewhere")
+
 
 def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
-    """Refuse an existing output without `force`; check that the folder is writable."""
+    """Refuse a folder, or an existing output without `force`; check that the folder is
+    writable. Called before any work is done."""
     p = Path(path)
+    if p.is_dir():
+        raise MxcliError(f"{p}: is a folder; expected a file name")
     if p.exists() and not force:
         raise OutputExistsError(f"{p}: output exists (use --force to overwrite)")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.exists():
         raise MxcliError(f"{p}: output folder {parent} does not exist")
+    if not parent.is_dir():
+        raise MxcliError(f"{p}: {parent} is not a folder")
     if not os.access(parent, os.W_OK):
         raise MxcliError(f"{p}: output folder {parent} is not writable")
     return p
+
+
+def _locked_temporary(final: Path) -> tuple[int, Path]:
+    """Create ``.<name>.<random>.tmp`` beside `final` and hold its flock.
+
+    A cleaner may have removed the file between its creation and the lock (it was not yet
+    locked, so it looked stale): then the path no longer names our file and we start again.
+    """
+    while True:
+        fd, name = tempfile.mkstemp(
+            prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent or "."
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(name)):
+                os.fchmod(fd, default_mode())
+                return fd, Path(name)
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside `path`; on success rename it onto `path`.
 
-    On any exception the temporary file is removed, so an interrupted run never leaves a
-    partial output under the final name.
+    On any exception (an interrupt included) the temporary file is removed, so an interrupted
+    run never leaves a partial output under the final name nor a temporary one. An `OSError`
+    while writing (a full disk) becomes an `MxcliError` naming the output.
     """
     final = check_output_path(path, force)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    fd, tmp = _locked_temporary(final)
     try:
-        yield tmp
-        os.replace(tmp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-        raise
+        try:
+            yield tmp
+            if os.stat(tmp).st_mode & 0o777 != default_mode():  # a writer that replaced the file
+                os.chmod(tmp, default_mode())
+            os.replace(tmp, final)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+    except OSError as exc:
+        if isinstance(exc, MxcliError) or exc.errno not in _WRITE_ERRNOS:
+            raise
+        raise MxcliError(
+            f"{final}: cannot write ({exc.strerror or exc}); nothing written"
+        ) from None
+    finally:
+        os.close(fd)
+
+
+def remove_stale_temporaries(folder: Path) -> list[Path]:
+    """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
+    those another live process is writing are left alone. Returns the paths removed."""
+    removed: list[Path] = []
+    if not folder.is_dir():
+        return removed
+    for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
+        try:
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)  # NFS locks need write access
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # locked: a live writer
+            os.close(fd)
+            continue
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(p)):
+                p.unlink()
+                removed.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed

@@ -664,7 +664,11 @@ def write_file(
     *,
     force: bool = False,
 ) -> Path:
-    """Write tensors atomically with ``__metadata__`` (non-string values are JSON-encoded)."""
+    """Write tensors atomically with ``__metadata__`` (non-string values are JSON-encoded).
+
+    A write that fails (a full disk) raises `MxcliError` naming the file and leaves nothing.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     meta = {
@@ -673,7 +677,10 @@ def write_file(
     data = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     final = Path(path)
     with atomic_output(final, force=force) as tmp:
-        save_file(data, str(tmp), metadata=meta)
+        try:
+            save_file(data, str(tmp), metadata=meta)
+        except SafetensorError as exc:
+            raise MxcliError(f"{final}: cannot write ({exc}); nothing written") from None
     return final
 
 
@@ -893,11 +900,12 @@ def run_file(
     import contextlib
     import time
 
-    from mxcli.fsutil import check_output_path
+    from mxcli.fsutil import check_output_path, refuse_inputs
 
     step = step or (lambda _d: contextlib.nullcontext())
     io = kernel_io(kernel)
     out = check_output_path(output_path, force)
+    refuse_inputs(out, [("input", input_path)], [("--weights folder", weights)])
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     with step(f"Reading {input_path}"):

@@ -44,23 +44,31 @@ def _debug_env(debug: bool) -> Iterator[None]:
             os.environ["MXCLI_DEBUG"] = old
 
 
-def guarded(debug: bool, fn: Callable[[], T]) -> T:
-    """Run a command body: user errors become one stderr line and exit code 2 (see
-    `mxcli.errors.report_user_errors`); ``--debug`` lets the traceback through instead."""
+def guarded(
+    debug: bool, fn: Callable[[], T], *, json_out: bool = False, interrupt_hint: str = ""
+) -> T:
+    """Run a command body: user errors become one stderr line and exit code 2, an interrupt one
+    line and exit code 130 (see `mxcli.errors.report_user_errors`); ``--debug`` lets the
+    traceback through instead. With ``json_out`` errors are also printed as JSON on stdout."""
     with _debug_env(debug):
-        return report_user_errors(fn)()
+        return report_user_errors(fn, json_out=json_out, interrupt_hint=interrupt_hint)()
+
+
+def _width(stream: Any) -> int | None:
+    """The terminal's width; COLUMNS when set; 160 in pipes and logs (rich reads COLUMNS)."""
+    return None if stream.isatty() or os.environ.get("COLUMNS") else 160
 
 
 def stdout_console() -> Any:
     from rich.console import Console
 
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160, soft_wrap=False)
+    return Console(file=sys.stdout, width=_width(sys.stdout), soft_wrap=False)
 
 
 def stderr_console() -> Any:
     from rich.console import Console
 
-    return Console(file=sys.stderr, width=None if sys.stderr.isatty() else 160)
+    return Console(file=sys.stderr, width=_width(sys.stderr))
 
 
 def print_json(data: Any) -> None:

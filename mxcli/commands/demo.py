@@ -8,6 +8,7 @@ Each step is the library call behind the command it names; the summary shows tha
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,14 +38,21 @@ def demo(
         Path | None,
         typer.Option(
             "--out",
-            help="Folder for everything the demo writes (default: a fresh temporary folder).",
+            help="Folder for everything the demo writes, kept (default: a temporary folder, "
+            "removed at the end unless --keep).",
             show_default=False,
         ),
     ] = None,
+    keep: Annotated[
+        bool,
+        typer.Option("--keep", help="Keep the temporary folder (without --out) to look at it."),
+    ] = False,
     models: Annotated[
         str, typer.Option("--models", help="Comma list of tiny models: qwen3_moe, deepseek_v3.")
     ] = ",".join(MODELS),
-    tokens: Annotated[int, typer.Option("--tokens", help="Tokens per kernel run.")] = 256,
+    tokens: Annotated[
+        int, typer.Option("--tokens", help="Tokens per kernel run: a multiple of 128.")
+    ] = 256,
     backend: Annotated[
         str,
         typer.Option(
@@ -62,7 +70,8 @@ def demo(
     """Run the whole journey on tiny built-in checkpoints and list every file written.
 
     prep-weights -> make-inputs -> run-prefill -> run-bwd -> verify, for a Qwen3-style (softmax)
-    and a DeepSeek-V3-style (noaux_tc) model, in a fresh temporary folder unless --out is given.
+    and a DeepSeek-V3-style (noaux_tc) model. Without --out it works in a temporary folder and
+    removes it at the end (--keep keeps it); the summary says where it was.
     """
 
     def body() -> int:
@@ -77,21 +86,34 @@ def demo(
         if tokens < 128 or tokens % 128:
             raise InputError(f"tokens: expected a positive multiple of 128, got {tokens}")
         root = _out_dir(out, force)
-        with Steps(quiet) as steps:
-            total = len(chosen) * len(_STEPS)
-            with steps.counted("mxcli demo", total) as advance:
-                rows = []
-                for model in chosen:
-                    rows += _journey(model, root / model, tokens, backend, advance, force)
-        files = sorted(str(p) for p in root.rglob("*") if p.is_file())
+        temporary = out is None and not keep
+        try:
+            with Steps(quiet) as steps:
+                total = len(chosen) * len(_STEPS)
+                with steps.counted("mxcli demo", total) as advance:
+                    rows = []
+                    for model in chosen:
+                        rows += _journey(model, root / model, tokens, backend, advance, force)
+            files = sorted(str(p) for p in root.rglob("*") if p.is_file())
+        finally:
+            if temporary:  # also on an error or an interrupt
+                shutil.rmtree(root, ignore_errors=True)
         passed = all(r["passed"] for r in rows)
         if json_out:
-            print_json({"out": str(root), "passed": passed, "steps": rows, "files": files})
+            print_json(
+                {"out": str(root), "removed": temporary, "passed": passed, "steps": rows,
+                 "files": files}
+            )  # fmt: skip
         elif not quiet:
-            _print(root, rows, files, passed)
+            _print(root, rows, files, passed, removed=temporary)
         return 0 if passed else 1
 
-    code = guarded(debug, body)
+    code = guarded(
+        debug,
+        body,
+        json_out=json_out,
+        interrupt_hint="the steps done so far stay in --out; a temporary folder is removed",
+    )
     if code:
         raise typer.Exit(code)
 
@@ -241,7 +263,9 @@ def _journey(
     return rows
 
 
-def _print(root: Path, rows: list[dict[str, Any]], files: list[str], passed: bool) -> None:
+def _print(
+    root: Path, rows: list[dict[str, Any]], files: list[str], passed: bool, *, removed: bool
+) -> None:
     from rich.table import Table
 
     con = stdout_console()
@@ -257,7 +281,13 @@ def _print(root: Path, rows: list[dict[str, Any]], files: list[str], passed: boo
             f"{r['command']}\n[dim]{r['detail']}[/]",
         )
     con.print(table)
-    con.print(f"[bold]files written[/] under {root}:")
-    for f in files:
-        con.print(f"  {f}")
+    if removed:
+        con.print(
+            f"[bold]{len(files)} files written[/] under {root}, now removed "
+            "(keep them with --keep or --out DIR)"
+        )
+    else:
+        con.print(f"[bold]files written[/] under {root}:")
+        for f in files:
+            con.print(f"  {f}")
     con.print("[green bold]demo passed[/]" if passed else "[red bold]demo FAILED[/]")

@@ -51,7 +51,7 @@ def inspect(
         elif not quiet:
             _render(data)
 
-    guarded(debug, body)
+    guarded(debug, body, json_out=json_out)
 
 
 def _fmt(v: Any) -> str:

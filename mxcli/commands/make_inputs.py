@@ -142,9 +142,13 @@ def make_inputs(
     def body() -> None:
         from mxcli import inputs as mk
         from mxcli.errors import InputError
-        from mxcli.fsutil import check_output_path
+        from mxcli.fsutil import check_output_path, refuse_inputs
 
         check_output_path(output, force)
+        refuse_inputs(output, folders=[("--weights folder", weights)])
+        for flag, value in (("tokens", tokens), ("batch", batch)):
+            if value < 1:
+                raise InputError(f"{flag}: expected a positive integer, got {value}")
         if (weights is None) != (layer is None):
             raise InputError("weights: --weights DIR and --layer L go together")
         with Steps(quiet) as steps:
@@ -190,7 +194,7 @@ def make_inputs(
         elif not quiet:
             _print(summary)
 
-    guarded(debug, body)
+    guarded(debug, body, json_out=json_out)
 
 
 def _parse_clamp(text: str | None) -> tuple[float | None, ...] | None:

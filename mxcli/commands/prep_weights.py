@@ -79,4 +79,9 @@ def main(
         elif not quiet:
             typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
 
-    guarded(debug, body)
+    guarded(
+        debug,
+        body,
+        json_out=json_out,
+        interrupt_hint="finished layers are kept: run the same command with --resume to continue",
+    )

@@ -243,6 +243,7 @@ def run_prefill(
             json_out=json_out,
             quiet=quiet,
         ),
+        json_out=json_out,
     )
 
 
@@ -284,6 +285,9 @@ def run_bwd(
     def body() -> None:
         overrides: dict[str, Any] = {"block_size": block_size}
         if config is not None:
+            from mxcli.fsutil import refuse_inputs
+
+            refuse_inputs(output, [("--config file", config)])
             overrides["config"] = _read_config(config)
         _run(
             "blockwise_mm_bwd_mxfp8",
@@ -300,7 +304,7 @@ def run_bwd(
             quiet=quiet,
         )
 
-    guarded(debug, body)
+    guarded(debug, body, json_out=json_out)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

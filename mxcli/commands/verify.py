@@ -6,6 +6,7 @@ Exit codes: 0 all checks passed, 1 a check failed, 2 a user error (bad file, fla
 from __future__ import annotations
 
 import enum
+import math
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -122,9 +123,14 @@ def verify(
     junit: Annotated[
         Path | None,
         typer.Option(
-            "--junit", help="Also write a JUnit XML report to this file.", show_default=False
+            "--junit",
+            help="Also write a JUnit XML report to this file (an existing one needs --force).",
+            show_default=False,
         ),
     ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", "-f", help="Overwrite an existing --junit report.")
+    ] = False,
     json_out: Json = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -137,28 +143,38 @@ def verify(
 
     def body() -> int:
         from mxcli.errors import InputError
+        from mxcli.fsutil import check_output_path, refuse_inputs
 
+        if junit is not None:  # before any work: the report must be writable
+            check_output_path(junit, force)
+            refuse_inputs(
+                junit, [("OUT file", output), ("--golden file", golden), ("--inputs file", inputs)]
+            )
         if suite is not None and (output is not None or golden is not None or inputs is not None):
             raise InputError("verify: give either OUT with --golden/--inputs, or --suite, not both")
         if suite is None and list_cases:
             raise InputError("verify: --list needs --suite quick|full")
         if suite is not None:
-            return _suite(suite.value, backend, device, case, list_cases, junit, json_out, quiet)
+            return _suite(
+                suite.value, backend, device, case, list_cases, junit, force, json_out, quiet
+            )
         if output is None or (golden is None and inputs is None):
             raise InputError(
                 "verify: give OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full"
             )
         overrides = {
-            "rtol": rtol,
-            "atol": atol,
-            "min_cosine": min_cosine,
+            "rtol": _in_range("rtol", rtol, 0.0, math.inf),
+            "atol": _in_range("atol", atol, 0.0, math.inf),
+            "min_cosine": _in_range("min_cosine", min_cosine, -1.0, 1.0),
             "max_mismatch_frac": _fraction(max_mismatch),
         }
+        warnings = _self_comparison(output, golden)
         return _files(
-            output, golden, inputs, profile.value, overrides, exact, junit, json_out, quiet
-        )
+            output, golden, inputs, profile.value, overrides, exact, junit, force, json_out,
+            quiet, warnings,
+        )  # fmt: skip
 
-    code = guarded(debug, body)
+    code = guarded(debug, body, json_out=json_out)
     if code:
         raise typer.Exit(code)
 
@@ -171,15 +187,60 @@ def _fraction(v: float | None) -> float | None:
     return v
 
 
+def _in_range(name: str, v: float | None, low: float, high: float) -> float | None:
+    """A tolerance flag: a bad value is a usage error (exit 2), not a failed check (exit 1)."""
+    from mxcli.errors import InputError
+
+    if v is not None and not low <= v <= high:  # NaN fails too
+        bounds = f">= {low:g}" if high == math.inf else f"in [{low:g}, {high:g}]"
+        raise InputError(f"{name}: expected a value {bounds}, got {v}")
+    return v
+
+
+def _self_comparison(output: Path, golden: Path | None) -> list[str]:
+    """A warning when OUT and GOLDEN are one file, or two files with the same bytes."""
+    import hashlib
+    import os
+
+    if golden is None or not output.is_file() or not golden.is_file():
+        return []
+    same = os.path.samefile(output, golden)
+    if not same and output.stat().st_size == golden.stat().st_size:
+
+        def digest(p: Path) -> str:
+            with p.open("rb") as fh:
+                return hashlib.file_digest(fh, "sha256").hexdigest()
+
+        same = digest(output) == digest(golden)
+    if not same:
+        return []
+    what = "the same file" if os.path.samefile(output, golden) else "identical files (same sha256)"
+    return [
+        f"{output} and --golden {golden} are {what}: a file compared with itself proves nothing"
+    ]
+
+
 def _report(
-    results: list[Any], *, title: str, junit: Path | None, json_out: bool, quiet: bool, **extra: Any
+    results: list[Any],
+    *,
+    title: str,
+    junit: Path | None,
+    force: bool,
+    json_out: bool,
+    quiet: bool,
+    warnings: list[str] | None = None,
+    **extra: Any,
 ) -> int:
+    import sys
+
     from mxcli.verification.report import render_table, summary, to_json, write_junit
 
     if junit is not None:
-        write_junit(results, junit)
+        write_junit(results, junit, force=force)
+    for w in warnings or []:
+        print(f"warning: {w}", file=sys.stderr)
     if json_out:
-        print_json(to_json(results, **extra))
+        print_json(to_json(results, **extra, warnings=list(warnings or [])))
     elif not quiet:
         render_table(results, stdout_console(), title=title)
         if junit is not None:
@@ -194,6 +255,7 @@ def _suite(
     pattern: str | None,
     list_cases: bool,
     junit: Path | None,
+    force: bool,
     json_out: bool,
     quiet: bool,
 ) -> int:
@@ -227,6 +289,7 @@ def _suite(
         results,
         title=title,
         junit=junit,
+        force=force,
         json_out=json_out,
         quiet=quiet,
         mode="suite",
@@ -244,8 +307,10 @@ def _files(
     overrides: dict[str, Any],
     exact: bool,
     junit: Path | None,
+    force: bool,
     json_out: bool,
     quiet: bool,
+    warnings: list[str],
 ) -> int:
     from mxcli.verification.golden import check_run, compare_files
 
@@ -266,8 +331,10 @@ def _files(
         results,
         title=title,
         junit=junit,
+        force=force,
         json_out=json_out,
         quiet=quiet,
+        warnings=warnings,
         mode="files",
         output=str(output),
         golden=None if golden is None else str(golden),

@@ -68,52 +68,107 @@ def _fmt(v: float | None, spec: str = ".3g") -> str:
     return format(v, spec)
 
 
+def _row_cells(r: TensorReport) -> list[str]:
+    """The short columns of one check: verdict, tensor, cosine, max abs, max rel."""
+    return [
+        "pass" if r.passed else "FAIL",
+        r.name,
+        _fmt(r.cosine, ".6f"),
+        _fmt(r.max_abs),
+        _fmt(r.max_rel),
+    ]
+
+
+def _details(r: TensorReport) -> str:
+    """What does not fit a short column: tolerance, mismatch count, exactness, message."""
+    parts = [f"tolerance {r.tolerance}"]
+    if r.numel:
+        parts.append(f"{r.mismatches}/{r.numel} out of tolerance")
+    if r.tolerance != "bit-exact":
+        parts.append("bit-exact" if r.bit_exact else "not bit-exact")
+    if r.message:
+        parts.append(r.message)
+    return "; ".join(parts)
+
+
+def _wrap(text: str, width: int, indent: str, more: str | None = None) -> list[str]:
+    """Wrap at spaces only: a number or a name is never split (a word longer than the line
+    runs past it rather than break)."""
+    import textwrap
+
+    return textwrap.wrap(
+        text,
+        width=max(width, len(indent) + 20),
+        initial_indent=indent,
+        subsequent_indent=indent if more is None else more,
+        break_long_words=False,
+        break_on_hyphens=False,
+    ) or [indent.rstrip()]
+
+
+_HEADERS = ["", "tensor", "cosine", "max abs", "max rel"]
+_RIGHT = {2, 3, 4}  # numeric columns
+
+
 def render_table(
     results: Sequence[CaseResult], console: Any, *, title: str = "mxcli verify"
 ) -> None:
-    """Print one row per compared tensor, grouped by case, then a one-line verdict."""
-    from rich.table import Table
+    """Print the checks in a layout that fits the console (80 columns included) without
+    splitting a number or a name: per case and check kind a heading, then one row per tensor
+    with short columns (verdict, tensor, cosine, max abs, max rel) and its details below
+    (tolerance, mismatch count, exactness, message), wrapped at spaces. Then a verdict line.
+    """
+    from rich.text import Text
 
-    table = Table(title=title, show_lines=False, header_style="bold")
-    for col in (
-        "case",
-        "check",
-        "tensor",
-        "max abs",
-        "max rel",
-        "cosine",
-        "mismatch",
-        "exact",
-        "tolerance",
-        "result",
-    ):
-        numeric = col in ("max abs", "max rel", "cosine", "mismatch")
-        table.add_column(col, justify="right" if numeric else "left", overflow="fold")
+    width = int(getattr(console, "width", 80) or 80)
+    rows: list[
+        tuple[str, str | None, list[str] | None, str]
+    ] = []  # (heading, error, cells, details)
     for c in results:
         if c.error is not None:
-            table.add_row(c.case, "-", "-", "", "", "", "", "", "", f"[red]ERROR[/] {c.error}")
+            rows.append((c.case, c.error, None, ""))
             continue
-        first = True
         for r in c.reports:
-            verdict = "[green]pass[/]" if r.passed else "[red]FAIL[/]"
-            if r.message:
-                verdict += f" [dim]{r.message}[/]"
-            mism = f"{r.mismatches}/{r.numel}" if r.numel else "-"
-            table.add_row(
-                c.case if first else "",
-                r.check,
-                r.name,
-                _fmt(r.max_abs),
-                _fmt(r.max_rel),
-                _fmt(r.cosine, ".6f"),
-                mism,
-                "yes" if r.bit_exact else "no",
-                r.tolerance,
-                verdict,
+            rows.append(
+                (f"{c.case}: {r.check}" if r.check else c.case, None, _row_cells(r), _details(r))
             )
-            first = False
-        table.add_section()
-    console.print(table)
+    cell_rows = [cells for _, _, cells, _ in rows if cells is not None]
+    widths = [max(len(x) for x in col) for col in zip(_HEADERS, *cell_rows, strict=False)]
+    # the numbers move to the details line when the tensor name leaves them no room
+    full = sum(widths) + 2 * len(widths) <= width
+    ncols = len(_HEADERS) if full else 2
+
+    def line(cells: list[str]) -> str:
+        out = []
+        for i, (cell, w) in enumerate(zip(cells[:ncols], widths[:ncols], strict=True)):
+            out.append(cell.rjust(w) if i in _RIGHT else cell.ljust(w))
+        return ("  " + "  ".join(out)).rstrip()
+
+    def styled(text: str, verdict: str) -> Text:
+        t = Text(text)
+        start = text.index(verdict)
+        t.stylize("green" if verdict == "pass" else "bold red", start, start + len(verdict))
+        return t
+
+    for text in _wrap(title, width, "", "    "):
+        console.print(Text(text, style="bold"), soft_wrap=True)
+    console.print(Text(line(_HEADERS), style="bold"), soft_wrap=True)
+    heading = None
+    for head, error, cells, details in rows:
+        if error is not None:
+            for i, text in enumerate(_wrap(f"ERROR {head}: {error}", width, "  ")):
+                console.print(styled(text, "ERROR") if i == 0 else Text(text), soft_wrap=True)
+            heading = None
+            continue
+        assert cells is not None
+        if head != heading:
+            console.print(Text(f"{head}", style="bold cyan"), soft_wrap=True)
+            heading = head
+        console.print(styled(line(cells), cells[0]), soft_wrap=True)
+        if not full:
+            details = f"cosine {cells[2]}, max abs {cells[3]}, max rel {cells[4]}; " + details
+        for text in _wrap(details, width, " " * 8):
+            console.print(Text(text, style="dim"), soft_wrap=True)
     s = summary(results)
     if s["cases_failed"]:
         console.print(
@@ -173,9 +228,13 @@ def junit_xml(results: Sequence[CaseResult], *, suite: str = "mxcli.verify") -> 
 
 
 def write_junit(
-    results: Sequence[CaseResult], path: str | os.PathLike[str], *, suite: str = "mxcli.verify"
+    results: Sequence[CaseResult],
+    path: str | os.PathLike[str],
+    *,
+    suite: str = "mxcli.verify",
+    force: bool = True,
 ) -> None:
-    """Write the JUnit report atomically (an existing report is replaced)."""
+    """Write the JUnit report atomically (an existing report is replaced only with `force`)."""
     text = junit_xml(results, suite=suite)
-    with atomic_output(path, force=True) as tmp:
+    with atomic_output(path, force=force) as tmp:
         tmp.write_text(text, encoding="utf-8")

@@ -172,6 +172,10 @@ class Checkpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.root = Path(path)
+        if self.root.exists() and not self.root.is_dir():
+            raise CheckpointError(
+                f"{self.root}: is a file; expected the checkpoint folder (config.json + safetensors)"
+            )
         if not self.root.is_dir():
             raise CheckpointError(f"{self.root}: checkpoint folder not found")
         self.config = self._read_config()

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from mxcli import __version__
-from mxcli.errors import InputError, MxcliError, OutputExistsError
+from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
+from mxcli.fsutil import default_mode, refuse_inputs, remove_stale_temporaries
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
     FORMAT,
@@ -38,7 +39,7 @@ from mxcli.weightprep.manifest import (
     read_manifest_json,
 )
 from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
-from mxcli.weightprep.writer import remove_stale_temporaries, sha256_tensor, write_index, write_json
+from mxcli.weightprep.writer import sha256_tensor, write_index, write_json
 
 LOCK_NAME = ".prep-weights.lock"
 
@@ -168,13 +169,45 @@ def save_manifest(out: Path, manifest: dict[str, Any]) -> None:
 
 @contextlib.contextmanager
 def _locked(out: Path) -> Iterator[None]:
-    """Exclusive lock on the output folder (runs on several hosts may share it with --resume)."""
-    with (out / LOCK_NAME).open("a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
+    """Exclusive lock on the output folder (runs on several hosts may share it with --resume).
+
+    The lock file is removed at the end of a run (`_remove_lock`), so a lock taken on a file
+    that was removed meanwhile is no lock: take it again on the file the path now names.
+    """
+    path = out / LOCK_NAME
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, default_mode())
         try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                current = os.path.samestat(os.fstat(fd), os.stat(path))
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _remove_lock(out: Path) -> None:
+    """Remove the lock file at the end of a run (under the lock: see `_locked`)."""
+    if not (out / LOCK_NAME).exists():
+        return
+    with contextlib.suppress(OSError), _locked(out):
+        (out / LOCK_NAME).unlink()
+
+
+def _remove_stale(out: Path, plan: Plan) -> None:
+    """Temporaries that a killed run left; those another live run is writing are kept."""
+    remove_stale_temporaries(out)
+    for rk in plan.ranks:
+        remove_stale_temporaries(out / rk.dir)
 
 
 def _record_layer(out: Path, manifest: dict[str, Any], record: dict[str, Any]) -> None:
@@ -224,10 +257,11 @@ def _open_output(
     """Create or reuse the output folder; return the manifest to extend."""
     if resume and force:
         raise InputError("--resume and --force exclude each other (--force starts over)")
+    refuse_inputs(out, folders=[("checkpoint folder", plan.source)])
     _check_writable(out)
     fresh = new_manifest(plan, source_files)
     if not out.exists():
-        out.mkdir()
+        out.mkdir(exist_ok=resume)  # parallel --resume runs may create it at the same time
         return fresh
     if not out.is_dir():
         raise OutputExistsError(f"{out}: exists and is not a folder")
@@ -235,20 +269,41 @@ def _open_output(
     if resume and mpath.is_file():
         old = read_manifest_json(mpath)
         _check_compatible(old, fresh, plan)
-        for rk in plan.ranks:
-            remove_stale_temporaries(out / rk.dir)
+        _remove_stale(out, plan)
         fresh["layers"] = dict(old["layers"])
         for name, f in old["source"]["files"].items():
             if name in fresh["source"]["files"] and f.get("sha256"):
                 fresh["source"]["files"][name]["sha256"] = f["sha256"]
         return fresh
-    if any(out.iterdir()) and not (resume or force):
+    if _not_empty(out) and not (resume or force):
         raise OutputExistsError(
             f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)"
         )
     if force:
         _remove_previous_outputs(out)
     return fresh
+
+
+def _not_empty(out: Path) -> bool:
+    """Anything in the folder but the lock file of a run in progress."""
+    return any(p.name != LOCK_NAME for p in out.iterdir())
+
+
+def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | None:
+    """What the real run would refuse about the output folder (for ``--dry-run``), or None."""
+    try:
+        refuse_inputs(out, folders=[("checkpoint folder", source)])
+        _check_writable(out)
+    except MxcliError as exc:
+        return f"the real run would refuse: {exc}"
+    if out.exists() and not out.is_dir():
+        return f"the real run would refuse: {out} exists and is not a folder"
+    if out.is_dir() and _not_empty(out) and not (resume or force):
+        return (
+            f"{out}: output folder exists and is not empty; the real run would refuse "
+            "(use --force to overwrite or --resume to continue)"
+        )
+    return None
 
 
 def _remove_previous_outputs(out: Path) -> None:
@@ -328,7 +383,14 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(source: str, opts: PrepOptions, threads: int, queue: Any) -> None:
+    import signal
+
     import torch
+
+    # the parent terminates its workers when it is interrupted: unwind, removing temporaries.
+    # Ctrl-C reaches the whole process group; the parent alone decides what happens then.
+    signal.signal(signal.SIGTERM, raise_terminated)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     torch.set_num_threads(threads)
     ckpt = Checkpoint(source)
@@ -396,7 +458,12 @@ def prepare_weights(
     ckpt = Checkpoint(source)
     plan = build_plan(source, options, ckpt)
     if dry_run:
-        return {"dry_run": True, "plan": plan.to_dict()}
+        res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
+        problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
+        if problem is not None:
+            res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]
+            res["plan"]["would_refuse"] = problem
+        return res
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
@@ -425,7 +492,22 @@ def _run(
     rep: Reporter,
 ) -> dict[str, Any]:
     manifest = _open_output(out, plan, source_files, resume, force)
+    try:
+        return _convert(ckpt, plan, out, manifest, options, resume, rep)
+    finally:
+        _remove_stale(out, plan)  # ours, if an interrupt left any (others' are locked)
+        _remove_lock(out)
 
+
+def _convert(
+    ckpt: Checkpoint,
+    plan: Plan,
+    out: Path,
+    manifest: dict[str, Any],
+    options: PrepOptions,
+    resume: bool,
+    rep: Reporter,
+) -> dict[str, Any]:
     todo, done = [], []
     for L in plan.layers:
         if resume and layer_is_complete(out, manifest["layers"].get(str(L)), plan):
@@ -532,8 +614,20 @@ def _run_pool(
             except BaseException:
                 for fut in pending:
                     fut.cancel()
+                _stop_workers(pool)
                 raise
             _drain(queue, rep)
+
+
+def _stop_workers(pool: cf.ProcessPoolExecutor) -> None:
+    """Interrupted: SIGTERM the workers (each removes its temporaries as it unwinds) rather
+    than wait for the layers in flight."""
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(Exception):
+            proc.terminate()
+    for proc in list(getattr(pool, "_processes", {}).values()):
+        with contextlib.suppress(Exception):
+            proc.join(timeout=30)
 
 
 def _drain(queue: Any, rep: Reporter) -> None:

@@ -10,7 +10,6 @@ under a temporary name and renamed only when every byte has arrived (`mxcli.fsut
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import hashlib
 import json
 import os
@@ -25,16 +24,6 @@ import torch
 from mxcli.errors import MxcliError
 from mxcli.fsutil import atomic_output
 from mxcli.weightprep.checkpoint import st_dtype, st_nbytes
-
-
-def _default_mode() -> int:
-    """0o666 less the process umask: the mode a plain ``open(path, "w")`` would give."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-_MODE = _default_mode()
 
 
 @dataclass(frozen=True)
@@ -170,7 +159,6 @@ def streaming_file(
     with atomic_output(path, force=True) as tmp:
         fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
         try:
-            os.fchmod(fd, _MODE)  # mkstemp creates 0600
             w = StreamingWriter(fd, specs, metadata)
             yield w
             os.ftruncate(fd, w.total_bytes)
@@ -182,7 +170,6 @@ def write_json(path: Path, obj: Any) -> None:
     """Write JSON atomically (temporary file, then rename)."""
     with atomic_output(path, force=True) as tmp:
         tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-        tmp.chmod(_MODE)
 
 
 def write_index(
@@ -196,12 +183,3 @@ def write_index(
             "weight_map": dict(sorted(weight_map.items())),
         },
     )
-
-
-def remove_stale_temporaries(folder: Path) -> None:
-    """Delete ``.<name>.*.tmp`` files a killed run left behind (`atomic_output` names)."""
-    if not folder.is_dir():
-        return
-    for p in folder.glob(".*.tmp"):
-        with contextlib.suppress(OSError):
-            p.unlink()

@@ -26,10 +26,13 @@ STEPS = [
 def test_demo_end_to_end(tmp_path: Path) -> None:
     cwd = tmp_path / "fresh"
     cwd.mkdir()
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("MXCLI_")}
+    env["TMPDIR"] = str(tmpdir)
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "mxcli", "demo", "--json"],
+        [sys.executable, "-m", "mxcli", "demo", "--json", "--keep"],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -42,7 +45,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert data["passed"] is True
     out = Path(data["out"])
     try:
-        assert out.is_dir() and out != cwd and list(cwd.iterdir()) == []  # a fresh temporary folder
+        assert out.is_dir() and out.parent == tmpdir and list(cwd.iterdir()) == []  # kept
         steps = [(r["model"], r["step"]) for r in data["steps"]]
         assert steps == [(m, s) for m in ("qwen3_moe", "deepseek_v3") for s in STEPS]
         assert all(r["passed"] for r in data["steps"])
@@ -84,3 +87,51 @@ def test_demo_rerun_needs_force(tmp_path: Path) -> None:
     assert again.exit_code == 2 and "--force" in again.output
     forced = runner.invoke(app, [*args, "--force"])
     assert forced.exit_code == 0, forced.output
+
+
+def test_demo_removes_its_temporary_folder(tmp_path: Path, monkeypatch) -> None:
+    """Without --out the demo's folder is removed at the end (after an error too), and the
+    summary says where it was; --keep keeps it. The journey itself is replaced by a stub that
+    writes one file: what is tested here is the folder's life, not the steps."""
+    import tempfile
+
+    from typer.testing import CliRunner
+
+    from mxcli.cli import app
+    from mxcli.commands import demo
+    from mxcli.errors import InputError
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fail = {"now": False}
+
+    def journey(model: str, d: Path, *args: object) -> list[dict[str, object]]:
+        d.mkdir(parents=True)
+        (d / "prefill-inputs.safetensors").write_bytes(b"x" * 1000)
+        if fail["now"]:
+            raise InputError("stub: step failed")
+        return [{"model": model, "step": "checkpoint", "command": "c", "seconds": 0.0,
+                 "passed": True, "detail": ""}]  # fmt: skip
+
+    monkeypatch.setattr(demo, "_journey", journey)
+    runner = CliRunner()
+    r = runner.invoke(app, ["demo", "--models", "qwen3_moe"])
+    assert r.exit_code == 0, r.output
+    assert list(tmp_path.iterdir()) == []
+    assert "now removed" in r.stdout and "mxcli-demo-" in r.stdout and "--keep" in r.stdout
+    fail["now"] = True
+    r = runner.invoke(app, ["demo", "--models", "qwen3_moe"])
+    assert r.exit_code == 2 and "stub: step failed" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+    fail["now"] = False
+    r = runner.invoke(app, ["demo", "--models", "qwen3_moe", "--keep", "--json"])
+    kept = Path(json.loads(r.stdout)["out"])
+    assert kept.parent == tmp_path and (kept / "qwen3_moe" / "prefill-inputs.safetensors").is_file()
+
+
+def test_demo_tokens_help_says_multiple_of_128() -> None:
+    from typer.testing import CliRunner
+
+    from mxcli.cli import app
+
+    r = CliRunner().invoke(app, ["demo", "--help"], env={"COLUMNS": "80"})
+    assert "multiple of 128" in " ".join(r.stdout.split())

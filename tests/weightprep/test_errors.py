@@ -227,3 +227,32 @@ def test_quiet_prints_nothing_and_debug_shows_the_exception(
     r = CliRunner().invoke(app, ["prep-weights", str(tmp_path / "missing"), "--debug"])
     assert r.exit_code != 0 and isinstance(r.exception, Exception)
     assert "checkpoint folder not found" in str(r.exception)
+
+
+def test_file_as_source_says_file(base: Path, tmp_path: Path) -> None:
+    assert_user_error(
+        [base / "config.json", tmp_path / "o"], r"is a file; expected the checkpoint folder"
+    )
+
+
+def test_output_in_source_folder_refused(base: Path, tmp_path: Path) -> None:
+    src = clone(base, tmp_path / "src")
+    before = sorted(p.name for p in src.iterdir())
+    for out in (src, src / "prepared"):
+        assert_user_error([src, out, "--force"], r"inside the checkpoint folder")
+    assert sorted(p.name for p in src.iterdir()) == before
+
+
+def test_dry_run_says_the_real_run_would_refuse(base: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    code, stdout, _ = run_cli(base, out, "--dry-run")
+    assert code == 0 and "the real run would refuse" in stdout and "--resume" in stdout
+    code, stdout, _ = run_cli(base, out, "--dry-run", "--json")
+    assert "would refuse" in json.loads(stdout)["would_refuse"]
+    code, stdout, _ = run_cli(base, out, "--dry-run", "--force")
+    assert code == 0 and "would refuse" not in stdout
+    code, stdout, _ = run_cli(base, tmp_path / "new", "--dry-run")
+    assert code == 0 and "would refuse" not in stdout
+    assert (out / "notes.txt").read_text() == "mine" and not (tmp_path / "new").exists()

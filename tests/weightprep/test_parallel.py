@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -108,3 +109,40 @@ def test_layers_selection_and_formats(checkpoints: dict, converted: dict, tmp_pa
     assert torch.equal(t["gate_up_proj_weight_mxfp8"], pq.gate_up_proj_weight)
     assert torch.equal(t["down_weight_scales"], pq.down_weight_scales)
     assert not torch.equal(t["down_weight_scales"], full["down_weight_scales"])  # neuron != ocp
+
+
+def test_parallel_resume_runs_on_disjoint_layers(tmp_path: Path) -> None:
+    """Two `prep-weights --resume` processes on disjoint --layers write into one folder: the
+    second starts while the first is writing a layer (its temporary file exists and the
+    manifest already records a finished layer), so the second's clean-up of stale temporaries
+    must leave the first's in-flight file alone. Every layer ends complete, byte for byte as a
+    single run writes it, with no temporary or lock file left."""
+    from mxcli.weightprep.runner import layer_is_complete
+    from mxcli.weightprep.synthetic import build_checkpoint
+    from tests import procs
+
+    src = build_checkpoint("qwen3_moe", tmp_path / "src", num_layers=4, intermediate_size=256).path
+    clean = tmp_path / "clean"
+    prepare_weights(src, clean, PrepOptions())
+    out = tmp_path / "out"
+    prepare_weights(src, out, PrepOptions(layers="0"))  # a manifest exists: --resume cleans up
+    # the first run writes layer 1 slowly (8 pieces of 1 s): the second starts (and cleans up)
+    # while that layer's temporary file is open
+    first = procs.start(["prep-weights", src, out, "--resume", "--layers", "1", "-q"],
+                        mode="slow-pieces=1.0")  # fmt: skip
+    procs.wait_for(lambda: any((out / "rank0").glob(".layer_001*.tmp")), first)
+    second = procs.start(["prep-weights", src, out, "--resume", "--layers", "2-3", "-q"])
+    results = [p.communicate(timeout=300) for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], results
+    m = load_manifest(out)
+    assert m.layers == [0, 1, 2, 3]
+    snap = {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+    ref = {str(p.relative_to(clean)): p.read_bytes() for p in sorted(clean.rglob("*.safetensors"))}
+    assert snap == ref
+    assert procs.temporaries(out) == []
+    from mxcli.weightprep.checkpoint import Checkpoint
+    from mxcli.weightprep.plan import build_plan
+
+    plan = build_plan(src, PrepOptions(), Checkpoint(src))
+    raw = json.loads((out / "manifest.json").read_text())
+    assert all(layer_is_complete(out, raw["layers"][str(L)], plan) for L in range(4))

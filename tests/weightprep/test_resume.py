@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from mxcli.weightprep import writer
 from mxcli.weightprep.manifest import load_manifest
 from mxcli.weightprep.plan import PrepOptions
 from mxcli.weightprep.runner import prepare_weights
+from tests import procs
 
 
 def _snapshot(out: Path) -> dict[str, bytes]:
@@ -126,3 +128,56 @@ def test_existing_nonempty_folder_refused(checkpoints: dict, tmp_path: Path) -> 
     with pytest.raises(OutputExistsError, match="--force"):
         prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions())
     assert sorted(p.name for p in out.iterdir()) == ["x"]
+
+
+# ---- temporaries, the lock file, interrupts (issue 13) ----------------------------------------
+
+
+def test_only_stale_temporaries_are_removed(tmp_path: Path) -> None:
+    """A temporary whose writer is alive (it holds the file's flock) is kept; one whose writer
+    is gone is removed. This is what lets parallel --resume runs share a folder."""
+    from mxcli.fsutil import atomic_output, remove_stale_temporaries
+
+    stale = tmp_path / ".layer_009.safetensors.abcd1234.tmp"
+    stale.write_bytes(b"left by a killed run")
+    with atomic_output(tmp_path / "layer_003.safetensors") as live:
+        live.write_bytes(b"being written")
+        assert remove_stale_temporaries(tmp_path) == [stale]
+        assert live.read_bytes() == b"being written"
+    assert (tmp_path / "layer_003.safetensors").read_bytes() == b"being written"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layer_003.safetensors"]
+
+
+def test_lock_file_removed_after_a_run(checkpoints: dict, tmp_path: Path) -> None:
+    from mxcli.weightprep.runner import LOCK_NAME
+
+    out = tmp_path / "out"
+    prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions(layers="0"))
+    assert not (out / LOCK_NAME).exists()
+    (out / LOCK_NAME).touch()  # left by a killed run: harmless, and removed by the next
+    prepare_weights(checkpoints["qwen3_moe"], out, PrepOptions(layers="1"), resume=True)
+    assert not (out / LOCK_NAME).exists()
+    assert load_manifest(out).layers == [0, 1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_cleans_up_and_resume_is_identical(checkpoints: dict, tmp_path: Path, sig) -> None:
+    """A real process is signalled while a layer's temporary file is being written: no
+    temporary nor lock file is left, it prints one line naming --resume and exits 128 + signal;
+    --resume then gives the bytes of an uninterrupted run."""
+    src = checkpoints["qwen3_moe"]
+    clean = tmp_path / "clean"
+    prepare_weights(src, clean, PrepOptions())
+    out = tmp_path / "out"
+    proc = procs.start(["prep-weights", src, out], mode="slow-pieces=0.05")
+    procs.wait_for(lambda: any((out / "rank0").glob(".layer_*.tmp")), proc)
+    proc.send_signal(sig)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + sig, stderr
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "interrupted" in lines[0] and "--resume" in lines[0], stderr
+    assert "Traceback" not in stderr
+    assert procs.temporaries(out) == []  # no .layer_*.tmp, no .prep-weights.lock
+    prepare_weights(src, out, PrepOptions(), resume=True)
+    assert _snapshot(out) == _snapshot(clean)
+    assert _hashes(out) == _hashes(clean)
