@@ -1,0 +1,118 @@
+"""Every convertible family on a tiny checkpoint written by transformers itself.
+
+Per family: build the model from transformers' own config class (H=128, E=8, top-k 2), save it
+in bf16, convert it with ``prep-weights --check`` and compare routing on seeded hidden states:
+
+- the manifest's ``routing_check`` (kernel reference vs the family math in fp32) passes;
+- the kernel reference on the *written* tensors vs the model's own MoE block (the indices and
+  weights its router hands to its experts, run in fp32 on the same bf16 weights): top-k
+  agreement >= 98 % of tokens and weight error <= 0.02 on agreeing tokens (issue 12). The gap
+  is the kernel's bf16 activations (prefill spec §3.3): only near-ties flip, and a bf16
+  weight is within 2**-8 relative.
+
+One bf16 conversion per family runs by default; the MXFP8 + --tp 2 conversions are slow.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxcli.weightprep.check import kernel_affinities, seeded_hidden_states
+from mxcli.weightprep.families import FAMILIES, compare_routing, detect_family
+from mxcli.weightprep.manifest import MANIFEST_NAME, load_prefill_inputs
+from mxcli.weightprep.plan import PrepOptions
+from mxcli.weightprep.runner import prepare_weights
+
+pytest.importorskip("transformers")
+from tests.weightprep import hf_tiny  # noqa: E402
+
+MODEL_TYPES = sorted(hf_tiny.OVERRIDES)
+BACKWARD_NOT_EXACT = {"gpt_oss", "llama4", "jetmoe"}
+TOKENS = 256
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("hf_tiny")
+    for sub in ("src", "out", "mx", "fold"):
+        (root / sub).mkdir()
+    return root
+
+
+def _tiny(root: Path, model_type: str) -> Path:
+    path = root / "src" / model_type
+    if not (path / "config.json").is_file():
+        hf_tiny.build_tiny(model_type, path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tiny_transformers_checkpoint_routes_like_the_model(
+    model_type: str, tiny_root: Path
+) -> None:
+    src = _tiny(tiny_root, model_type)
+    out = tiny_root / "out" / model_type
+    res = prepare_weights(src, out, PrepOptions(check=True, formats=("bf16",)))
+    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    assert manifest["router"]["exact"] is True
+    assert manifest["router"]["backward_exact"] is (model_type not in BACKWARD_NOT_EXACT)
+    assert res["routing_check"], "no layer checked"
+    for L, rc in res["routing_check"].items():
+        assert rc["passed"], (L, rc)
+        assert manifest["layers"][L]["routing_check"] == rc
+
+    fam = detect_family(hf_tiny.config_of(src))
+    model = hf_tiny.load_model(src)
+    x = seeded_hidden_states(TOKENS, 128, seed=7)
+    norm = fam.gamma.removesuffix(".weight")
+    block = fam.router_weight.split(".")[0]
+    for L in map(int, res["routing_check"]):
+        tensors, kwargs = load_prefill_inputs(out, L)
+        aff = kernel_affinities(x, tensors, kwargs)  # [T, E]
+        index, weights = hf_tiny.model_routing(model, L, norm, block, x, kwargs["top_k"])
+        scale = float(getattr(model.config.get_text_config(), "moe_router_scaling_factor", 1.0))
+        got = compare_routing(aff, index, weights * scale, kwargs["top_k"])
+        assert got["topk_agreement"] >= 0.98 and got["max_weight_error"] <= 0.02, (L, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_tiny_transformers_checkpoint_mxfp8_tp2(model_type: str, tiny_root: Path) -> None:
+    src = _tiny(tiny_root, model_type)
+    fam = detect_family(hf_tiny.config_of(src))
+    tp = 1 if fam.name in ("gpt_oss",) else 2  # I=128 for gpt-oss (H = I in its config)
+    res = prepare_weights(src, tiny_root / "mx" / model_type, PrepOptions(check=True, tp=tp))
+    for L, per_key in res["check"].items():
+        for key, r in per_key.items():
+            if "_mxfp8" in key:
+                assert r["sqnr_db"] is None or r["sqnr_db"] > 25, (L, key, r)
+            else:
+                assert r["exact"], (L, key, r)
+    assert all(rc["passed"] for rc in res["routing_check"].values())
+
+
+def test_every_family_has_a_tiny_case() -> None:
+    covered = {detect_family({"model_type": mt}).name for mt in MODEL_TYPES}
+    assert covered == set(FAMILIES)
+
+
+def test_fold_one_plus_w_is_the_models_fp32_factor(tiny_root: Path) -> None:
+    """step3p7 / qwen3_next: gamma is written as fp32 1 + w, bit-equal to the model's factor."""
+    from safetensors import safe_open
+
+    for mt in ("qwen3_next", "step3p7"):
+        src = _tiny(tiny_root, mt)
+        out = tiny_root / "fold" / mt
+        prepare_weights(src, out, PrepOptions(formats=("bf16",)))
+        model = hf_tiny.load_model(src)
+        lay = hf_tiny.decoder_layer(model, 1)
+        w = lay.post_attention_layernorm.weight.detach()
+        with safe_open(str(out / "rank0" / "layer_001.safetensors"), "pt") as f:
+            gamma = f.get_tensor("layers.1.gamma")
+        assert gamma.dtype == torch.float32
+        assert torch.equal(gamma[:128], 1.0 + w.float())
+        assert bool((gamma[128:] == 0).all())
