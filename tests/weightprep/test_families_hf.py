@@ -116,3 +116,25 @@ def test_fold_one_plus_w_is_the_models_fp32_factor(tiny_root: Path) -> None:
         assert gamma.dtype == torch.float32
         assert torch.equal(gamma[:128], 1.0 + w.float())
         assert bool((gamma[128:] == 0).all())
+
+
+def test_forced_family_refuses_an_ignored_router_bias(tiny_root: Path) -> None:
+    """MiniMax-M2 stores Mixtral's tensor names plus a selection bias: forced to mixtral (with
+    a model_type nothing in the table knows) the bias tensor alone gives it away."""
+    import shutil
+
+    from mxcli.weightprep.families import RouterRefused
+
+    src = tiny_root / "src" / "custom_moe"
+    shutil.copytree(_tiny(tiny_root, "minimax_m2"), src)
+    cfg = hf_tiny.config_of(src)
+    cfg["model_type"] = "custom_moe"
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(RouterRefused, match="selection bias .*e_score_correction_bias"):
+        prepare_weights(src, tiny_root / "out" / "forced", PrepOptions(model_type="mixtral"))
+    with pytest.raises(RouterRefused, match="norm rmsnorm\\(1\\+w\\) vs rmsnorm"):
+        prepare_weights(
+            _tiny(tiny_root, "qwen3_next"),
+            tiny_root / "out" / "forced2",
+            PrepOptions(model_type="qwen2_moe"),
+        )

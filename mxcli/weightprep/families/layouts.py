@@ -207,7 +207,9 @@ class Fused:
             gu = t2(gu_oi)  # [c, 2I, H] -> [c, H, 2I] (transformers: transpose(1, 2))
             down = t2(d_oi)  # [c, H, I] -> [c, I, H]
         elif self.out_in:
-            gu = t2(_to_bf16(rd.get_rows(prefix + self.gate_up, e0, e1)))  # [c, 2I, H] -> [c, H, 2I]
+            gu = t2(
+                _to_bf16(rd.get_rows(prefix + self.gate_up, e0, e1))
+            )  # [c, 2I, H] -> [c, H, 2I]
             down = t2(_to_bf16(rd.get_rows(prefix + self.down, e0, e1)))  # [c, H, I] -> [c, I, H]
         else:
             gu = _to_bf16(rd.get_rows(prefix + self.gate_up, e0, e1))  # [c, H, 2I]

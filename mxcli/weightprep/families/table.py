@@ -43,8 +43,9 @@ def fold_gamma(w: torch.Tensor, norm: str) -> torch.Tensor:
     ``x_hat * w``: `w` as stored. ``x_hat * (1 + w)``: ``1 + w`` computed and stored in fp32,
     i.e. rounded once, to nearest-even, to fp32 — the same rounding the models apply
     (``1.0 + self.weight.float()`` in fp32), so the kernel's fp32 ``x * gamma`` sees the very
-    factor the model multiplies by. The sum is exact whenever ``|w| >= 2**-15`` or ``w == 0``
-    for bf16 weights (every bf16 bit of w then lies within fp32's 24 bits above 2**-23).
+    factor the model multiplies by. For bf16 weights the sum is exact whenever ``|w| >= 2**-16``
+    (w's lowest bit is then at least 2**-23, fp32's ulp at 1) or ``w == 0``; a smaller ``|w|``
+    rounds to nearest-even, exactly as the model's own fp32 sum does.
     """
     if norm == NORM_1PW:
         return 1.0 + w.to(torch.float32)
@@ -237,11 +238,15 @@ _MIXTRAL_KEYS = {
 }
 
 
-def _per_expert(base: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> PerExpert:
+def _per_expert(
+    base: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> PerExpert:
     return PerExpert(*(f"{base}.experts.{{e}}.{n}.weight" for n in names))
 
 
-def _dense(base: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> PerExpert:
+def _dense(
+    base: str, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> PerExpert:
     return PerExpert(*(f"{base}.{n}.weight" for n in names))
 
 
@@ -425,8 +430,9 @@ FAMILY_LIST: tuple[Family, ...] = (
         is_moe_layer=_all_layers,
         math=_softmax,
         shared=Shared(_dense("mlp.shared_mlp"), "shared_intermediate_size"),
-        shared_size=lambda v: int(v["shared_intermediate_size"] or 0)
-        * int(v.get("num_shared_expert") or 1),
+        shared_size=lambda v: (
+            int(v["shared_intermediate_size"] or 0) * int(v.get("num_shared_expert") or 1)
+        ),
         real_model="tencent/Hunyuan-A13B-Instruct",
     ),
     Family(
@@ -494,8 +500,7 @@ FAMILY_LIST: tuple[Family, ...] = (
             "interleave_moe_layer_step": ("interleave_moe_layer_step", 1),
             "moe_layers": ("moe_layers", None),
         },
-        prefixes=("language_model.model.layers.{L}.", "model.language_model.layers.{L}.")
-        + _LAYER,
+        prefixes=("language_model.model.layers.{L}.", "model.language_model.layers.{L}.") + _LAYER,
         gamma="post_attention_layernorm.weight",
         router_weight="feed_forward.router.weight",
         experts=Fused(
@@ -552,7 +557,7 @@ FAMILY_LIST: tuple[Family, ...] = (
     ),
     Family(
         name="step3p7",
-        model_types=("step3p7", "step3p7_text"),
+        model_types=("step3p7",),
         keys={
             **_COMMON,
             "eps": ("rms_norm_eps", 1e-5),
