@@ -46,7 +46,9 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "hunyuan_v1_moe": dict(num_experts=E, moe_topk=K),
     "granitemoe": dict(num_local_experts=E, num_experts_per_tok=K),
-    "granitemoeshared": dict(num_local_experts=E, num_experts_per_tok=K),
+    "granitemoeshared": dict(
+        num_local_experts=E, num_experts_per_tok=K, shared_intermediate_size=128
+    ),
     "jetmoe": dict(num_local_experts=E, num_experts_per_tok=K, kv_channels=64),
     "gpt_oss": dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=128),
     "deepseek_v3": dict(

@@ -79,6 +79,55 @@ def test_tiny_transformers_checkpoint_routes_like_the_model(
         assert got["topk_agreement"] >= 0.98 and got["max_weight_error"] <= 0.02, (L, got)
 
 
+# The model's experts module has the (hidden, top_k_index, top_k_weights) interface and a
+# plain SwiGLU: its output for one token on one expert checks our layouts. (gpt-oss: clamped
+# SwiGLU with biases; Llama-4: input-scaled; JetMoE: its own interface.)
+LAYOUT_CHECKED = [mt for mt in MODEL_TYPES if mt not in ("gpt_oss", "llama4", "jetmoe")]
+
+
+@pytest.mark.parametrize("model_type", LAYOUT_CHECKED)
+def test_expert_layouts_compute_the_models_experts(model_type: str, tiny_root: Path) -> None:
+    """Kernel layouts ``gate_up [E, H, 2, I]``, ``down [E, I, H]`` (and the shared E=1 stack)
+    give each expert's SwiGLU exactly as the model's own modules compute it (fp32)."""
+    from mxcli.weightprep.manifest import load_layer_tensors
+
+    src = _tiny(tiny_root, model_type)
+    out = tiny_root / "out" / model_type
+    if not (out / MANIFEST_NAME).is_file():
+        prepare_weights(src, out, PrepOptions(formats=("bf16",)))
+    model = hf_tiny.load_model(src)
+    L = int(json.loads((out / MANIFEST_NAME).read_text())["model"]["moe_layers"][0])
+    t = load_layer_tensors(out, L, 0)
+    x = seeded_hidden_states(3, 128, seed=5).float()
+    lay = hf_tiny.decoder_layer(model, L)
+    moe = next(
+        getattr(lay, b)
+        for b in ("mlp", "feed_forward", "moe", "block_sparse_moe")
+        if hasattr(lay, b)
+    )
+
+    def swiglu(gu: torch.Tensor, dn: torch.Tensor) -> torch.Tensor:
+        g, u = x @ gu[:, 0, :].float(), x @ gu[:, 1, :].float()
+        return (torch.nn.functional.silu(g) * u) @ dn.float()
+
+    for e in (0, 5):
+        with torch.no_grad():
+            want = moe.experts(x, torch.full((3, 1), e), torch.ones(3, 1))
+        got = swiglu(t["gate_up_proj_weight"][e], t["down_proj_weight"][e])
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if "shared_expert.gate_up_proj_weight" in t:
+        shared = next(
+            getattr(moe, n) for n in ("shared_experts", "shared_expert", "shared_mlp")
+            if hasattr(moe, n)
+        ) if not hasattr(lay, "shared_mlp") else lay.shared_mlp  # fmt: skip
+        with torch.no_grad():
+            want = shared(x)
+        got = swiglu(
+            t["shared_expert.gate_up_proj_weight"][0], t["shared_expert.down_proj_weight"][0]
+        )
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_tiny_transformers_checkpoint_mxfp8_tp2(model_type: str, tiny_root: Path) -> None:

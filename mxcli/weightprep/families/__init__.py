@@ -10,6 +10,7 @@
 
 from mxcli.weightprep.families.layouts import (
     Fused,
+    FusedDense,
     PerExpert,
     Scratch,
     Shared,
@@ -64,6 +65,7 @@ __all__ = [
     "ConfigError",
     "Family",
     "Fused",
+    "FusedDense",
     "ModelConfig",
     "PerExpert",
     "Refused",

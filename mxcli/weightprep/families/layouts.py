@@ -275,10 +275,39 @@ class Stacked:
 
 
 @dataclass(frozen=True)
+class FusedDense:
+    """A dense MLP with gate and up fused, out x in (Granite-MoE-Shared ``shared_mlp``):
+    ``input_linear [2I, H]`` (gate = first half), ``output_linear [H, I]``."""
+
+    gate_up: str
+    down: str
+
+    def expected(self, prefix: str, E: int, H: int, I: int) -> dict[str, tuple[int, ...]]:  # noqa: E741
+        return {prefix + self.gate_up: (2 * I, H), prefix + self.down: (H, I)}
+
+    def load(
+        self,
+        rd: CheckpointReader,
+        prefix: str,
+        e0: int,
+        e1: int,
+        H: int,
+        I: int,  # noqa: E741
+        fp8_block: Any,  # noqa: E741
+        scratch: Scratch | None = None,
+        key: str = "",
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As an E=1 stack: ``(gate_up [1, H, 2, I], down [1, I, H])`` bf16."""
+        gu = t2(_to_bf16(rd.get(prefix + self.gate_up)))  # [2I, H] -> [H, 2I]
+        down = t2(_to_bf16(rd.get(prefix + self.down)))  # [H, I] -> [I, H]
+        return gu.view(1, H, 2, I).contiguous(), down.view(1, I, H)
+
+
+@dataclass(frozen=True)
 class Shared:
     """A dense shared expert (``[Is, H]`` gate/up, ``[H, Is]`` down), written as an E=1 stack for
     the backward kernel's single-expert dense path; optionally its sigmoid gate ``[1, H]``."""
 
-    mlp: PerExpert
+    mlp: PerExpert | FusedDense
     intermediate: str  # role name in the resolved config values
     gate_weight: str | None = None

@@ -20,7 +20,7 @@ import torch
 
 from mxcli.errors import shape_error
 from mxcli.weightprep.checkpoint import Checkpoint
-from mxcli.weightprep.families.layouts import Fused, PerExpert, Shared, Stacked
+from mxcli.weightprep.families.layouts import Fused, FusedDense, PerExpert, Shared, Stacked
 from mxcli.weightprep.families.routing import (
     ConfigError,
     RouterMath,
@@ -318,6 +318,12 @@ def _deepseek_like(
     )
 
 
+_GRANITE_EXPERTS = Fused(
+    "block_sparse_moe.input_linear.weight",
+    "block_sparse_moe.output_linear.weight",
+    interleaved=False,
+    out_in=True,
+)
 _QWEN_SHARED = Shared(
     _dense("mlp.shared_expert"),
     "shared_intermediate_size",
@@ -437,23 +443,34 @@ FAMILY_LIST: tuple[Family, ...] = (
     ),
     Family(
         name="granitemoe",
-        model_types=("granitemoe", "granitemoeshared"),
+        model_types=("granitemoe",),
         keys={**_COMMON, "intermediate_size": ("intermediate_size", REQUIRED)},
         gamma="post_attention_layernorm.weight",
         router_weight="block_sparse_moe.router.layer.weight",
-        experts=Fused(
-            "block_sparse_moe.input_linear.weight",
-            "block_sparse_moe.output_linear.weight",
-            interleaved=False,
-            out_in=True,
-        ),
+        experts=_GRANITE_EXPERTS,
         is_moe_layer=_all_layers,
         math=_softmax,
         real_model="ibm-granite/granite-3.1-3b-a800m-instruct",
-        notes=(
-            "granitemoeshared: the shared MLP (shared_mlp.input_linear/output_linear) is not "
-            "converted",
+    ),
+    Family(
+        name="granitemoeshared",
+        model_types=("granitemoeshared",),
+        keys={
+            **_COMMON,
+            "intermediate_size": ("intermediate_size", REQUIRED),
+            "shared_intermediate_size": ("shared_intermediate_size", 0),
+        },
+        gamma="post_attention_layernorm.weight",
+        router_weight="block_sparse_moe.router.layer.weight",
+        experts=_GRANITE_EXPERTS,
+        is_moe_layer=_all_layers,
+        math=_softmax,
+        shared=Shared(
+            FusedDense("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"),
+            "shared_intermediate_size",
         ),
+        shared_size=_shared_key,
+        real_model="ibm-research/moe-7b-1b-active-shared-experts",
     ),
     Family(
         name="jetmoe",
