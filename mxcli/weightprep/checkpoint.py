@@ -239,6 +239,10 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._infos
 
+    def names(self) -> list[str]:
+        """Every tensor name in the shard headers."""
+        return list(self._infos)
+
     def info(self, name: str) -> TensorInfo:
         """Header entry of `name`; `MissingTensorError` when no shard holds it."""
         try:

@@ -18,9 +18,11 @@ from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe.prequant import scale_rows
 from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
 from mxcli.weightprep.families import (
+    NORM_1PW,
     ConfigError,
     Fused,
     ModelConfig,
+    bind_tensor_names,
     check_shape,
     detect_family,
     fp8_scale_shape,
@@ -483,6 +485,9 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
     ranks = _ranks(m, opts)
 
     prefix = _detect_prefix(ckpt, fam, layers[0])
+    forced = ckpt.config.get("model_type") not in fam.model_types
+    m = bind_tensor_names(m, ckpt, prefix.format(L=layers[0]), forced)  # bias spelling
+    fam = m.family
     H, E, I, Is = m.H, m.E, m.I, m.shared_I  # noqa: E741
     source_tensors: dict[int, list[str]] = {}
     source_bytes: dict[int, int] = {}
@@ -536,7 +541,8 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
 
     p0 = prefix.format(L=layers[0])
     args: dict[str, Any] = {
-        "gamma_dtype": ckpt.info(p0 + fam.gamma).dtype,
+        # a (1 + w) norm is folded into an fp32 gamma (families.fold_gamma)
+        "gamma_dtype": "F32" if fam.norm == NORM_1PW else ckpt.info(p0 + fam.gamma).dtype,
         "router_dtype": _dtype_for_16bit(ckpt.info(p0 + fam.router_weight).dtype),
         "router_bias_dtype": ckpt.info(p0 + fam.router_bias).dtype if fam.router_bias else None,
         "bias_dtype": None,
