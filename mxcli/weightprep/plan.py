@@ -26,13 +26,12 @@ from mxcli.weightprep.families import (
     fp8_scale_shape,
     resolve_config,
 )
+from mxcli.weightprep.padding import Padding
 from mxcli.weightprep.writer import TensorSpec
 
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
 SCALE_RULES = ("neuron", "ocp")
-PREFILL_H_MULTIPLE = 512  # prefill spec §1: H is a multiple of 512
-KERNEL_MULTIPLE = 128  # bwd spec §5.3: wrapX chunks are multiples of 128
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
 # Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
@@ -260,8 +259,13 @@ class Plan:
         return self.model.H
 
     @property
+    def padding(self) -> Padding:
+        return Padding.of(self.model.H, self.I_tp, self.shared_I_tp)
+
+    @property
     def H_padded(self) -> int:
-        return -(-self.model.H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+        """H of the prefill tensors (a multiple of 512)."""
+        return self.padding.prefill_hidden_size
 
     @property
     def I_tp(self) -> int:
@@ -305,6 +309,7 @@ class Plan:
             "padded_hidden_size": self.H_padded,
             "intermediate_size": m.I,
             "intermediate_size_per_rank": self.I_tp,
+            "padding": self.padding.to_dict(),
             "shared_intermediate_size": m.shared_I,
             "top_k": m.values["top_k"],
             "options": self.options.settings()
@@ -327,26 +332,15 @@ class Plan:
         }
 
 
-def _check_multiple(what: str, value: int, multiple: int, hint: str = "") -> None:
-    if value % multiple:
-        raise InputError(f"{what} ({value}) must be a multiple of {multiple}{hint}")
-
-
 def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
+    """TP slices of I (contiguous, each zero-padded to a multiple of 128 later, `Padding`) and
+    EP ranges of experts."""
     E, I, Is = m.E, m.I, m.shared_I  # noqa: E741
     if I % opts.tp:
         raise InputError(f"intermediate size I ({I}) is not divisible by --tp {opts.tp}")
-    _check_multiple("hidden size H", m.H, KERNEL_MULTIPLE, " (kernel tiles)")
-    _check_multiple(
-        f"I_TP = I/tp = {I}/{opts.tp}", I // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
-    )
-    if Is:
-        if Is % opts.tp:
-            raise InputError(
-                f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}"
-            )
-        _check_multiple(
-            f"shared I_TP = {Is}/{opts.tp}", Is // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
+    if Is and Is % opts.tp:
+        raise InputError(
+            f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}"
         )
     if E % opts.ep:
         raise InputError(f"number of experts E ({E}) is not divisible by --ep {opts.ep}")
@@ -369,13 +363,21 @@ def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
 def _outputs(
     plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank: Rank
 ) -> list[Output]:
-    H, E = m.H, m.E
-    Hp = -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+    E = m.E
     e0, e1 = rank.expert_range
     Er = e1 - e0
     It = rank.i_range[1] - rank.i_range[0]
+    Is = rank.shared_i_range[1] - rank.shared_i_range[0] if rank.shared_i_range else None
+    padding = Padding.of(m.H, It, Is)
+    Hp, H, Ip = (  # H: the backward's padded hidden size from here on
+        padding.prefill_hidden_size,
+        padding.backward_hidden_size,
+        padding.padded_intermediate_size,
+    )
     act = m.router.act_fn
-    pad = f", rows {H}..{Hp - 1} zero" if Hp != H else ""
+    pad = f", rows {m.H}..{Hp - 1} zero" if Hp != m.H else ""
+    hpad = f"; H rows/cols {m.H}..{H - 1} zero" if H != m.H else ""
+    ipad = f"; I cols/rows {It}..{Ip - 1} zero" if Ip != It else ""
     outs = [
         Output("gamma", plan_args["gamma_dtype"], (Hp,), "gamma", f"[H] natural order{pad}"),
         Output(
@@ -396,23 +398,29 @@ def _outputs(
             Output(
                 "gate_up_proj_weight",
                 "BF16",
-                (Er, H, 2, It),
+                (Er, H, 2, Ip),
                 "gate_up_proj_weight",
-                "[E, H, 2, I_TP] gate=0, up=1",
+                "[E, H, 2, I_TP] gate=0, up=1" + hpad + ipad,
             ),
-            Output("down_proj_weight", "BF16", (Er, It, H), "down_proj_weight", "[E, I_TP, H]"),
+            Output(
+                "down_proj_weight",
+                "BF16",
+                (Er, Ip, H),
+                "down_proj_weight",
+                "[E, I_TP, H]" + hpad + ipad,
+            ),
         ]
     if "mxfp8" in opts.formats:
-        outs += mxfp8_outputs("", Er, H, It, opts.scale_layout, "*_proj_weight", "*_weight_scales")
+        outs += mxfp8_outputs("", Er, H, Ip, opts.scale_layout, "*_proj_weight", "*_weight_scales")
     if isinstance(fam.experts, Fused):
         if fam.experts.gate_up_bias:
             outs.append(
                 Output(
                     "gate_up_proj_bias",
                     plan_args["bias_dtype"],
-                    (Er, 2, It),
+                    (Er, 2, Ip),
                     "gate_up_bias",
-                    "[E, 2, I_TP] gate=0, up=1",
+                    "[E, 2, I_TP] gate=0, up=1" + ipad,
                 )
             )
         if fam.experts.down_bias:
@@ -422,11 +430,12 @@ def _outputs(
                     plan_args["bias_dtype"],
                     (Er, H),
                     "down_bias",
-                    "[E, H] (full on every TP rank: add once after the reduction)",
+                    "[E, H] (full on every TP rank: add once after the reduction)" + hpad,
                 )
             )
     if rank.shared_i_range:
-        Ist = rank.shared_i_range[1] - rank.shared_i_range[0]
+        Ist = padding.padded_shared_intermediate_size
+        assert Ist is not None
         if "bf16" in opts.formats:
             outs += [
                 Output(
@@ -453,9 +462,9 @@ def _outputs(
                 Output(
                     "shared_expert_gate_weight",
                     plan_args["shared_gate_dtype"],
-                    (1, H),
+                    (1, m.H),
                     "-",
-                    "[1, H] sigmoid gate of the shared expert (not a kernel input)",
+                    "[1, H] sigmoid gate of the shared expert (not a kernel input, not padded)",
                 )
             )
     return outs
@@ -548,11 +557,9 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         args["shared_gate_dtype"] = ckpt.info(p0 + fam.shared.gate_weight).dtype
     outputs = [_outputs(args, m, opts, rk) for rk in ranks]
 
-    notes = list(fam.notes)
-    if -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE != H:
-        notes.append(
-            f"H={H} is zero-padded to {-(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE} for the prefill kernel (unpadded_hidden_size={H})"
-        )
+    notes = list(fam.notes) + padding_notes(
+        Padding.of(H, I // opts.tp, Is // opts.tp if Is else None)
+    )
     if args["router_dtype"] != ckpt.info(p0 + fam.router_weight).dtype:
         notes.append(
             f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)"
@@ -579,6 +586,34 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         model_type=str(ckpt.config.get("model_type") or fam.name),
         notes=notes,
     )
+
+
+def padding_notes(p: Padding) -> list[str]:
+    """What the plan and the manifest say about zero padding (one line per padded size)."""
+    notes = []
+    if p.prefill_hidden_size != p.hidden_size:
+        notes.append(
+            f"H={p.hidden_size} is zero-padded to {p.prefill_hidden_size} for the prefill kernel "
+            f"(unpadded_hidden_size={p.hidden_size})"
+        )
+    if p.backward_hidden_size != p.hidden_size:
+        notes.append(
+            f"H={p.hidden_size} is zero-padded to {p.backward_hidden_size} in the expert weights "
+            "(backward: H % 128)"
+        )
+    if p.padded_intermediate_size != p.intermediate_size:
+        notes.append(
+            f"I_TP={p.intermediate_size} is zero-padded to {p.padded_intermediate_size} "
+            "(backward: I % 128)"
+        )
+    Is, Isp = p.shared_intermediate_size, p.padded_shared_intermediate_size
+    if Is != Isp:
+        notes.append(f"shared I_TP={Is} is zero-padded to {Isp} (backward: I % 128)")
+    if notes:
+        notes.append(
+            "zero padding is exact: make-inputs, run-* and verify pad and un-pad from the manifest"
+        )
+    return notes
 
 
 def _detect_prefix(ckpt: Checkpoint, fam: Any, layer: int) -> str:

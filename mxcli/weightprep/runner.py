@@ -120,6 +120,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "shared_intermediate_size": m.shared_I,
             "top_k": int(m.values["top_k"]),
         },
+        "padding": plan.padding.to_dict(),
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
         "router": m.router.to_dict(),
         "notes": list(plan.notes),
