@@ -151,14 +151,16 @@ def _sizes(dims: Mapping[int, str], h: int, i: int) -> dict[int, int]:
 def pad_bwd_inputs(
     tensors: Mapping[str, torch.Tensor], pad: Padding, shared: bool = False
 ) -> dict[str, torch.Tensor]:
-    """Backward activations at the true sizes -> zero-padded to ``Hb`` / ``Ip``; tensors already
-    at the padded sizes (and all others) pass through unchanged."""
-    _, Hb, _, Ip = pad.bwd_sizes(shared)
+    """Backward activations at the true sizes -> zero-padded to ``Hb`` / ``Ip``; a dim of any
+    other size (already padded, or wrong: the kernel's checks report it) is left as it is."""
+    H, Hb, I, Ip = pad.bwd_sizes(shared)  # noqa: E741
     out = dict(tensors)
     for name, dims in _BWD_INPUT_DIMS.items():
         t = tensors.get(name)
         if t is not None:
-            out[name] = pad_dims(t, _sizes(dims, Hb, Ip))
+            true, padded = _sizes(dims, H, I), _sizes(dims, Hb, Ip)
+            grow = {d: padded[d] for d in dims if d < t.dim() and t.shape[d] == true[d]}
+            out[name] = pad_dims(t, grow)
     return out
 
 
@@ -199,10 +201,94 @@ def pad_region_max_abs(
 
 
 def pad_prefill_inputs(tensors: Mapping[str, torch.Tensor], Hp: int) -> dict[str, torch.Tensor]:  # noqa: N803
-    """Prefill activations (``hidden_states``, ``residual`` ``[B, S, H]``) zero-padded to `Hp`."""
+    """Prefill activations (``hidden_states``, ``residual`` ``[B, S, H]``) zero-padded to `Hp`
+    (a last dim of `Hp` or more is left as it is)."""
     out = dict(tensors)
     for name in ("hidden_states", "residual"):
         t = tensors.get(name)
-        if t is not None:
+        if t is not None and t.dim() and t.shape[-1] < Hp:
             out[name] = pad_dims(t, {t.dim() - 1: Hp})
+    return out
+
+
+# -- run-* and verify: the padding of a prepared layer, applied to a kernel run ------------------
+
+PREFILL_KERNEL = "rmsnorm_mx_prefill"
+BWD_KERNEL = "blockwise_mm_bwd_mxfp8"
+
+
+def _bwd_expert_sizes(tensors: Mapping[str, torch.Tensor]) -> int | None:
+    """The I of the backward's down weight (``[E, I, H]``, pre-quantized ``[E, H/4, I]``)."""
+    d = tensors.get("down_proj_weight")
+    if d is None or d.dim() != 3:
+        return None
+    return int(d.shape[2] if "down_weight_scales" in tensors else d.shape[1])
+
+
+def _shared_for(tensors: Mapping[str, torch.Tensor], pad: Padding) -> bool | None:
+    """Whether the run's weights are the routed (False) or the shared (True) expert stack of
+    `pad`; None when their I is neither (the padding does not describe them)."""
+    i = _bwd_expert_sizes(tensors)
+    if i == pad.padded_intermediate_size:
+        return False
+    if i is not None and i == pad.padded_shared_intermediate_size:
+        return True
+    return None
+
+
+def pad_run_inputs(
+    kernel: str, tensors: Mapping[str, torch.Tensor], pad: Padding
+) -> dict[str, torch.Tensor]:
+    """A run's activations at the model's true sizes, zero-padded to the prepared weights'."""
+    if kernel == PREFILL_KERNEL:
+        return pad_prefill_inputs(tensors, pad.prefill_hidden_size)
+    shared = _shared_for(tensors, pad)
+    return dict(tensors) if shared is None else pad_bwd_inputs(tensors, pad, shared)
+
+
+def unpad_run_outputs(
+    kernel: str,
+    outputs: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, torch.Tensor],
+    pad: Padding,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(outputs, metadata)`` of a padded run.
+
+    bwd: the gradients cut to the true H and I_TP, with ``pad_max_abs`` (the largest ``|value|``
+    found in the dropped pad rows and columns: 0.0 when the padding was exact, which `verify`
+    checks). prefill: the outputs as the kernel wrote them (the next kernel reads them padded).
+    """
+    meta: dict[str, Any] = {**pad.to_dict()}
+    if kernel == BWD_KERNEL:
+        shared = _shared_for(tensors, pad)
+        if shared is not None:
+            meta.update(
+                outputs="unpadded",
+                expert_stack="shared" if shared else "routed",
+                pad_max_abs=pad_region_max_abs(outputs, pad, shared),
+            )
+            return unpad_bwd_outputs(outputs, pad, shared), meta
+    meta["outputs"] = (
+        f"padded: H columns past unpadded_hidden_size={pad.hidden_size} are padding"
+        if kernel == PREFILL_KERNEL
+        else "as computed (the weights do not match the recorded padding)"
+    )
+    return dict(outputs), meta
+
+
+def repad_bwd_outputs(
+    outputs: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """Un-padded gradients (`unpad_run_outputs` metadata `meta`) zero-padded back to the
+    kernel's sizes, for a comparison with math done at the padded sizes."""
+    if meta.get("outputs") != "unpadded":
+        return dict(outputs)
+    pad = Padding.from_dict(meta)
+    shared = meta.get("expert_stack") == "shared"
+    _, Hb, _, Ip = pad.bwd_sizes(shared)
+    out = dict(outputs)
+    for name, dims in BWD_OUTPUT_DIMS.items():
+        t = outputs.get(name)
+        if t is not None:
+            out[name] = pad_dims(t, _sizes(dims, Hb, Ip))
     return out

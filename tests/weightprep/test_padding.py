@@ -253,3 +253,77 @@ def test_padded_backward_random_data_matches_oracle() -> None:
     for name, w in zip(names, want, strict=True):
         # fp32 sums of up to H or 2I terms in another order: relative to the largest value
         assert float((got[name] - w).abs().max() / w.abs().max()) <= 1e-5, name
+
+
+# ---------------------------------------------------------------------------------------------
+# make-inputs, run-* and verify read the padding from the manifest
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
+    """Qwen3-30B-A3B-like --tp 4 (I_TP 192 -> 256) with a gpt-oss-like H (320 -> 384 / 512):
+    the user never pads or un-pads anything."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mxcli.cli import app
+    from mxcli.tensorio import read_file
+    from mxcli.weightprep.padding import BWD_OUTPUT_DIMS
+
+    def cli(*args: object) -> str:
+        r = CliRunner().invoke(app, [str(a) for a in args])
+        assert r.exit_code == 0, r.output
+        return str(r.stdout)
+
+    H, I, E = 320, 768, 4
+    ck = build_checkpoint("qwen3_moe", tmp_path / "src", num_layers=1, hidden_size=H,
+                          intermediate_size=I, num_experts=E)  # fmt: skip
+    w = tmp_path / "w"
+    cli("prep-weights", ck.path, w, "--tp", "4", "--quiet")
+    bwd_in, bwd_out = tmp_path / "bwd-in.safetensors", tmp_path / "bwd-out.safetensors"
+    cli("make-inputs", "bwd", "-o", bwd_in, "--weights", w, "--layer", 0, "--tokens", 128,
+        "--quiet")  # fmt: skip
+    f = read_file(bwd_in)
+    assert tuple(f.tensors["hidden_states"].shape) == (128, 384)  # padded for the kernel
+    assert not f.tensors["output_hidden_states_grad"][:, H:].any()
+    summary = json.loads(cli("run-bwd", bwd_in, "-o", bwd_out, "--backend", "reference", "--json"))
+    assert summary["padding"]["outputs"] == "unpadded"
+    assert set(summary["padding"]["pad_max_abs"].values()) == {0.0}
+    o = read_file(bwd_out)
+    assert tuple(o.tensors["hidden_states_grad"].shape) == (128, H)
+    assert tuple(o.tensors["gate_up_proj_weight_grad"].shape) == (E, H, 2, I // 4)
+    assert tuple(o.tensors["down_proj_weight_grad"].shape) == (E, I // 4, H)
+    assert set(BWD_OUTPUT_DIMS) >= {k for k in o.tensors if k != "expert_affinities_masked_grad"}
+    report = json.loads(cli("verify", bwd_out, "--inputs", bwd_in, "--json"))
+    names = [t["name"] for c in report["cases"] for t in c["tensors"]]
+    assert "down_proj_weight_grad (padding)" in names and report["summary"]["cases_failed"] == 0
+
+    # the same run from activations at the model's true sizes, weights from --weights
+    slim = tmp_path / "slim.safetensors"
+    from mxcli.tensorio import write_file
+
+    keep = {k: v for k, v in f.tensors.items() if "weight" not in k}
+    keep["hidden_states"] = keep["hidden_states"][:, :H].contiguous()
+    keep["output_hidden_states_grad"] = keep["output_hidden_states_grad"][:, :H].contiguous()
+    keep["gate_up_proj_act_checkpoint_T"] = keep["gate_up_proj_act_checkpoint_T"][:, :, : I // 4]
+    meta = {k: v for k, v in f.metadata.items() if k != "generator"}
+    write_file(slim, {k: v.contiguous() for k, v in keep.items()}, meta)
+    out2 = tmp_path / "bwd-out2.safetensors"
+    cli("run-bwd", slim, "-o", out2, "--weights", w, "--layer", 0, "--backend", "reference",
+        "--quiet")  # fmt: skip
+    o2 = read_file(out2)
+    for k, t in o.tensors.items():
+        assert torch.equal(o2.tensors[k], t), k
+
+    # prefill: hidden states padded to 512 with unpadded_hidden_size, outputs marked padded
+    pf_in, pf_out = tmp_path / "pf-in.safetensors", tmp_path / "pf-out.safetensors"
+    cli("make-inputs", "prefill", "-o", pf_in, "--weights", w, "--layer", 0, "--tokens", 64,
+        "--quiet")  # fmt: skip
+    assert read_file(pf_in).tensors["hidden_states"].shape[-1] == 512
+    s = json.loads(cli("run-prefill", pf_in, "-o", pf_out, "--backend", "reference", "--json"))
+    assert s["padding"]["outputs"].startswith("padded")
+    assert (
+        json.loads(cli("verify", pf_out, "--inputs", pf_in, "--json"))["summary"]["cases_failed"]
+        == 0
+    )
