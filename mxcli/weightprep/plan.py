@@ -16,7 +16,13 @@ from typing import Any
 
 from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe.prequant import scale_rows
-from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
+from mxcli.weightprep.checkpoint import (
+    FP8_SOURCE_DTYPES,
+    INDEX_NAME,
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+)
 from mxcli.weightprep.families import (
     ConfigError,
     Fused,
@@ -253,6 +259,8 @@ class Plan:
     source_format: str  # "bf16" | "fp8-block" | "mxfp4" | ...
     model_type: str = ""  # config.json's model_type
     notes: list[str] = field(default_factory=list)
+    config_only: bool = False  # some source tensors planned from config.json (no header)
+    source_files: dict[str, str] = field(default_factory=dict)  # tensor -> shard ("" unknown)
 
     @property
     def H(self) -> int:
@@ -328,6 +336,19 @@ class Plan:
             "output_bytes": self.output_bytes_per_layer() * len(self.layers),
             "source_bf16_bytes_per_layer": self.source_bf16_bytes,
             "estimated_peak_memory_bytes": self.estimated_peak_bytes(),
+            "per_layer": [
+                {
+                    "layer": L,
+                    "source_bytes": self.source_bytes[L],
+                    "source_shards": sorted(
+                        {self.source_files.get(n, "") for n in self.source_tensors[L]} - {""}
+                    ),
+                    "output_bytes": self.output_bytes_per_layer(),
+                    "estimated_peak_memory_bytes": self.estimated_peak_bytes(),
+                }
+                for L in self.layers
+            ],
+            "planned_from_config": self.config_only,
             "notes": self.notes,
         }
 
@@ -474,9 +495,86 @@ def _dtype_for_16bit(dtype: str) -> str:
     return dtype if dtype in ("BF16", "F16") else "BF16"
 
 
-def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = None) -> Plan:
-    """Validate the checkpoint against the family and options; list what a run would write."""
-    ckpt = ckpt or Checkpoint(source)
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+class _Sources:
+    """Shapes and dtypes of the source tensors: from the shard headers where the shard is here,
+    else predicted from config.json (``--dry-run`` before a download; the index, when present,
+    still proves each name exists)."""
+
+    def __init__(self, ckpt: Checkpoint, m: ModelConfig) -> None:
+        self.ckpt, self.m = ckpt, m
+        cfg = ckpt.config.get("text_config") if m.family.text_config else None
+        cfg = cfg if isinstance(cfg, dict) else ckpt.config
+        dt = cfg.get("torch_dtype") or cfg.get("dtype") or ckpt.config.get("torch_dtype")
+        self.model_dtype = _CONFIG_DTYPES.get(str(dt), "BF16")
+        self.predicted: list[str] = []
+        self._infos: dict[str, TensorInfo] = {}
+
+    def info(self, name: str, shape: tuple[int, ...], why: str, quantized: bool) -> TensorInfo:
+        """`name`'s entry, its shape checked against the config's `shape` where a header says
+        it; `quantized`: an expert weight (FP8 in an fp8 checkpoint)."""
+        if self.ckpt.in_header(name):
+            check_shape(self.ckpt, name, shape, why)
+            info = self.ckpt.info(name)
+        else:
+            ck = self.ckpt
+            listed = ck.file_of(name)
+            if (listed is None and (ck.indexed or ck.present)) or listed in ck.present:
+                ck.info(name)  # MissingTensorError: in no index, or in no shard that is here
+            info = TensorInfo(
+                name, self.ckpt.file_of(name) or "", self._dtype(name, quantized), shape
+            )
+            self.predicted.append(name)
+        self._infos[name] = info
+        return info
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def _dtype(self, name: str, quantized: bool) -> str:
+        if name.endswith("_scale_inv"):
+            return "F32"
+        if name.endswith(("_blocks", "_scales")):
+            return "U8"
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
+            return "F32"  # DeepSeek-V3 and its descendants keep the correction bias in fp32
+        if quantized and self.m.fp8_block is not None:
+            return "F8_E4M3"
+        return self.model_dtype
+
+
+class _MxFp4View:
+    """`Fused.expected` asks the checkpoint whether its experts are MXFP4 ``_blocks``; with no
+    index and no shard the config's ``quantization_config`` answers (config-only plans)."""
+
+    def __init__(self, ckpt: Checkpoint, m: ModelConfig) -> None:
+        self.ckpt, self.mxfp4 = ckpt, m.used.get("quantization_config.quant_method") == "mxfp4"
+
+    def has(self, name: str) -> bool:
+        if self.ckpt.indexed or self.ckpt.present:
+            return self.ckpt.has(name)
+        return self.mxfp4 if name.endswith("_blocks") else True
+
+    def info(self, name: str) -> TensorInfo:
+        return self.ckpt.info(name)
+
+
+def build_plan(
+    source: str | Path,
+    opts: PrepOptions,
+    ckpt: Checkpoint | None = None,
+    *,
+    config_only_ok: bool = False,
+) -> Plan:
+    """Validate the checkpoint against the family and options; list what a run would write.
+
+    `config_only_ok` (``--dry-run``): tensors whose shard is not here are planned from
+    config.json (shapes from the config, dtypes from ``torch_dtype`` and
+    ``quantization_config``), and the plan says so; otherwise they are an error.
+    """
+    ckpt = ckpt or Checkpoint(source, require_shards=not config_only_ok)
     fam = detect_family(ckpt.config, opts.model_type)
     m = resolve_config(ckpt.config, fam)
     moe = m.moe_layers()
@@ -491,81 +589,95 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         raise InputError(f"no MoE layer selected ({what}; MoE layers: {_ranges(moe) or 'none'})")
     ranks = _ranks(m, opts)
 
-    prefix = _detect_prefix(ckpt, fam, layers[0])
+    view: Any = _MxFp4View(ckpt, m)
+    prefix = _detect_prefix(view, fam, layers[0])
+    src = _Sources(ckpt, m)
     H, E, I, Is = m.H, m.E, m.I, m.shared_I  # noqa: E741
     source_tensors: dict[int, list[str]] = {}
     source_bytes: dict[int, int] = {}
     formats_seen: set[str] = set()
     for L in layers:
         p = prefix.format(L=L)
-        expected: dict[str, tuple[tuple[int, ...], str]] = {
-            p + fam.gamma: ((H,), f"hidden_size={H}"),
-            p + fam.router_weight: ((E, H), f"experts={E}, hidden_size={H}"),
+        expected: dict[str, tuple[tuple[int, ...], str, bool]] = {
+            p + fam.gamma: ((H,), f"hidden_size={H}", False),
+            p + fam.router_weight: ((E, H), f"experts={E}, hidden_size={H}", False),
         }
         if fam.router_bias:
-            expected[p + fam.router_bias] = ((E,), f"experts={E}")
+            expected[p + fam.router_bias] = ((E,), f"experts={E}", False)
         if isinstance(fam.experts, Fused):
-            experts = fam.experts.expected(p, E, H, I, ckpt)
+            experts = fam.experts.expected(p, E, H, I, view)
             why = f"experts={E}, hidden_size={H}, intermediate={I}"
         else:
             experts = fam.experts.expected(p, E, H, I)
             why = f"hidden_size={H}, intermediate={I}"
         for n, s in experts.items():
-            expected[n] = (s, why)
+            expected[n] = (s, why, len(s) == 2)  # 2-D: a Linear weight (FP8 in fp8 checkpoints)
         if fam.shared and Is:
             for n, s in fam.shared.mlp.expected(p, 1, H, Is).items():
-                expected[n.replace("{e}", "")] = (s, f"hidden_size={H}, shared intermediate={Is}")
+                why = f"hidden_size={H}, shared intermediate={Is}"
+                expected[n.replace("{e}", "")] = (s, why, True)
             if fam.shared.gate_weight:
-                expected[p + fam.shared.gate_weight] = ((1, H), f"hidden_size={H}")
+                expected[p + fam.shared.gate_weight] = ((1, H), f"hidden_size={H}", False)
         names = list(expected)
-        for name, (shape, why) in expected.items():
-            check_shape(ckpt, name, shape, why)
-            info = ckpt.info(name)
+        for name, (shape, why, quantized) in expected.items():
+            info = src.info(name, shape, why, quantized)
             if info.dtype in FP8_SOURCE_DTYPES:
                 if m.fp8_block is None:
                     raise ConfigError(
                         f"{name}: FP8 weight, but config.json has no fp8 quantization_config"
                     )
                 sname = name + "_scale_inv"
-                check_shape(
-                    ckpt,
+                src.info(
                     sname,
                     fp8_scale_shape(info.shape, m.fp8_block),
                     f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks",
+                    False,
                 )
                 names.append(sname)
         for name in experts:  # the routed experts' storage format, as reported in the plan
-            dtype = ckpt.info(name).dtype
+            dtype = src[name].dtype
             formats_seen.add(
                 "fp8-block" if dtype in FP8_SOURCE_DTYPES else "mxfp4" if name.endswith(("_blocks", "_scales"))
                 else dtype.lower()
             )  # fmt: skip
         source_tensors[L] = names
-        source_bytes[L] = sum(ckpt.info(n).nbytes for n in names)
+        source_bytes[L] = sum(src[n].nbytes for n in names)
+    if src.predicted and not config_only_ok:
+        missing = src.predicted[0]
+        raise CheckpointError(
+            f"{missing}: shard {ckpt.file_of(missing) or '(unknown)'} listed in "
+            f"{INDEX_NAME} is missing from {ckpt.root} (--dry-run plans without it)"
+        )
 
     p0 = prefix.format(L=layers[0])
     args: dict[str, Any] = {
-        "gamma_dtype": ckpt.info(p0 + fam.gamma).dtype,
-        "router_dtype": _dtype_for_16bit(ckpt.info(p0 + fam.router_weight).dtype),
-        "router_bias_dtype": ckpt.info(p0 + fam.router_bias).dtype if fam.router_bias else None,
+        "gamma_dtype": src[p0 + fam.gamma].dtype,
+        "router_dtype": _dtype_for_16bit(src[p0 + fam.router_weight].dtype),
+        "router_bias_dtype": src[p0 + fam.router_bias].dtype if fam.router_bias else None,
         "bias_dtype": None,
         "shared_gate_dtype": None,
     }
     if isinstance(fam.experts, Fused) and fam.experts.gate_up_bias:
-        args["bias_dtype"] = ckpt.info(p0 + fam.experts.gate_up_bias).dtype
+        args["bias_dtype"] = src[p0 + fam.experts.gate_up_bias].dtype
     if fam.shared and fam.shared.gate_weight and Is:
-        args["shared_gate_dtype"] = ckpt.info(p0 + fam.shared.gate_weight).dtype
+        args["shared_gate_dtype"] = src[p0 + fam.shared.gate_weight].dtype
     outputs = [_outputs(args, m, opts, rk) for rk in ranks]
 
     notes = list(fam.notes) + padding_notes(
         Padding.of(H, I // opts.tp, Is // opts.tp if Is else None)
     )
-    if args["router_dtype"] != ckpt.info(p0 + fam.router_weight).dtype:
+    if args["router_dtype"] != src[p0 + fam.router_weight].dtype:
         notes.append(
-            f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)"
+            f"router weight cast from {src[p0 + fam.router_weight].dtype} to BF16 (the kernel needs 16-bit)"
         )
     if dense:
         notes.append(f"dense (not MoE) layers skipped: {_ranges(dense)}")
+    if src.predicted:
+        notes.append(
+            f"planned from config.json{' and the index' if ckpt.indexed else ''}: "
+            f"{len(src.predicted)} source tensor(s) in shards not here, their shapes from the "
+            f"config and dtypes from torch_dtype/quantization_config"
+        )
     src_fmt = "+".join(sorted(formats_seen)) or "bf16"
     return Plan(
         source=ckpt.root.resolve(),
@@ -585,6 +697,8 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         source_format=src_fmt,
         model_type=str(ckpt.config.get("model_type") or fam.name),
         notes=notes,
+        config_only=bool(src.predicted),
+        source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
     )
 
 
@@ -616,7 +730,7 @@ def padding_notes(p: Padding) -> list[str]:
     return notes
 
 
-def _detect_prefix(ckpt: Checkpoint, fam: Any, layer: int) -> str:
+def _detect_prefix(ckpt: Any, fam: Any, layer: int) -> str:
     for p in fam.prefixes:
         if ckpt.has(p.format(L=layer) + fam.router_weight):
             return str(p)

@@ -332,7 +332,7 @@ def _worker_init(source: str, opts: PrepOptions, threads: int, queue: Any) -> No
     import torch
 
     torch.set_num_threads(threads)
-    ckpt = Checkpoint(source)
+    ckpt = Checkpoint(source, require_shards=False)
     _WORKER.update(ckpt=ckpt, plan=build_plan(source, opts, ckpt), queue=queue)
 
 
@@ -394,17 +394,21 @@ def prepare_weights(
     reporter: Reporter | None = None,
 ) -> dict[str, Any]:
     """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict."""
-    ckpt = Checkpoint(source)
+    if dry_run:  # shards that are not here are planned from config.json
+        ckpt = Checkpoint(source, require_shards=False)
+        return {
+            "dry_run": True,
+            "plan": build_plan(source, options, ckpt, config_only_ok=True).to_dict(),
+        }
+    ckpt = Checkpoint(source, require_shards=False)
     plan = build_plan(source, options, ckpt)
-    if dry_run:
-        return {"dry_run": True, "plan": plan.to_dict()}
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read
-    touched = sorted({ckpt.info(n).file for L in plan.layers for n in plan.source_tensors[L]})
+    touched = sorted({plan.source_files[n] for L in plan.layers for n in plan.source_tensors[L]})
     extra = ["config.json"] + ([INDEX_NAME] if ckpt.index_name else [])
     source_files = {name: _stat_entry(ckpt.root / name) for name in extra + touched}
     try:

@@ -141,7 +141,9 @@ def test_missing_shard_and_config(base: Path, tmp_path: Path) -> None:
     src = clone(base, tmp_path / "s")
     (src / "model-00003-of-00003.safetensors").unlink()
     assert_user_error(
-        [src, tmp_path / "o"], r"shard listed in model.safetensors.index.json is missing"
+        [src, tmp_path / "o"],
+        r"shard model-00003-of-00003.safetensors listed in model.safetensors.index.json is "
+        r"missing",
     )
     (src / "config.json").unlink()
     assert_user_error([src, tmp_path / "o"], r"config.json: not found")
