@@ -18,7 +18,8 @@ Folder layout::
     rank_view       null, or the rank this manifest is restricted to
     source          {"path", "family", "model_type", "source_format",
                      "files": {name: {"size", "mtime_ns", "sha256"}},   # sha256 null until hashed
-                     "config": {config.json key: value used}}
+                     "config": {config.json key: value used},
+                     "hub": null | {"repo_id", "revision", "commit"}}  # a Hub repo id source
     model           {"num_layers", "moe_layers", "num_experts", "hidden_size", "padded_hidden_size",
                      "intermediate_size", "shared_intermediate_size", "top_k"}
     padding         {"hidden_size", "prefill_hidden_size" (Hp = ceil(H/512)*512),

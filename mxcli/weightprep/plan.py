@@ -260,6 +260,7 @@ class Plan:
     model_type: str = ""  # config.json's model_type
     notes: list[str] = field(default_factory=list)
     config_only: bool = False  # some source tensors planned from config.json (no header)
+    hub: dict[str, Any] | None = None  # {"repo_id", "revision", "commit"} of a Hub source
     source_files: dict[str, str] = field(default_factory=dict)  # tensor -> shard ("" unknown)
 
     @property
@@ -305,6 +306,7 @@ class Plan:
         m = self.model
         return {
             "source": str(self.source),
+            "hub": self.hub,
             "family": m.family.name,
             "model_type": self.model_type,
             "source_format": self.source_format,

@@ -109,6 +109,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "source_format": plan.source_format,
             "files": source_files,
             "config": m.used,
+            "hub": plan.hub,
         },
         "model": {
             "num_layers": m.num_layers,
@@ -392,16 +393,29 @@ def prepare_weights(
     resume: bool = False,
     force: bool = False,
     reporter: Reporter | None = None,
+    revision: str | None = None,
 ) -> dict[str, Any]:
-    """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict."""
+    """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict.
+
+    `source`: a checkpoint folder, or a Hugging Face repo id (`mxcli.weightprep.hub`, with
+    `revision`), of which only config, index and the selected layers' shards are fetched.
+    """
+    from mxcli.weightprep.hub import open_source
+
+    if output is None and not dry_run:
+        raise InputError("OUTPUT folder is required (or use --dry-run)")
+    root, hub = open_source(source, revision)
+    ckpt = Checkpoint(root, require_shards=False)
     if dry_run:  # shards that are not here are planned from config.json
-        ckpt = Checkpoint(source, require_shards=False)
-        return {
-            "dry_run": True,
-            "plan": build_plan(source, options, ckpt, config_only_ok=True).to_dict(),
-        }
-    ckpt = Checkpoint(source, require_shards=False)
-    plan = build_plan(source, options, ckpt)
+        plan = build_plan(root, options, ckpt, config_only_ok=True)
+        plan.hub = hub.describe() if hub else None
+        return {"dry_run": True, "plan": plan.to_dict()}
+    if hub is not None:  # fetch the shards of the selected layers, then plan from their headers
+        first = build_plan(root, options, ckpt, config_only_ok=True)
+        hub.fetch_shards(hub.shards_for(first.source_files))
+        ckpt = Checkpoint(root, require_shards=False)
+    plan = build_plan(root, options, ckpt)
+    plan.hub = hub.describe() if hub else None
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)

@@ -19,7 +19,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     r = plan["router"]
     o = plan["options"]
     lines = [
-        f"source        {plan['source']}",
+        f"source        {plan['source']}"
+        + (
+            f" (Hub {plan['hub']['repo_id']} at {plan['hub']['commit']})" if plan.get("hub") else ""
+        ),
         f"family        {plan['family']} (model_type {plan['model_type']}, weights {plan['source_format']})",
         f"MoE layers    {_ranges(plan['moe_layers'])} of {plan['num_layers']}; converting {_ranges(plan['layers'])}",
         f"experts       E={plan['num_experts']} top_k={plan['top_k']}  H={plan['hidden_size']}"
