@@ -2,9 +2,12 @@
 headers alone (no tensor data).
 
 `build_plan` validates everything it can before a byte is written: the family and its config
-keys, TP/EP divisibility, the multiple-of-128 rules, and every source tensor's presence and
-shape for every selected layer. The `Plan` then lists, per rank, the output tensors of a layer
-with their shapes, dtypes and byte counts, and estimates the peak memory.
+keys, TP/EP divisibility, and every source tensor's presence and shape for every selected layer.
+Sizes the kernels cannot take are zero-padded (`mxcli.weightprep.padding`). The `Plan` then
+lists, per rank, the output tensors of a layer with their shapes, dtypes and byte counts, and
+estimates the peak memory. Tensors whose shard is not here (``--dry-run`` from config.json, with
+or without the index) are planned from the config: shapes from its sizes, dtypes from
+``torch_dtype`` and ``quantization_config``.
 """
 
 from __future__ import annotations
