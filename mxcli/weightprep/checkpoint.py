@@ -259,6 +259,10 @@ class Checkpoint:
         """Whether a present shard's header describes `name` (shape and dtype known)."""
         return name in self._infos
 
+    def names(self) -> list[str]:
+        """Every tensor name in the shard headers and the index."""
+        return list(dict.fromkeys([*self._infos, *self._index_map]))
+
     def info(self, name: str) -> TensorInfo:
         """Header entry of `name`; `MissingTensorError` when no shard holds it."""
         try:

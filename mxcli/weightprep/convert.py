@@ -23,7 +23,7 @@ from mxcli import __version__
 from mxcli.kernels.blockwise_moe import prequantize_weights
 from mxcli.kernels.rmsnorm_mx_prefill import arrange_router_weights
 from mxcli.weightprep.checkpoint import CheckpointReader, torch_dtype
-from mxcli.weightprep.families import Fused, Scratch, t2
+from mxcli.weightprep.families import Fused, Scratch, fold_gamma, t2
 from mxcli.weightprep.plan import Plan, Rank, layer_file, tensor_name
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec, WriteQueue, streaming_file
 
@@ -58,7 +58,7 @@ def read_prefill(rd: CheckpointReader, plan: Plan, layer: int) -> dict[str, torc
     fam = plan.model.family
     p = plan.layer_prefix(layer)
     out = {
-        "gamma": rd.get(p + fam.gamma),
+        "gamma": fold_gamma(rd.get(p + fam.gamma), fam.norm),  # (1 + w) folded, fp32
         "router_natural": t2(rd.get(p + fam.router_weight)).to(
             torch_dtype(plan.router_dtype)
         ),  # [E, H] -> [H, E]
@@ -288,6 +288,7 @@ def convert_layer(
         "layer": layer,
         "prefill_kwargs": prefill_kwargs(plan),
         "router_exact": m.router.exact,
+        "backward_exact": m.router.backward_exact,
         "notes": list(m.router.notes) + list(m.router.bwd_notes),
         "source_tensors": plan.source_tensors[layer],
         "source_bytes": plan.source_bytes[layer],

@@ -27,9 +27,11 @@ from mxcli.weightprep.checkpoint import (
     TensorInfo,
 )
 from mxcli.weightprep.families import (
+    NORM_1PW,
     ConfigError,
     Fused,
     ModelConfig,
+    bind_tensor_names,
     check_shape,
     detect_family,
     fp8_scale_shape,
@@ -565,6 +567,9 @@ class _MxFp4View:
     def info(self, name: str) -> TensorInfo:
         return self.ckpt.info(name)
 
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
 
 def build_plan(
     source: str | Path,
@@ -596,6 +601,9 @@ def build_plan(
 
     view: Any = _MxFp4View(ckpt, m)
     prefix = _detect_prefix(view, fam, layers[0])
+    forced = ckpt.config.get("model_type") not in fam.model_types
+    m = bind_tensor_names(m, view, prefix.format(L=layers[0]), forced)  # bias spelling
+    fam = m.family
     src = _Sources(ckpt, m)
     H, E, I, Is = m.H, m.E, m.I, m.shared_I  # noqa: E741
     source_tensors: dict[int, list[str]] = {}
@@ -656,7 +664,8 @@ def build_plan(
 
     p0 = prefix.format(L=layers[0])
     args: dict[str, Any] = {
-        "gamma_dtype": src[p0 + fam.gamma].dtype,
+        # a (1 + w) norm is folded into an fp32 gamma (families.fold_gamma)
+        "gamma_dtype": "F32" if fam.norm == NORM_1PW else src[p0 + fam.gamma].dtype,
         "router_dtype": _dtype_for_16bit(src[p0 + fam.router_weight].dtype),
         "router_bias_dtype": src[p0 + fam.router_bias].dtype if fam.router_bias else None,
         "bias_dtype": None,

@@ -357,11 +357,13 @@ def convert_and_check(
     with ckpt.reader() as rd:
         record = convert_layer(plan, rd, layer, out, progress)
     record["check"] = None
+    record["routing_check"] = None
     if plan.options.check:
-        from mxcli.weightprep.check import check_layer
+        from mxcli.weightprep.check import check_layer, check_routing
 
         with ckpt.reader() as rd:
             record["check"] = check_layer(plan, rd, layer, out)
+            record["routing_check"] = check_routing(plan, rd, layer, out)
     record["peak_rss_bytes"] = peak_rss_bytes()
     return record
 
@@ -483,6 +485,7 @@ def _run(
         "family": plan.model.family.name,
         "router_act_fn": plan.model.router.act_fn,
         "router_exact": plan.model.router.exact,
+        "backward_exact": plan.model.router.backward_exact,
         "layers_written": todo,
         "layers_skipped": done,
         "ranks": len(plan.ranks),
@@ -505,6 +508,9 @@ def _run(
 
         result["check"] = {
             str(L): summarize(r["check"]) for L, r in records.items() if r.get("check")
+        }
+        result["routing_check"] = {
+            str(L): r["routing_check"] for L, r in records.items() if r.get("routing_check")
         }
     return result
 

@@ -44,7 +44,8 @@ def format_plan(plan: dict[str, Any]) -> str:
             if r["act_fn"] == "NOAUX_TC"
             else ""
         )
-        + ("" if r["exact"] else "  [NOT EXACT]"),
+        + ("" if r["exact"] else "  [NOT EXACT]")
+        + ("" if r.get("backward_exact", True) else "  [backward NOT EXACT]"),
         f"formats       {','.join(o['formats'])}; scales {o['scale_layout']}, rule {o['scale_rule']}",
     ]
     for note in r["notes"] + r["backward_notes"] + plan["notes"]:
@@ -72,7 +73,8 @@ def format_result(res: dict[str, Any]) -> str:
         f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
         + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
         f"router {res['router_act_fn']}"
-        + ("" if res["router_exact"] else " (not exact: see manifest notes)"),
+        + ("" if res["router_exact"] else " (not exact: see manifest notes)")
+        + ("" if res.get("backward_exact", True) else "; backward not exact (see notes)"),
     ]
     if res.get("throughput_gbps"):
         lines.append(
@@ -86,6 +88,12 @@ def format_result(res: dict[str, Any]) -> str:
             f"check layer {L}: "
             + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
             + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
+        )
+    for L, rc in (res.get("routing_check") or {}).items():
+        lines.append(
+            f"routing layer {L}: top-k agreement {rc['topk_agreement']:.2%}, max weight error "
+            f"{rc['max_weight_error']:.4f} ({'pass' if rc['passed'] else 'FAIL'}; "
+            f"{rc['tokens']} seeded tokens vs the family's fp32 routing)"
         )
     lines.append(f"manifest {res['manifest']}")
     return "\n".join(lines)

@@ -139,7 +139,7 @@ def _qwen(v: dict[str, Any], shared: bool) -> tuple[dict[str, Any], Spec, list[i
         "num_key_value_heads": 4,
         "num_experts": E,
         "num_experts_per_tok": v["top_k"],
-        "norm_topk_prob": not shared,
+        "norm_topk_prob": True,
         "decoder_sparse_step": 1,
         "mlp_only_layers": [],
         "rms_norm_eps": 1e-6,

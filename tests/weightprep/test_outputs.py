@@ -105,13 +105,18 @@ def test_layer_selection(converted: dict) -> None:
     assert load_manifest(converted["qwen3_moe"]).layers == [0, 1]
 
 
-def test_router_exactness_recorded(converted: dict) -> None:
-    m = load_manifest(converted["qwen2_moe"])
-    assert m.data["router"]["exact"] is False  # norm_topk_prob=false
-    assert any("norm_topk_prob" in n for n in m.data["router"]["notes"])
+def test_router_exactness_and_routing_check_recorded(converted: dict) -> None:
     m = load_manifest(converted["llama4"])
     assert any("PRE_SCALE" in n for n in m.data["router"]["backward_notes"])
-    assert load_manifest(converted["qwen3_moe"]).data["router"]["exact"] is True
+    assert m.data["router"]["backward_exact"] is False and m.data["router"]["exact"] is True
+    q = load_manifest(converted["qwen3_moe"]).data["router"]
+    assert q["exact"] is True and q["backward_exact"] is True
+    for key, out in converted.items():  # --check ran the routing check on every layer
+        m = load_manifest(out)
+        for L in m.layers:
+            rc = m.data["layers"][str(L)]["routing_check"]
+            assert rc["passed"] and rc["topk_agreement"] >= 0.98, (key, L, rc)
+            assert rc["max_weight_error"] <= 0.02, (key, L, rc)
 
 
 def test_files_index_metadata(converted: dict) -> None:
