@@ -404,10 +404,10 @@ def prepare_weights(
     """
     from mxcli.weightprep.hub import open_source
 
-    if output is None and not dry_run:
-        raise InputError("OUTPUT folder is required (or use --dry-run)")
     root, hub = open_source(source, revision)
     ckpt = Checkpoint(root, require_shards=False)
+    if output is None and not dry_run:  # before any shard is fetched
+        raise InputError("OUTPUT folder is required (or use --dry-run)")
     if dry_run:  # shards that are not here are planned from config.json
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
