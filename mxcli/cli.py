@@ -8,10 +8,13 @@ import typer
 
 from mxcli import __version__
 
-try:  # typer < 0.20 runs on click; newer releases carry their own copy of it
-    import click.exceptions as _cx
+# Newer typer releases carry their own copy of click and raise its exceptions, even when a
+# separate click is installed (huggingface_hub, the `hub` extra, brings one); typer < 0.20
+# runs on click itself.
+try:
+    import typer._click.exceptions as _cx
 except ImportError:  # pragma: no cover - depends on the installed typer
-    import typer._click.exceptions as _cx  # type: ignore[no-redef]
+    import click.exceptions as _cx  # type: ignore[no-redef]
 
 app = typer.Typer(
     name="mxcli",
