@@ -215,6 +215,7 @@ def make_bwd_inputs(
     routing: tuple[torch.Tensor, torch.Tensor] | None = None,
     weights: tuple[torch.Tensor, torch.Tensor] | None = None,
     generator_info: dict[str, Any] | None = None,
+    unpadded_hidden_size: int | None = None,
 ) -> KernelInputs:
     """Seeded synthetic inputs for ``blockwise_mm_bwd_mxfp8``.
 
@@ -227,7 +228,9 @@ def make_bwd_inputs(
     ``hidden_states``, ``routing`` (``(expert_index [T, K], affinities [T, E])``) and ``weights``
     (``(gate_up [E, H, 2, I], down [E, I, H])``) replace the synthetic ones (real checkpoints).
     ``prequantize`` stores the weights as x4 data + E8M0 scales (``scale_layout`` packed or
-    unpacked; default: the config's, packed).
+    unpacked; default: the config's, packed). ``unpadded_hidden_size``: the model's real H when
+    the weights are zero-padded past it (`mxcli.weightprep.padding`); the hidden states and the
+    output gradient are then zero there too, which keeps the padding exact.
     """
     from mxcli.kernels.blockwise_moe import (
         MXFP8MOEBwdConfig,
@@ -271,6 +274,10 @@ def make_bwd_inputs(
         x = hidden_states.reshape(-1, H)
         if x.shape[0] != T:
             raise InputError(f"hidden_states: expected {T} tokens, got {x.shape[0]}")
+    if unpadded_hidden_size is not None and unpadded_hidden_size < H:
+        x = x.clone()
+        x[:, unpadded_hidden_size:] = 0.0
+        dy[:, unpadded_hidden_size:] = 0.0
     if routing is None and router == "prefill" and not dense:
         routing, x = _prefill_routing(T, H, E, K, seed)
     if dense:
@@ -438,6 +445,7 @@ def inputs_from_weights(
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
     m = load_manifest(Path(weights))
+    padding = m.padding()
     w_tensors, kw = load_prefill_inputs(m, layer)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
@@ -456,6 +464,8 @@ def inputs_from_weights(
         "seed": int(seed),
         "tokens": int(tokens),
         "family": m.data.get("source", {}).get("family"),
+        # run-* and verify read it: bwd gradients are un-padded to these true sizes
+        "padding": padding.to_dict(),
     }
     if kind == PREFILL or kind == "prefill":
         return KernelInputs(PREFILL, tensors, dict(kw), info)
@@ -481,11 +491,14 @@ def inputs_from_weights(
             f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank 0 "
             f"(prepared with --ep 1), this folder has {E_r}"
         )
+    # norm_bf16 is [T, Hp]; the expert stacks are [E, Hb, ...] with Hb <= Hp, and the columns
+    # past the model's H are zero in both (zero gamma rows)
     x = out["norm_bf16"][:, :H]
     return make_bwd_inputs(
         tokens=tokens, block_size=block_size, seed=seed, prequantize=prequantize,
         scale_layout=m.settings.get("scale_layout") if prequantize else None,
         hidden_states=x, routing=(index, aff), weights=(gu, d),
+        unpadded_hidden_size=padding.hidden_size,
         generator_info={**info, "router": f"prefill reference ({pre_kwargs['router_act_fn'].name})"},
     )  # fmt: skip
 

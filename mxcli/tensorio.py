@@ -914,6 +914,7 @@ def run_file(
             raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
         tensors = dict(f.tensors)
         layers: list[dict[str, Any]] = []
+        pad = _recorded_padding(f, weights)
         if weights is not None:
             from mxcli.inputs import layer_run_inputs
 
@@ -931,12 +932,21 @@ def run_file(
             raise InputError("layer: --layer needs --weights DIR")
         layers.append(metadata_kwargs(io, f.metadata))
         layers.append({k: v for k, v in (overrides or {}).items() if v is not None})
+        if pad is not None:  # prepared weights are zero-padded: pad the activations to match
+            from mxcli.weightprep.padding import pad_run_inputs
+
+            tensors = pad_run_inputs(kernel, tensors, pad)
         check_tensors(io, tensors, str(f.path), allow_nonfinite=allow_nonfinite)
         kwargs = resolve_kwargs(io, *_merge_config(layers))
     timings["read"] = time.perf_counter() - t0
     with step(f"Running {kernel} on {backend}"):
         outcome = run_kernel(kernel, tensors, kwargs, backend=backend, device=device)
     timings["run"] = outcome.seconds
+    outputs, extra = outcome.outputs, geometry_metadata(kernel, tensors)
+    if pad is not None:  # bwd gradients are cut back to the model's sizes
+        from mxcli.weightprep.padding import unpad_run_outputs
+
+        outputs, extra["padding"] = unpad_run_outputs(kernel, outputs, tensors, pad)
     t1 = time.perf_counter()
     with step(f"Writing {out}"):
         meta = outputs_metadata(
@@ -947,9 +957,9 @@ def run_file(
             inputs=tensors,
             input_file=str(f.path.name),
             elapsed_s=outcome.seconds,
-            extra=geometry_metadata(kernel, tensors),
+            extra=extra,
         )
-        write_file(out, outcome.outputs, meta, force=force)
+        write_file(out, outputs, meta, force=force)
     timings["write"] = time.perf_counter() - t1
     return {
         "kernel": kernel,
@@ -958,6 +968,28 @@ def run_file(
         "backend": outcome.backend,
         "device": outcome.device,
         "kwargs": dump_kwargs(io, kwargs),
-        "outputs": describe_tensors(outcome.outputs),
+        "outputs": describe_tensors(outputs),
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
+        **({"padding": extra["padding"]} if "padding" in extra else {}),
     }
+
+
+def _recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> Any:
+    """The zero padding of prepared weights (`mxcli.weightprep.padding.Padding`): from the
+    ``--weights`` manifest, else as recorded by ``make-inputs --weights``; None when nothing is
+    padded."""
+    from mxcli.weightprep.padding import Padding
+
+    pad = None
+    if weights is not None:
+        from mxcli.weightprep.manifest import load_manifest
+
+        pad = load_manifest(Path(weights)).padding()
+    else:
+        gen = f.meta_json("generator")
+        if isinstance(gen, Mapping) and isinstance(gen.get("padding"), Mapping):
+            try:
+                pad = Padding.from_dict(gen["padding"])
+            except (KeyError, TypeError, ValueError):
+                raise InputError(f"{f.path}: __metadata__ generator.padding is malformed") from None
+    return pad if pad is not None and pad.any else None

@@ -10,10 +10,16 @@ from mxcli.commands._shared import Debug, Quiet, guarded, print_json
 
 
 def main(
-    source: Path = typer.Argument(
-        ..., help="Hugging Face checkpoint folder (config.json + safetensors)."
+    source: str = typer.Argument(
+        ...,
+        help="Hugging Face checkpoint folder (config.json + safetensors), or a Hub repo id "
+        "such as Qwen/Qwen3-30B-A3B (needs mxcli[hub]; only config, index and the selected "
+        "layers' shards are fetched; HF_HUB_OFFLINE=1 reads the cache only).",
     ),
     output: Path = typer.Argument(None, help="Output folder (not needed with --dry-run)."),
+    revision: str = typer.Option(
+        None, "--revision", help="Hub repo id only: branch, tag or commit (default: main)."
+    ),
     model_type: str = typer.Option(
         "auto", "--model-type", help="Model family; auto = config.json's model_type."
     ),
@@ -72,8 +78,9 @@ def main(
 
             reporter = RichReporter()
         res = prepare_weights(
-            source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter
-        )
+            source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter,
+            revision=revision,
+        )  # fmt: skip
         if json_out:
             print_json(res.get("plan", res))
         elif not quiet:

@@ -61,6 +61,7 @@ def compare_files(
         output_backend=out.metadata.get("backend"), golden_backend=gold.metadata.get("backend"),
     )  # fmt: skip
     result.reports += _provenance(out.metadata, gold.metadata)
+    result.reports += padding_reports(out.meta_json("padding"), CHECK)
 
     kwargs: dict[str, Any] = {}
     geometry: dict[str, Any] = {}
@@ -73,6 +74,29 @@ def compare_files(
     )  # fmt: skip
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def padding_reports(meta: Any, check: str) -> list[Any]:
+    """A run on zero-padded weights (metadata ``padding``, `mxcli.weightprep.padding`) must have
+    left every gradient's pad rows and columns exactly zero before they were cut off."""
+    if not isinstance(meta, Mapping) or not isinstance(meta.get("pad_max_abs"), Mapping):
+        return []
+    from mxcli.verification.compare import TensorReport
+
+    reports: list[Any] = []
+    for name, v in sorted(meta["pad_max_abs"].items()):
+        ok = float(v) == 0.0
+        reports.append(
+            TensorReport(
+                name=f"{name} (padding)",
+                check=check,
+                passed=ok,
+                tolerance="exact zero",
+                max_abs=float(v),
+                message="" if ok else f"pad rows/columns hold values up to {float(v):g} (not zero)",
+            )  # fmt: skip
+        )
+    return reports
 
 
 def _provenance(out: Mapping[str, str], gold: Mapping[str, str]) -> list[Any]:
@@ -183,8 +207,15 @@ def check_run(
                 f"{inp.path}: missing {', '.join(missing_w)} (given by --weights at "
                 "run time?); the exact check needs the input file to hold them"
             )
+        from mxcli.weightprep.padding import repad_bwd_outputs
+
+        pad_meta = out.meta_json("padding")
+        outputs = out.tensors
+        if isinstance(pad_meta, Mapping):  # un-padded gradients: compare at the kernel's sizes
+            result.reports += padding_reports(pad_meta, EXACT_CHECK)
+            outputs = repad_bwd_outputs(outputs, pad_meta)
         result.reports += check_bwd(
-            tensors, kwargs, out.tensors, bwd_exact_weights(tensors, kwargs.get("config"))
+            tensors, kwargs, outputs, bwd_exact_weights(tensors, kwargs.get("config"))
         )
     else:
         result.reports += check_prefill(tensors, kwargs, out.tensors)

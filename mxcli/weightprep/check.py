@@ -29,7 +29,7 @@ from mxcli.kernels.blockwise_moe.prequant import (
 from mxcli.kernels.rmsnorm_mx_prefill import unarrange_router_weights
 from mxcli.mx import ScaleRule
 from mxcli.weightprep.checkpoint import CheckpointReader, open_safetensors
-from mxcli.weightprep.convert import _tp_slice, pad_rows, read_prefill
+from mxcli.weightprep.convert import _tp_slice, pad_rows, rank_biases, read_prefill
 from mxcli.weightprep.families import Fused, Scratch, compare_routing, route_fp32
 from mxcli.weightprep.plan import Plan, layer_file, tensor_name
 
@@ -155,6 +155,9 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
     p = plan.layer_prefix(layer)
     src = read_prefill(rd, plan, layer)
     results: dict[str, Any] = {}
+    pad = plan.padding  # outputs are zero-padded: so is what they are compared with
+    Hb, Ip = pad.backward_hidden_size, pad.padded_intermediate_size
+    Isp = pad.padded_shared_intermediate_size
     step = plan.chunk_experts()
     scratch = Scratch()
     for rank, outs in zip(plan.ranks, plan.outputs, strict=True):
@@ -165,7 +168,12 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
                 gu, dn = fam.shared.mlp.load(
                     rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_"
                 )
-                rc.mlp("shared_expert.", *_tp_slice(gu, dn, *rank.shared_i_range, scratch), 0, 1)
+                rc.mlp(
+                    "shared_expert.",
+                    *_tp_slice(gu, dn, *rank.shared_i_range, scratch, "tp_", Hb, Isp),
+                    0,
+                    1,
+                )
                 if fam.shared.gate_weight:
                     rc.add(
                         "shared_expert_gate_weight",
@@ -176,14 +184,16 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
             for e0 in range(e_lo, e_hi, step):
                 e1 = min(e_hi, e0 + step)
                 gu, dn = fam.experts.load(rd, p, e0, e1, H, I, m.fp8_block, scratch)
-                rc.mlp("", *_tp_slice(gu, dn, i0, i1, scratch), e0 - e_lo, e1 - e_lo)
+                rc.mlp("", *_tp_slice(gu, dn, i0, i1, scratch, "tp_", Hb, Ip), e0 - e_lo, e1 - e_lo)
                 if isinstance(fam.experts, Fused):
-                    gub, db = fam.experts.load_biases(rd, p, e0, e1, I)
+                    gub, db = rank_biases(
+                        *fam.experts.load_biases(rd, p, e0, e1, I), i0, i1, Hb, Ip
+                    )
                     if gub is not None:
                         rc.add(
                             "gate_up_proj_bias",
                             rc.rows("gate_up_proj_bias", e0 - e_lo, e1 - e_lo),
-                            gub[..., i0:i1],
+                            gub,
                         )
                     if db is not None:
                         rc.add(

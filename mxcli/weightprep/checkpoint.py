@@ -168,9 +168,14 @@ class Checkpoint:
     ``Checkpoint(path)`` reads ``config.json``, the shard index (or the single
     ``model.safetensors``, or every ``*.safetensors`` when there is neither) and every shard
     header. `info` and `has` answer from the headers; `reader` loads data.
+
+    ``require_shards=False`` accepts shards that are not there (a Hub download of some layers,
+    or ``config.json`` with or without the index alone, for ``--dry-run``): the headers of the
+    shards present are read, `has` also answers from the index, and `in_header` tells which
+    tensors have a header.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, require_shards: bool = True) -> None:
         self.root = Path(path)
         if self.root.exists() and not self.root.is_dir():
             raise CheckpointError(
@@ -180,10 +185,12 @@ class Checkpoint:
             raise CheckpointError(f"{self.root}: checkpoint folder not found")
         self.config = self._read_config()
         index = self.root / INDEX_NAME
-        self._index_map: dict[str, str] = self._read_index(index) if index.is_file() else {}
-        self.files = self._shard_files()
+        self._has_index = index.is_file()
+        self._index_map: dict[str, str] = self._read_index(index) if self._has_index else {}
+        self.files = self._shard_files(require_shards)
+        self.present = [f for f in self.files if (self.root / f).is_file()]
         self._infos: dict[str, TensorInfo] = {}
-        for fname in self.files:
+        for fname in self.present:
             header, _ = read_safetensors_header(self.root / fname)
             for name, entry in header.items():
                 if name != "__metadata__":
@@ -215,11 +222,11 @@ class Checkpoint:
                 f"{index}: not a valid index (expected a 'weight_map' object)"
             ) from None
 
-    def _shard_files(self) -> list[str]:
+    def _shard_files(self, require_shards: bool) -> list[str]:
         if self._index_map:
             names = sorted(set(self._index_map.values()))
             for name in names:
-                if not (self.root / name).is_file():
+                if require_shards and not (self.root / name).is_file():
                     raise CheckpointError(
                         f"{self.root / name}: shard listed in {INDEX_NAME} is missing"
                     )
@@ -227,21 +234,38 @@ class Checkpoint:
         if (self.root / SINGLE_NAME).is_file():
             return [SINGLE_NAME]
         names = sorted(p.name for p in self.root.glob("*.safetensors"))
-        if not names:
-            raise CheckpointError(f"{self.root}: no safetensors files (and no {INDEX_NAME})")
+        if not names and require_shards:
+            what = f"{INDEX_NAME} lists none" if self._has_index else f"and no {INDEX_NAME}"
+            raise CheckpointError(
+                f"{self.root}: no safetensors files ({what}; --dry-run plans from config.json)"
+            )
         return names
 
     @property
     def index_name(self) -> str | None:
-        return INDEX_NAME if self._index_map else None
+        return INDEX_NAME if self._has_index else None
+
+    @property
+    def indexed(self) -> bool:
+        """Whether the tensor names are known without headers (an index that lists some)."""
+        return bool(self._index_map)
+
+    def file_of(self, name: str) -> str | None:
+        """The shard holding `name`, from its header or the index."""
+        info = self._infos.get(name)
+        return info.file if info is not None else self._index_map.get(name)
 
     # -- headers ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
+        return name in self._infos or name in self._index_map
+
+    def in_header(self, name: str) -> bool:
+        """Whether a present shard's header describes `name` (shape and dtype known)."""
         return name in self._infos
 
     def names(self) -> list[str]:
-        """Every tensor name in the shard headers."""
-        return list(self._infos)
+        """Every tensor name in the shard headers and the index."""
+        return list(dict.fromkeys([*self._infos, *self._index_map]))
 
     def info(self, name: str) -> TensorInfo:
         """Header entry of `name`; `MissingTensorError` when no shard holds it."""
@@ -250,11 +274,12 @@ class Checkpoint:
         except KeyError:
             pass
         listed = self._index_map.get(name)
-        where = (
-            f"{INDEX_NAME} maps it to {listed}, which does not hold it"
-            if listed
-            else f"not in any of the {len(self.files)} shard(s)"
-        )
+        if listed and listed not in self.present:
+            where = f"{INDEX_NAME} maps it to {listed}, which is not here (not downloaded?)"
+        elif listed:
+            where = f"{INDEX_NAME} maps it to {listed}, which does not hold it"
+        else:
+            where = f"not in any of the {len(self.files)} shard(s)"
         raise MissingTensorError(f"{name}: tensor missing from the checkpoint ({where})") from None
 
     @contextmanager

@@ -130,16 +130,38 @@ def _tp_slice(
     i1: int,
     scratch: Scratch | None = None,
     key: str = "tp_",
+    h_pad: int | None = None,
+    i_pad: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One TP rank's ``[..., i0:i1]`` of ``gate_up [c, H, 2, I]`` and ``down [c, I, H]``, contiguous."""
-    if i0 == 0 and i1 == gate_up.shape[-1]:
+    """One TP rank's ``[..., i0:i1]`` of ``gate_up [c, H, 2, I]`` and ``down [c, I, H]``,
+    contiguous, zero-padded to ``[c, h_pad, 2, i_pad]`` / ``[c, i_pad, h_pad]`` (`Padding`)."""
+    c, H = gate_up.shape[0], gate_up.shape[1]
+    Hb, Ip = h_pad or H, i_pad or (i1 - i0)
+    if i0 == 0 and i1 == gate_up.shape[-1] and (Hb, Ip) == (H, i1 - i0):
         return gate_up, down
     sc = scratch or Scratch()
-    gu = sc.get(key + "gate_up", (*gate_up.shape[:-1], i1 - i0), gate_up.dtype)
-    dn = sc.get(key + "down", (down.shape[0], i1 - i0, down.shape[2]), down.dtype)
-    gu.copy_(gate_up[..., i0:i1])
-    dn.copy_(down[:, i0:i1, :])
+    gu = sc.get(key + "gate_up", (c, Hb, 2, Ip), gate_up.dtype)
+    dn = sc.get(key + "down", (c, Ip, Hb), down.dtype)
+    # scratch buffers are reused with other chunk sizes: clear the pad regions every time
+    gu[:, H:].zero_()
+    gu[..., i1 - i0 :].zero_()
+    dn[:, i1 - i0 :].zero_()
+    dn[..., H:].zero_()
+    gu[:, :H, :, : i1 - i0].copy_(gate_up[..., i0:i1])
+    dn[:, : i1 - i0, :H].copy_(down[:, i0:i1, :])
     return gu, dn
+
+
+def rank_biases(
+    gub: torch.Tensor | None, db: torch.Tensor | None, i0: int, i1: int, h_pad: int, i_pad: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """One rank's ``gate_up_bias [c, 2, I_TP]`` (sliced, zero-padded to `i_pad`) and
+    ``down_bias [c, H]`` (zero-padded to `h_pad`)."""
+    from mxcli.weightprep.padding import pad_dims
+
+    g = None if gub is None else pad_dims(gub[..., i0:i1].contiguous(), {2: i_pad})
+    d = None if db is None else pad_dims(db.contiguous(), {1: h_pad})
+    return g, d
 
 
 def convert_layer(
@@ -181,7 +203,10 @@ def convert_layer(
             for dst in outs_by_rank.values():
                 dst.write(key, t)
 
+        pad = plan.padding
+        Hb, Ip, Isp = pad.backward_hidden_size, pad.padded_intermediate_size, None
         if fam.shared and m.shared_I:
+            Isp = pad.padded_shared_intermediate_size
             sc = Scratch()  # never reused: its writes need no fence
             gu, dn = fam.shared.mlp.load(
                 rd, p, 0, 1, H, m.shared_I, m.fp8_block, sc
@@ -190,7 +215,7 @@ def convert_layer(
                 assert rank.shared_i_range is not None
                 outs_by_rank[rank.rank].mlp(
                     "shared_expert.",
-                    *_tp_slice(gu, dn, *rank.shared_i_range, sc, f"tp{rank.rank}_"),
+                    *_tp_slice(gu, dn, *rank.shared_i_range, sc, f"tp{rank.rank}_", Hb, Isp),
                 )
             if fam.shared.gate_weight:
                 g = rd.get(p + fam.shared.gate_weight)
@@ -226,13 +251,12 @@ def convert_layer(
                 for rank in ranks:
                     i0, i1 = rank.i_range
                     dst = outs_by_rank[rank.rank]
-                    dst.mlp("", *_tp_slice(gu, dn, i0, i1, sc, f"tp{rank.rank}_"))
-                    if biases[0] is not None:
-                        dst.write(
-                            "gate_up_proj_bias", biases[0][..., i0:i1].contiguous()
-                        )  # [c, 2, I_TP]
-                    if biases[1] is not None:
-                        dst.write("down_proj_bias", biases[1])  # [c, H]
+                    dst.mlp("", *_tp_slice(gu, dn, i0, i1, sc, f"tp{rank.rank}_", Hb, Ip))
+                    gub, db = rank_biases(*biases, i0, i1, Hb, Ip)
+                    if gub is not None:
+                        dst.write("gate_up_proj_bias", gub)  # [c, 2, Ip]
+                    if db is not None:
+                        dst.write("down_proj_bias", db)  # [c, Hb]
                 fences[k % 2] = queue.fence()
                 k += 1
                 if progress:

@@ -18,9 +18,16 @@ Folder layout::
     rank_view       null, or the rank this manifest is restricted to
     source          {"path", "family", "model_type", "source_format",
                      "files": {name: {"size", "mtime_ns", "sha256"}},   # sha256 null until hashed
-                     "config": {config.json key: value used}}
+                     "config": {config.json key: value used},
+                     "hub": null | {"repo_id", "revision", "commit"}}  # a Hub repo id source
     model           {"num_layers", "moe_layers", "num_experts", "hidden_size", "padded_hidden_size",
                      "intermediate_size", "shared_intermediate_size", "top_k"}
+    padding         {"hidden_size", "prefill_hidden_size" (Hp = ceil(H/512)*512),
+                     "backward_hidden_size" (Hb = ceil(H/128)*128),
+                     "intermediate_size_per_rank" (the real I_TP),
+                     "padded_intermediate_size_per_rank" (Ip = ceil(I_TP/128)*128),
+                     "shared_intermediate_size_per_rank", "padded_shared_intermediate_size_per_rank"}
+                    (`mxcli.weightprep.padding`; absent in folders of older versions: no padding)
     settings        {"tp", "ep", "formats", "scale_layout", "scale_rule", "elem", "quant_scheme",
                      "tile_k", "fast_dma_transpose"}
     router          {"act_fn", "top_k", "n_group", "topk_group", "routed_scaling_factor",
@@ -40,11 +47,12 @@ Folder layout::
 
 Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``router_weights
 [Hp, E]`` (arranged for ``router_act_fn``), ``router_bias [E]``; bf16 ``gate_up_proj_weight
-[E_r, H, 2, I_TP]`` and ``down_proj_weight [E_r, I_TP, H]``; MXFP8 (bwd spec §5.5)
-``gate_up_proj_weight_mxfp8 [E_r, 2I_TP/4, H]`` U32 x4 + ``gate_up_weight_scales``,
-``down_proj_weight_mxfp8 [E_r, H/4, I_TP]`` + ``down_weight_scales``; gpt-oss
-``gate_up_proj_bias [E_r, 2, I_TP]``, ``down_proj_bias [E_r, H]``; a shared expert under
+[E_r, Hb, 2, Ip]`` and ``down_proj_weight [E_r, Ip, Hb]``; MXFP8 (bwd spec §5.5)
+``gate_up_proj_weight_mxfp8 [E_r, 2Ip/4, Hb]`` U32 x4 + ``gate_up_weight_scales``,
+``down_proj_weight_mxfp8 [E_r, Hb/4, Ip]`` + ``down_weight_scales``; gpt-oss
+``gate_up_proj_bias [E_r, 2, Ip]``, ``down_proj_bias [E_r, Hb]``; a shared expert under
 ``shared_expert.<same keys>`` with E=1, and Qwen2's ``shared_expert_gate_weight [1, H]``.
+Pad rows and columns (past H, past I_TP) are zero.
 
 Readers: `load_manifest`, `load_layer_tensors`, `load_prefill_inputs`, `load_backward_weights`.
 """
@@ -54,11 +62,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mxcli.errors import InputError, MxcliError
+
+if TYPE_CHECKING:
+    from mxcli.weightprep.padding import Padding
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "mxcli.prep-weights"
@@ -105,6 +116,21 @@ class Manifest:
 
     def file(self, layer: int, rank: int = 0) -> Path:
         return self.root / self.rank_entry(layer, rank)["file"]
+
+    def padding(self, rank: int = 0) -> Padding:
+        """The padded and true sizes (`mxcli.weightprep.padding`) of this folder's tensors."""
+        from mxcli.weightprep.padding import Padding
+
+        d = self.data.get("padding")
+        if d is not None:
+            return Padding.from_dict(d)
+        model = self.data["model"]  # an older folder: sizes as stored, nothing padded
+        r = next((x for x in self.data["ranks"] if int(x["rank"]) == rank), self.data["ranks"][0])
+        i0, i1 = r["intermediate_range"]
+        sr = r.get("shared_intermediate_range")
+        Is = sr[1] - sr[0] if sr else None
+        H = int(model["hidden_size"])
+        return Padding(H, int(model.get("padded_hidden_size") or H), H, i1 - i0, i1 - i0, Is, Is)
 
     def prefill_kwargs(self, layer: int) -> dict[str, Any]:
         """Keyword arguments for `rmsnorm_mx_prefill` (router act fn as `RouterActFnType`)."""

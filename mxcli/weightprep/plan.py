@@ -2,9 +2,12 @@
 headers alone (no tensor data).
 
 `build_plan` validates everything it can before a byte is written: the family and its config
-keys, TP/EP divisibility, the multiple-of-128 rules, and every source tensor's presence and
-shape for every selected layer. The `Plan` then lists, per rank, the output tensors of a layer
-with their shapes, dtypes and byte counts, and estimates the peak memory.
+keys, TP/EP divisibility, and every source tensor's presence and shape for every selected layer.
+Sizes the kernels cannot take are zero-padded (`mxcli.weightprep.padding`). The `Plan` then
+lists, per rank, the output tensors of a layer with their shapes, dtypes and byte counts, and
+estimates the peak memory. Tensors whose shard is not here (``--dry-run`` from config.json, with
+or without the index) are planned from the config: shapes from its sizes, dtypes from
+``torch_dtype`` and ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -16,7 +19,13 @@ from typing import Any
 
 from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe.prequant import scale_rows
-from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
+from mxcli.weightprep.checkpoint import (
+    FP8_SOURCE_DTYPES,
+    INDEX_NAME,
+    Checkpoint,
+    CheckpointError,
+    TensorInfo,
+)
 from mxcli.weightprep.families import (
     NORM_1PW,
     ConfigError,
@@ -28,13 +37,12 @@ from mxcli.weightprep.families import (
     fp8_scale_shape,
     resolve_config,
 )
+from mxcli.weightprep.padding import Padding
 from mxcli.weightprep.writer import TensorSpec
 
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
 SCALE_RULES = ("neuron", "ocp")
-PREFILL_H_MULTIPLE = 512  # prefill spec §1: H is a multiple of 512
-KERNEL_MULTIPLE = 128  # bwd spec §5.3: wrapX chunks are multiples of 128
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
 # Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
@@ -256,14 +264,22 @@ class Plan:
     source_format: str  # "bf16" | "fp8-block" | "mxfp4" | ...
     model_type: str = ""  # config.json's model_type
     notes: list[str] = field(default_factory=list)
+    config_only: bool = False  # some source tensors planned from config.json (no header)
+    hub: dict[str, Any] | None = None  # {"repo_id", "revision", "commit"} of a Hub source
+    source_files: dict[str, str] = field(default_factory=dict)  # tensor -> shard ("" unknown)
 
     @property
     def H(self) -> int:
         return self.model.H
 
     @property
+    def padding(self) -> Padding:
+        return Padding.of(self.model.H, self.I_tp, self.shared_I_tp)
+
+    @property
     def H_padded(self) -> int:
-        return -(-self.model.H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+        """H of the prefill tensors (a multiple of 512)."""
+        return self.padding.prefill_hidden_size
 
     @property
     def I_tp(self) -> int:
@@ -295,6 +311,7 @@ class Plan:
         m = self.model
         return {
             "source": str(self.source),
+            "hub": self.hub,
             "family": m.family.name,
             "model_type": self.model_type,
             "source_format": self.source_format,
@@ -307,6 +324,7 @@ class Plan:
             "padded_hidden_size": self.H_padded,
             "intermediate_size": m.I,
             "intermediate_size_per_rank": self.I_tp,
+            "padding": self.padding.to_dict(),
             "shared_intermediate_size": m.shared_I,
             "top_k": m.values["top_k"],
             "options": self.options.settings()
@@ -325,30 +343,32 @@ class Plan:
             "output_bytes": self.output_bytes_per_layer() * len(self.layers),
             "source_bf16_bytes_per_layer": self.source_bf16_bytes,
             "estimated_peak_memory_bytes": self.estimated_peak_bytes(),
+            "per_layer": [
+                {
+                    "layer": L,
+                    "source_bytes": self.source_bytes[L],
+                    "source_shards": sorted(
+                        {self.source_files.get(n, "") for n in self.source_tensors[L]} - {""}
+                    ),
+                    "output_bytes": self.output_bytes_per_layer(),
+                    "estimated_peak_memory_bytes": self.estimated_peak_bytes(),
+                }
+                for L in self.layers
+            ],
+            "planned_from_config": self.config_only,
             "notes": self.notes,
         }
 
 
-def _check_multiple(what: str, value: int, multiple: int, hint: str = "") -> None:
-    if value % multiple:
-        raise InputError(f"{what} ({value}) must be a multiple of {multiple}{hint}")
-
-
 def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
+    """TP slices of I (contiguous, each zero-padded to a multiple of 128 later, `Padding`) and
+    EP ranges of experts."""
     E, I, Is = m.E, m.I, m.shared_I  # noqa: E741
     if I % opts.tp:
         raise InputError(f"intermediate size I ({I}) is not divisible by --tp {opts.tp}")
-    _check_multiple("hidden size H", m.H, KERNEL_MULTIPLE, " (kernel tiles)")
-    _check_multiple(
-        f"I_TP = I/tp = {I}/{opts.tp}", I // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
-    )
-    if Is:
-        if Is % opts.tp:
-            raise InputError(
-                f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}"
-            )
-        _check_multiple(
-            f"shared I_TP = {Is}/{opts.tp}", Is // opts.tp, KERNEL_MULTIPLE, " (kernel tiles)"
+    if Is and Is % opts.tp:
+        raise InputError(
+            f"shared-expert intermediate size ({Is}) is not divisible by --tp {opts.tp}"
         )
     if E % opts.ep:
         raise InputError(f"number of experts E ({E}) is not divisible by --ep {opts.ep}")
@@ -371,13 +391,21 @@ def _ranks(m: ModelConfig, opts: PrepOptions) -> list[Rank]:
 def _outputs(
     plan_args: dict[str, Any], m: ModelConfig, opts: PrepOptions, rank: Rank
 ) -> list[Output]:
-    H, E = m.H, m.E
-    Hp = -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE
+    E = m.E
     e0, e1 = rank.expert_range
     Er = e1 - e0
     It = rank.i_range[1] - rank.i_range[0]
+    Is = rank.shared_i_range[1] - rank.shared_i_range[0] if rank.shared_i_range else None
+    padding = Padding.of(m.H, It, Is)
+    Hp, H, Ip = (  # H: the backward's padded hidden size from here on
+        padding.prefill_hidden_size,
+        padding.backward_hidden_size,
+        padding.padded_intermediate_size,
+    )
     act = m.router.act_fn
-    pad = f", rows {H}..{Hp - 1} zero" if Hp != H else ""
+    pad = f", rows {m.H}..{Hp - 1} zero" if Hp != m.H else ""
+    hpad = f"; H rows/cols {m.H}..{H - 1} zero" if H != m.H else ""
+    ipad = f"; I cols/rows {It}..{Ip - 1} zero" if Ip != It else ""
     outs = [
         Output("gamma", plan_args["gamma_dtype"], (Hp,), "gamma", f"[H] natural order{pad}"),
         Output(
@@ -398,23 +426,29 @@ def _outputs(
             Output(
                 "gate_up_proj_weight",
                 "BF16",
-                (Er, H, 2, It),
+                (Er, H, 2, Ip),
                 "gate_up_proj_weight",
-                "[E, H, 2, I_TP] gate=0, up=1",
+                "[E, H, 2, I_TP] gate=0, up=1" + hpad + ipad,
             ),
-            Output("down_proj_weight", "BF16", (Er, It, H), "down_proj_weight", "[E, I_TP, H]"),
+            Output(
+                "down_proj_weight",
+                "BF16",
+                (Er, Ip, H),
+                "down_proj_weight",
+                "[E, I_TP, H]" + hpad + ipad,
+            ),
         ]
     if "mxfp8" in opts.formats:
-        outs += mxfp8_outputs("", Er, H, It, opts.scale_layout, "*_proj_weight", "*_weight_scales")
+        outs += mxfp8_outputs("", Er, H, Ip, opts.scale_layout, "*_proj_weight", "*_weight_scales")
     if isinstance(fam.experts, Fused):
         if fam.experts.gate_up_bias:
             outs.append(
                 Output(
                     "gate_up_proj_bias",
                     plan_args["bias_dtype"],
-                    (Er, 2, It),
+                    (Er, 2, Ip),
                     "gate_up_bias",
-                    "[E, 2, I_TP] gate=0, up=1",
+                    "[E, 2, I_TP] gate=0, up=1" + ipad,
                 )
             )
         if fam.experts.down_bias:
@@ -424,11 +458,12 @@ def _outputs(
                     plan_args["bias_dtype"],
                     (Er, H),
                     "down_bias",
-                    "[E, H] (full on every TP rank: add once after the reduction)",
+                    "[E, H] (full on every TP rank: add once after the reduction)" + hpad,
                 )
             )
     if rank.shared_i_range:
-        Ist = rank.shared_i_range[1] - rank.shared_i_range[0]
+        Ist = padding.padded_shared_intermediate_size
+        assert Ist is not None
         if "bf16" in opts.formats:
             outs += [
                 Output(
@@ -455,9 +490,9 @@ def _outputs(
                 Output(
                     "shared_expert_gate_weight",
                     plan_args["shared_gate_dtype"],
-                    (1, H),
+                    (1, m.H),
                     "-",
-                    "[1, H] sigmoid gate of the shared expert (not a kernel input)",
+                    "[1, H] sigmoid gate of the shared expert (not a kernel input, not padded)",
                 )
             )
     return outs
@@ -467,9 +502,89 @@ def _dtype_for_16bit(dtype: str) -> str:
     return dtype if dtype in ("BF16", "F16") else "BF16"
 
 
-def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = None) -> Plan:
-    """Validate the checkpoint against the family and options; list what a run would write."""
-    ckpt = ckpt or Checkpoint(source)
+_CONFIG_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+class _Sources:
+    """Shapes and dtypes of the source tensors: from the shard headers where the shard is here,
+    else predicted from config.json (``--dry-run`` before a download; the index, when present,
+    still proves each name exists)."""
+
+    def __init__(self, ckpt: Checkpoint, m: ModelConfig) -> None:
+        self.ckpt, self.m = ckpt, m
+        cfg = ckpt.config.get("text_config") if m.family.text_config else None
+        cfg = cfg if isinstance(cfg, dict) else ckpt.config
+        dt = cfg.get("torch_dtype") or cfg.get("dtype") or ckpt.config.get("torch_dtype")
+        self.model_dtype = _CONFIG_DTYPES.get(str(dt), "BF16")
+        self.predicted: list[str] = []
+        self._infos: dict[str, TensorInfo] = {}
+
+    def info(self, name: str, shape: tuple[int, ...], why: str, quantized: bool) -> TensorInfo:
+        """`name`'s entry, its shape checked against the config's `shape` where a header says
+        it; `quantized`: an expert weight (FP8 in an fp8 checkpoint)."""
+        if self.ckpt.in_header(name):
+            check_shape(self.ckpt, name, shape, why)
+            info = self.ckpt.info(name)
+        else:
+            ck = self.ckpt
+            listed = ck.file_of(name)
+            if (listed is None and (ck.indexed or ck.present)) or listed in ck.present:
+                ck.info(name)  # MissingTensorError: in no index, or in no shard that is here
+            info = TensorInfo(
+                name, self.ckpt.file_of(name) or "", self._dtype(name, quantized), shape
+            )
+            self.predicted.append(name)
+        self._infos[name] = info
+        return info
+
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._infos[name]
+
+    def _dtype(self, name: str, quantized: bool) -> str:
+        if name.endswith("_scale_inv"):
+            return "F32"
+        if name.endswith(("_blocks", "_scales")):
+            return "U8"
+        if name.endswith(("e_score_correction_bias", "expert_bias")):
+            return "F32"  # DeepSeek-V3 and its descendants keep the correction bias in fp32
+        if quantized and self.m.fp8_block is not None:
+            return "F8_E4M3"
+        return self.model_dtype
+
+
+class _MxFp4View:
+    """`Fused.expected` asks the checkpoint whether its experts are MXFP4 ``_blocks``; with no
+    index and no shard the config's ``quantization_config`` answers (config-only plans)."""
+
+    def __init__(self, ckpt: Checkpoint, m: ModelConfig) -> None:
+        self.ckpt, self.mxfp4 = ckpt, m.used.get("quantization_config.quant_method") == "mxfp4"
+
+    def has(self, name: str) -> bool:
+        if self.ckpt.indexed or self.ckpt.present:
+            return self.ckpt.has(name)
+        return self.mxfp4 if name.endswith("_blocks") else True
+
+    def info(self, name: str) -> TensorInfo:
+        return self.ckpt.info(name)
+
+    def names(self) -> list[str]:
+        return self.ckpt.names()
+
+
+def build_plan(
+    source: str | Path,
+    opts: PrepOptions,
+    ckpt: Checkpoint | None = None,
+    *,
+    config_only_ok: bool = False,
+) -> Plan:
+    """Validate the checkpoint against the family and options; list what a run would write.
+
+    `config_only_ok` (``--dry-run``): tensors whose shard is not here are planned from
+    config.json (shapes from the config, dtypes from ``torch_dtype`` and
+    ``quantization_config``), and the plan says so; otherwise they are an error.
+    """
+    ckpt = ckpt or Checkpoint(source, require_shards=not config_only_ok)
     fam = detect_family(ckpt.config, opts.model_type)
     m = resolve_config(ckpt.config, fam)
     moe = m.moe_layers()
@@ -484,87 +599,99 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         raise InputError(f"no MoE layer selected ({what}; MoE layers: {_ranges(moe) or 'none'})")
     ranks = _ranks(m, opts)
 
-    prefix = _detect_prefix(ckpt, fam, layers[0])
+    view: Any = _MxFp4View(ckpt, m)
+    prefix = _detect_prefix(view, fam, layers[0])
     forced = ckpt.config.get("model_type") not in fam.model_types
-    m = bind_tensor_names(m, ckpt, prefix.format(L=layers[0]), forced)  # bias spelling
+    m = bind_tensor_names(m, view, prefix.format(L=layers[0]), forced)  # bias spelling
     fam = m.family
+    src = _Sources(ckpt, m)
     H, E, I, Is = m.H, m.E, m.I, m.shared_I  # noqa: E741
     source_tensors: dict[int, list[str]] = {}
     source_bytes: dict[int, int] = {}
     formats_seen: set[str] = set()
     for L in layers:
         p = prefix.format(L=L)
-        expected: dict[str, tuple[tuple[int, ...], str]] = {
-            p + fam.gamma: ((H,), f"hidden_size={H}"),
-            p + fam.router_weight: ((E, H), f"experts={E}, hidden_size={H}"),
+        expected: dict[str, tuple[tuple[int, ...], str, bool]] = {
+            p + fam.gamma: ((H,), f"hidden_size={H}", False),
+            p + fam.router_weight: ((E, H), f"experts={E}, hidden_size={H}", False),
         }
         if fam.router_bias:
-            expected[p + fam.router_bias] = ((E,), f"experts={E}")
+            expected[p + fam.router_bias] = ((E,), f"experts={E}", False)
         if isinstance(fam.experts, Fused):
-            experts = fam.experts.expected(p, E, H, I, ckpt)
+            experts = fam.experts.expected(p, E, H, I, view)
             why = f"experts={E}, hidden_size={H}, intermediate={I}"
         else:
             experts = fam.experts.expected(p, E, H, I)
             why = f"hidden_size={H}, intermediate={I}"
         for n, s in experts.items():
-            expected[n] = (s, why)
+            expected[n] = (s, why, len(s) == 2)  # 2-D: a Linear weight (FP8 in fp8 checkpoints)
         if fam.shared and Is:
             for n, s in fam.shared.mlp.expected(p, 1, H, Is).items():
-                expected[n.replace("{e}", "")] = (s, f"hidden_size={H}, shared intermediate={Is}")
+                why = f"hidden_size={H}, shared intermediate={Is}"
+                expected[n.replace("{e}", "")] = (s, why, True)
             if fam.shared.gate_weight:
-                expected[p + fam.shared.gate_weight] = ((1, H), f"hidden_size={H}")
+                expected[p + fam.shared.gate_weight] = ((1, H), f"hidden_size={H}", False)
         names = list(expected)
-        for name, (shape, why) in expected.items():
-            check_shape(ckpt, name, shape, why)
-            info = ckpt.info(name)
+        for name, (shape, why, quantized) in expected.items():
+            info = src.info(name, shape, why, quantized)
             if info.dtype in FP8_SOURCE_DTYPES:
                 if m.fp8_block is None:
                     raise ConfigError(
                         f"{name}: FP8 weight, but config.json has no fp8 quantization_config"
                     )
                 sname = name + "_scale_inv"
-                check_shape(
-                    ckpt,
+                src.info(
                     sname,
                     fp8_scale_shape(info.shape, m.fp8_block),
                     f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks",
+                    False,
                 )
                 names.append(sname)
         for name in experts:  # the routed experts' storage format, as reported in the plan
-            dtype = ckpt.info(name).dtype
+            dtype = src[name].dtype
             formats_seen.add(
                 "fp8-block" if dtype in FP8_SOURCE_DTYPES else "mxfp4" if name.endswith(("_blocks", "_scales"))
                 else dtype.lower()
             )  # fmt: skip
         source_tensors[L] = names
-        source_bytes[L] = sum(ckpt.info(n).nbytes for n in names)
+        source_bytes[L] = sum(src[n].nbytes for n in names)
+    if src.predicted and not config_only_ok:
+        missing = src.predicted[0]
+        raise CheckpointError(
+            f"{missing}: shard {ckpt.file_of(missing) or '(unknown)'} listed in "
+            f"{INDEX_NAME} is missing from {ckpt.root} (--dry-run plans without it)"
+        )
 
     p0 = prefix.format(L=layers[0])
     args: dict[str, Any] = {
         # a (1 + w) norm is folded into an fp32 gamma (families.fold_gamma)
-        "gamma_dtype": "F32" if fam.norm == NORM_1PW else ckpt.info(p0 + fam.gamma).dtype,
-        "router_dtype": _dtype_for_16bit(ckpt.info(p0 + fam.router_weight).dtype),
-        "router_bias_dtype": ckpt.info(p0 + fam.router_bias).dtype if fam.router_bias else None,
+        "gamma_dtype": "F32" if fam.norm == NORM_1PW else src[p0 + fam.gamma].dtype,
+        "router_dtype": _dtype_for_16bit(src[p0 + fam.router_weight].dtype),
+        "router_bias_dtype": src[p0 + fam.router_bias].dtype if fam.router_bias else None,
         "bias_dtype": None,
         "shared_gate_dtype": None,
     }
     if isinstance(fam.experts, Fused) and fam.experts.gate_up_bias:
-        args["bias_dtype"] = ckpt.info(p0 + fam.experts.gate_up_bias).dtype
+        args["bias_dtype"] = src[p0 + fam.experts.gate_up_bias].dtype
     if fam.shared and fam.shared.gate_weight and Is:
-        args["shared_gate_dtype"] = ckpt.info(p0 + fam.shared.gate_weight).dtype
+        args["shared_gate_dtype"] = src[p0 + fam.shared.gate_weight].dtype
     outputs = [_outputs(args, m, opts, rk) for rk in ranks]
 
-    notes = list(fam.notes)
-    if -(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE != H:
+    notes = list(fam.notes) + padding_notes(
+        Padding.of(H, I // opts.tp, Is // opts.tp if Is else None)
+    )
+    if args["router_dtype"] != src[p0 + fam.router_weight].dtype:
         notes.append(
-            f"H={H} is zero-padded to {-(-H // PREFILL_H_MULTIPLE) * PREFILL_H_MULTIPLE} for the prefill kernel (unpadded_hidden_size={H})"
-        )
-    if args["router_dtype"] != ckpt.info(p0 + fam.router_weight).dtype:
-        notes.append(
-            f"router weight cast from {ckpt.info(p0 + fam.router_weight).dtype} to BF16 (the kernel needs 16-bit)"
+            f"router weight cast from {src[p0 + fam.router_weight].dtype} to BF16 (the kernel needs 16-bit)"
         )
     if dense:
         notes.append(f"dense (not MoE) layers skipped: {_ranges(dense)}")
+    if src.predicted:
+        notes.append(
+            f"planned from config.json{' and the index' if ckpt.indexed else ''}: "
+            f"{len(src.predicted)} source tensor(s) in shards not here, their shapes from the "
+            f"config and dtypes from torch_dtype/quantization_config"
+        )
     src_fmt = "+".join(sorted(formats_seen)) or "bf16"
     return Plan(
         source=ckpt.root.resolve(),
@@ -584,10 +711,40 @@ def build_plan(source: str | Path, opts: PrepOptions, ckpt: Checkpoint | None = 
         source_format=src_fmt,
         model_type=str(ckpt.config.get("model_type") or fam.name),
         notes=notes,
+        config_only=bool(src.predicted),
+        source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
     )
 
 
-def _detect_prefix(ckpt: Checkpoint, fam: Any, layer: int) -> str:
+def padding_notes(p: Padding) -> list[str]:
+    """What the plan and the manifest say about zero padding (one line per padded size)."""
+    notes = []
+    if p.prefill_hidden_size != p.hidden_size:
+        notes.append(
+            f"H={p.hidden_size} is zero-padded to {p.prefill_hidden_size} for the prefill kernel "
+            f"(unpadded_hidden_size={p.hidden_size})"
+        )
+    if p.backward_hidden_size != p.hidden_size:
+        notes.append(
+            f"H={p.hidden_size} is zero-padded to {p.backward_hidden_size} in the expert weights "
+            "(backward: H % 128)"
+        )
+    if p.padded_intermediate_size != p.intermediate_size:
+        notes.append(
+            f"I_TP={p.intermediate_size} is zero-padded to {p.padded_intermediate_size} "
+            "(backward: I % 128)"
+        )
+    Is, Isp = p.shared_intermediate_size, p.padded_shared_intermediate_size
+    if Is != Isp:
+        notes.append(f"shared I_TP={Is} is zero-padded to {Isp} (backward: I % 128)")
+    if notes:
+        notes.append(
+            "zero padding is exact: make-inputs, run-* and verify pad and un-pad from the manifest"
+        )
+    return notes
+
+
+def _detect_prefix(ckpt: Any, fam: Any, layer: int) -> str:
     for p in fam.prefixes:
         if ckpt.has(p.format(L=layer) + fam.router_weight):
             return str(p)

@@ -110,6 +110,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "source_format": plan.source_format,
             "files": source_files,
             "config": m.used,
+            "hub": plan.hub,
         },
         "model": {
             "num_layers": m.num_layers,
@@ -121,6 +122,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "shared_intermediate_size": m.shared_I,
             "top_k": int(m.values["top_k"]),
         },
+        "padding": plan.padding.to_dict(),
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
         "router": m.router.to_dict(),
         "notes": list(plan.notes),
@@ -393,7 +395,7 @@ def _worker_init(source: str, opts: PrepOptions, threads: int, queue: Any) -> No
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
     torch.set_num_threads(threads)
-    ckpt = Checkpoint(source)
+    ckpt = Checkpoint(source, require_shards=False)
     _WORKER.update(ckpt=ckpt, plan=build_plan(source, opts, ckpt), queue=queue)
 
 
@@ -455,24 +457,41 @@ def prepare_weights(
     resume: bool = False,
     force: bool = False,
     reporter: Reporter | None = None,
+    revision: str | None = None,
 ) -> dict[str, Any]:
-    """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict."""
-    ckpt = Checkpoint(source)
-    plan = build_plan(source, options, ckpt)
-    if dry_run:
+    """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict.
+
+    `source`: a checkpoint folder, or a Hugging Face repo id (`mxcli.weightprep.hub`, with
+    `revision`), of which only config, index and the selected layers' shards are fetched.
+    """
+    from mxcli.weightprep.hub import open_source
+
+    root, hub = open_source(source, revision)
+    ckpt = Checkpoint(root, require_shards=False)
+    if output is None and not dry_run:  # before any shard is fetched
+        raise InputError("OUTPUT folder is required (or use --dry-run)")
+    if dry_run:  # shards that are not here are planned from config.json
+        plan = build_plan(root, options, ckpt, config_only_ok=True)
+        plan.hub = hub.describe() if hub else None
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
         problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
         if problem is not None:
             res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]
             res["plan"]["would_refuse"] = problem
         return res
+    if hub is not None:  # fetch the shards of the selected layers, then plan from their headers
+        first = build_plan(root, options, ckpt, config_only_ok=True)
+        hub.fetch_shards(hub.shards_for(first.source_files))
+        ckpt = Checkpoint(root, require_shards=False)
+    plan = build_plan(root, options, ckpt)
+    plan.hub = hub.describe() if hub else None
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read
-    touched = sorted({ckpt.info(n).file for L in plan.layers for n in plan.source_tensors[L]})
+    touched = sorted({plan.source_files[n] for L in plan.layers for n in plan.source_tensors[L]})
     extra = ["config.json"] + ([INDEX_NAME] if ckpt.index_name else [])
     source_files = {name: _stat_entry(ckpt.root / name) for name in extra + touched}
     try:

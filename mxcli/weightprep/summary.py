@@ -19,7 +19,10 @@ def format_plan(plan: dict[str, Any]) -> str:
     r = plan["router"]
     o = plan["options"]
     lines = [
-        f"source        {plan['source']}",
+        f"source        {plan['source']}"
+        + (
+            f" (Hub {plan['hub']['repo_id']} at {plan['hub']['commit']})" if plan.get("hub") else ""
+        ),
         f"family        {plan['family']} (model_type {plan['model_type']}, weights {plan['source_format']})",
         f"MoE layers    {_ranges(plan['moe_layers'])} of {plan['num_layers']}; converting {_ranges(plan['layers'])}",
         f"experts       E={plan['num_experts']} top_k={plan['top_k']}  H={plan['hidden_size']}"
@@ -51,6 +54,13 @@ def format_plan(plan: dict[str, Any]) -> str:
     lines.append(f"outputs per layer and rank ({first} shown):")
     for t in plan["outputs_per_layer"][first]:
         lines.append(f"  {t['name']:<40} {t['dtype']:<5} {str(t['shape']):<24} {_gb(t['bytes'])}")
+    per = plan.get("per_layer") or []
+    if per:
+        lo, hi = min(e["source_bytes"] for e in per), max(e["source_bytes"] for e in per)
+        lines.append(
+            f"per layer     read {_gb(lo)}" + (f"-{_gb(hi)}" if hi != lo else "")
+            + f", write {_gb(per[0]['output_bytes'])} (all ranks)"
+        )  # fmt: skip
     lines += [
         f"total         read {_gb(plan['source_bytes'])}, write {_gb(plan['output_bytes'])}",
         f"peak memory   ~{_gb(plan['estimated_peak_memory_bytes'])} (estimate)",
