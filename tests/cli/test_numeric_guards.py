@@ -1,0 +1,126 @@
+"""Bad numbers that used to pass silently (issue 13 §2): invalid router kwargs in make-inputs, a NaN
+E8M0 scale byte in pre-quantized weights, NaN in a checkpoint's expert weight, and non-finite
+kernel outputs that the inputs do not explain."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mxcli.kernels.rmsnorm_mx_prefill import PrefillValidationError
+from mxcli.kernels.rmsnorm_mx_prefill.contract import validate
+from mxcli.tensorio import read_file, write_file
+from mxcli.weightprep.synthetic import build_checkpoint
+from tests.cli.test_user_errors import _assert_user_error
+
+
+# -- make-inputs validates the router kwargs as the kernel contract does ---------------------
+@pytest.mark.parametrize(
+    "args,words",
+    [
+        (["--top-k", "9"], ["top_k", "<= 8", "9"]),
+        (["--experts", "4", "--top-k", "5"], ["top_k", "<= E=4", "5"]),
+        (["--router-act", "noaux_tc", "--n-group", "3"], ["n_group", "divisor of E=16", "3"]),
+        (["--router-act", "noaux_tc", "--n-group", "4", "--topk-group", "5"],
+         ["topk_group", "<= n_group=4", "5"]),
+        (["--router-act", "noaux_tc", "--n-group", "8", "--topk-group", "1", "--top-k", "3"],
+         ["top_k", "topk_group * E / n_group = 2", "3"]),
+    ],
+    ids=["top-k-9", "top-k-gt-E", "n-group-not-divisor", "topk-group-gt-n-group", "noaux-k-gt-kept"],
+)  # fmt: skip
+def test_make_inputs_prefill_validates_like_the_kernel(
+    cli, tmp_path: Path, args: list[str], words: list[str]
+) -> None:
+    out = tmp_path / "out" / "in.safetensors"
+    out.parent.mkdir()
+    r = cli("make-inputs", "prefill", "--tokens", "128", "--hidden", "512", "-o", out, *args)
+    _assert_user_error(r, words, out)
+
+
+def test_contract_rejects_noaux_top_k_beyond_the_kept_groups() -> None:
+    """Prefill spec §5.3: with K > topk_group * E / n_group the kernel selects -30000-shifted
+    experts outside the kept groups."""
+    x = torch.zeros(1, 4, 512, dtype=torch.bfloat16)
+    g = torch.ones(512, dtype=torch.bfloat16)
+    w = torch.zeros(512, 16, dtype=torch.bfloat16)
+    b = torch.zeros(16)
+    kw = {"router_act_fn": "noaux_tc", "n_group": 4, "topk_group": 2}
+    validate(x, g, w, b, top_k=8, **kw)  # 2 kept groups of 4 experts: 8 fit
+    with pytest.raises(
+        PrefillValidationError, match=r"top_k: expected <= topk_group \* E / n_group = 4 .*got 5"
+    ):
+        validate(x, g, w, b, top_k=5, **{**kw, "topk_group": 1})  # 1 kept group of 4
+
+
+# -- an E8M0 scale byte of 255 (NaN) in pre-quantized weights ---------------------------------
+@pytest.mark.parametrize("name", ["gate_up_weight_scales", "down_weight_scales"])
+def test_nan_scale_byte_is_rejected_with_its_position(
+    cli, tmp_path: Path, files: dict[str, Path], name: str
+) -> None:
+    f = read_file(files["bwd_pq"])
+    s = f.tensors[name].clone()
+    s[1, 33, 5] = 255  # row 33 = compact group 5 in both layouts: (5 // 4) * 32 + 5 % 4
+    bad = tmp_path / "bad.safetensors"
+    write_file(bad, {**f.tensors, name: s}, f.metadata)
+    out = tmp_path / "out" / "o.safetensors"
+    out.parent.mkdir()
+    r = cli("run-bwd", bad, "-o", out)
+    _assert_user_error(r, [name, "255 (NaN)", "[1, 33, 5]", "expert 1, MX group 5"], out)
+    # a byte in a layout hole is never read: not an error
+    holes = f.tensors[name].clone()
+    holes[0, 20, 0] = 255  # rows 4..31 of each quadrant are holes
+    ok = tmp_path / "ok.safetensors"
+    write_file(ok, {**f.tensors, name: holes}, f.metadata)
+    assert cli("run-bwd", ok, "-o", tmp_path / "ok-out.safetensors").exit_code == 0
+
+
+# -- NaN in a checkpoint's expert weight -------------------------------------------------------
+@pytest.fixture(scope="module")
+def nan_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    src = build_checkpoint(
+        "qwen3_moe", tmp_path_factory.mktemp("nan") / "q", intermediate_size=256
+    ).path
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"][name]
+    tensors = load_file(str(shard))
+    tensors[name][3, 7] = float("nan")
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return src
+
+
+def test_prep_weights_rejects_nonfinite_source_weights(
+    cli, tmp_path: Path, nan_checkpoint: Path
+) -> None:
+    out = tmp_path / "prepared"
+    r = cli("prep-weights", nan_checkpoint, out, "--quiet")
+    assert r.exit_code == 2, r.output
+    err = r.stderr.strip()
+    assert "\n" not in err and "Traceback" not in r.output
+    for w in ("layer 1 experts", "gate/up weight", "1 NaN", "--allow-nonfinite"):
+        assert w in err, (w, err)
+
+
+def test_prep_weights_allow_nonfinite_never_reports_exact(
+    cli, tmp_path: Path, nan_checkpoint: Path
+) -> None:
+    out = tmp_path / "prepared"
+    r = cli(
+        "prep-weights", nan_checkpoint, out, "--allow-nonfinite", "--check", "--json", "--quiet"
+    )
+    assert r.exit_code == 0, r.output
+    check = json.loads(r.stdout)["check"]
+    bad = check["1"]["gate_up_proj_weight"]
+    assert not bad["exact"] and bad.get("sqnr_db") is None, bad
+    assert check["1"]["down_proj_weight"]["exact"] and check["0"]["gate_up_proj_weight"]["exact"]
+    # make-inputs bwd refuses the NaN weights of layer 1 (layer 0 is fine)
+    mi = tmp_path / "mi" / "bwd.safetensors"
+    mi.parent.mkdir()
+    r = cli("make-inputs", "bwd", "--weights", out, "--layer", "1", "--tokens", "128", "-o", mi)
+    _assert_user_error(r, ["gate_up_proj_weight", "1 NaN"], mi)
+    r = cli("make-inputs", "bwd", "--weights", out, "--layer", "0", "--tokens", "128", "-o", mi)
+    assert r.exit_code == 0, r.output
