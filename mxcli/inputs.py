@@ -164,7 +164,14 @@ def make_prefill_inputs(
     # kernel would reject is never written
     from mxcli.kernels.rmsnorm_mx_prefill.contract import validate
 
-    validate(**tensors, **kwargs)
+    validate(
+        tensors["hidden_states"],
+        tensors["gamma"],
+        tensors.get("router_weights"),
+        tensors.get("router_bias"),
+        residual=tensors.get("residual"),
+        **kwargs,
+    )
     return KernelInputs(PREFILL, tensors, kwargs, generator)
 
 
