@@ -929,6 +929,9 @@ def run_file(
     with step(f"Running {kernel} on {backend}"):
         outcome = run_kernel(kernel, tensors, kwargs, backend=backend, device=device)
     timings["run"] = outcome.seconds
+    from mxcli.verification.finite import unexplained_nonfinite
+
+    nonfinite = unexplained_nonfinite(kernel, tensors, outcome.outputs, kwargs)
     t1 = time.perf_counter()
     with step(f"Writing {out}"):
         meta = outputs_metadata(
@@ -951,5 +954,6 @@ def run_file(
         "device": outcome.device,
         "kwargs": dump_kwargs(io, kwargs),
         "outputs": describe_tensors(outcome.outputs),
+        "nonfinite": nonfinite,  # output -> NaN/Inf count the inputs do not explain
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
     }

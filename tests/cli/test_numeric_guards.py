@@ -124,3 +124,79 @@ def test_prep_weights_allow_nonfinite_never_reports_exact(
     _assert_user_error(r, ["gate_up_proj_weight", "1 NaN"], mi)
     r = cli("make-inputs", "bwd", "--weights", out, "--layer", "0", "--tokens", "128", "-o", mi)
     assert r.exit_code == 0, r.output
+
+
+# -- prefill overflow: the IEEE chain of prefill spec §3.2-§3.4, and the CLI's output check ------
+def _overflow_inputs(w_dtype: torch.dtype) -> tuple[list[torch.Tensor], dict]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 512, generator=g).to(torch.bfloat16)
+    x[0, 1] = 1e30  # finite bf16; x^2 = 1e60 overflows fp32
+    gamma = torch.ones(512, dtype=torch.bfloat16)
+    w = (torch.randn(512, 16, generator=g) * 0.1).to(w_dtype)
+    from mxcli.kernels import arrange_router_weights
+
+    kw = {"router_weights": arrange_router_weights(w, "softmax"), "top_k": 2}
+    return [x, gamma], {**kw, "router_act_fn": "softmax", "emit_norm_bf16": True}
+
+
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float16])
+def test_overflowing_row_follows_the_ieee_chain_in_reference_and_sim(w_dtype) -> None:
+    """ss = inf (fp32 overflow), inv_rms = rsqrt(inf) = 0. With a bf16 compute dtype
+    a = R_cd(x*g) stays finite and y = R_cd(a*0) = 0: zero codes, scale byte 0, norm 0. With fp16
+    cd, a = R_fp16(1e30) = inf and y = inf*0 = NaN: NaN codes (0x7F) under scale byte 248."""
+    from mxcli.kernels import decode_packed_rows, rmsnorm_mx_prefill
+
+    args, kw = _overflow_inputs(w_dtype)
+    ref = rmsnorm_mx_prefill(*args, **kw)
+    sim = rmsnorm_mx_prefill(*args, **kw, backend="sim")
+    dr, ds = decode_packed_rows(ref[0], 512), decode_packed_rows(sim[0], 512)
+    assert torch.equal(dr.codes, ds.codes) and torch.equal(dr.scales, ds.scales)
+    assert torch.equal(ref[-1], sim[-1])  # norm_bf16 = R(x * 0 * g) = 0 on the row
+    assert torch.all(ref[-1][1] == 0)
+    if w_dtype == torch.bfloat16:
+        assert torch.all(dr.codes[1] == 0) and torch.all(dr.scales[1] == 0)
+    else:
+        assert torch.all(dr.codes[1] & 0x7F == 0x7F) and torch.all(dr.scales[1] == 248)
+    # the other tokens are untouched
+    assert torch.all(torch.isfinite(dr.values[[0, 2, 3]]))
+
+
+def test_run_prefill_warns_about_unexplained_nonfinite_outputs(cli, tmp_path: Path) -> None:
+    args, kw = _overflow_inputs(torch.float16)
+    kwargs = {k: v for k, v in kw.items() if k != "router_weights"}
+    meta = {"kernel": "rmsnorm_mx_prefill", "kwargs": json.dumps(kwargs)}
+    src = tmp_path / "in.safetensors"
+    write_file(
+        src,
+        {"hidden_states": args[0], "gamma": args[1], "router_weights": kw["router_weights"]},
+        meta,
+    )
+    r = cli("run-prefill", src, "-o", tmp_path / "a.safetensors", "--quiet")
+    assert r.exit_code == 0, r.output
+    err = r.stderr
+    assert "warning: norm_quant_packed: 512 NaN/Inf" in err and "expert_affinities" in err
+    r = cli("run-prefill", src, "-o", tmp_path / "b.safetensors", "--quiet", "--strict")
+    assert r.exit_code == 1 and "norm_quant_packed" in r.stderr
+    # the same row as NaN in the input explains its outputs: no warning, even with --strict
+    x = args[0].clone()
+    x[0, 1] = float("nan")
+    nan_in = tmp_path / "nan.safetensors"
+    write_file(nan_in, {"hidden_states": x, "gamma": args[1],
+                        "router_weights": kw["router_weights"]}, meta)  # fmt: skip
+    r = cli("run-prefill", nan_in, "-o", tmp_path / "c.safetensors", "--allow-nonfinite",
+            "--strict", "--quiet")  # fmt: skip
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
+
+
+def test_run_bwd_strict_on_overflow(cli, tmp_path: Path, files: dict[str, Path]) -> None:
+    f = read_file(files["bwd"])
+    dy = f.tensors["output_hidden_states_grad"].clone()
+    dy[5] = 3e38  # finite bf16; dY @ W_d overflows fp32
+    src = tmp_path / "in.safetensors"
+    write_file(src, {**f.tensors, "output_hidden_states_grad": dy}, f.metadata)
+    r = cli("run-bwd", src, "-o", tmp_path / "a.safetensors", "--quiet")
+    assert r.exit_code == 0 and "warning: hidden_states_grad" in r.stderr, r.stderr
+    r = cli("run-bwd", src, "-o", tmp_path / "b.safetensors", "--quiet", "--strict")
+    assert r.exit_code == 1
+    r = cli("run-bwd", files["bwd"], "-o", tmp_path / "c.safetensors", "--quiet", "--strict")
+    assert r.exit_code == 0 and r.stderr == ""
