@@ -155,8 +155,16 @@ def test_overflowing_row_follows_the_ieee_chain_in_reference_and_sim(w_dtype) ->
     assert torch.all(ref[-1][1] == 0)
     if w_dtype == torch.bfloat16:
         assert torch.all(dr.codes[1] == 0) and torch.all(dr.scales[1] == 0)
+        # the logits are raw * 0: an exact tie of all E experts, where the reference (first
+        # occurrence, prefill spec §5.2) and the interpreter (successive occurrences, api spec
+        # §8.14) still differ; not an overflow question
     else:
         assert torch.all(dr.codes[1] & 0x7F == 0x7F) and torch.all(dr.scales[1] == 248)
+        # logits NaN (inf * 0): max8 puts NaN first, find_index8 never matches it (index -1),
+        # and 0 * NaN makes the whole dense affinity row NaN, in both
+        assert ref[1][1].tolist() == sim[1][1].tolist() == [-1, -1]
+        assert torch.isnan(ref[2][1].float()).all() and torch.isnan(sim[2][1].float()).all()
+        assert torch.equal(ref[1][[0, 2, 3]], sim[1][[0, 2, 3]])
     # the other tokens are untouched
     assert torch.all(torch.isfinite(dr.values[[0, 2, 3]]))
 
@@ -200,3 +208,26 @@ def test_run_bwd_strict_on_overflow(cli, tmp_path: Path, files: dict[str, Path])
     assert r.exit_code == 1
     r = cli("run-bwd", files["bwd"], "-o", tmp_path / "c.safetensors", "--quiet", "--strict")
     assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_router_nan_logits_follow_max8_find_index8() -> None:
+    """A NaN logit sorts first (max8) and is never found (find_index8: index -1); the dense row
+    sum_k (iota == idx_k) * s_k is then NaN in every column. A +inf logit under SOFTMAX gives
+    exp(inf - inf) = NaN: the same. Finite rows are unaffected."""
+    from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
+    from mxcli.kernels.rmsnorm_mx_prefill.router import topk_affinities
+
+    lg = torch.tensor(
+        [[0.5, float("nan"), 2.0, -1.0, 0.0, 0.1, 0.2, 0.3],
+         [0.5, float("inf"), 2.0, -1.0, 0.0, 0.1, 0.2, 0.3],
+         [0.5, 1.5, 2.0, -1.0, 0.0, 0.1, 0.2, 0.3]]
+    )  # fmt: skip
+    for act in (RouterActFnType.SIGMOID, RouterActFnType.SOFTMAX):
+        idx, aff = topk_affinities(lg, 2, act)
+        assert idx[0].tolist() == [-1, 2] and torch.isnan(aff[0].float()).all()
+        assert idx[1].tolist() == [1, 2] and idx[2].tolist() == [2, 1]
+        assert torch.isfinite(aff[2].float()).all() and int((aff[2] != 0).sum()) == 2
+    _, soft = topk_affinities(lg, 2, RouterActFnType.SOFTMAX)
+    assert torch.isnan(soft[1].float()).all()
+    _, sig = topk_affinities(lg, 2, RouterActFnType.SIGMOID)
+    assert float(sig[1, 1]) == 1.0 and float(sig[1, 0]) == 0.0  # sigmoid(inf) = 1: finite
