@@ -535,7 +535,9 @@ def check_tensors(
                 f"{arg.name}: expected dtype {allowed}, got {str(t.dtype).removeprefix('torch.')}"
             )
         if not allow_nonfinite:
-            nan, inf = nonfinite_counts(t)
+            from mxcli.verification.finite import input_nonfinite  # x4 words: NaN codes too
+
+            nan, inf = input_nonfinite(arg.name, t)
             if nan or inf:
                 raise InputError(
                     f"{arg.name}: contains {nan} NaN and {inf} Inf value(s) "

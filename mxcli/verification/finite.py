@@ -22,6 +22,19 @@ import torch
 
 from mxcli.tensorio import PREFILL
 
+# pre-quantized (x4) weights: four E4M3 codes per 32-bit word; 0x7F / 0xFF are NaN
+X4_WEIGHTS = ("gate_up_proj_weight", "down_proj_weight")
+
+
+def input_nonfinite(name: str, t: torch.Tensor) -> tuple[int, int]:
+    """(NaN, Inf) counts of an input: float values, or the E4M3 codes of x4 weight words."""
+    if name in X4_WEIGHTS and t.dtype in (torch.uint32, torch.int32):
+        b = t.detach().contiguous().view(torch.uint8)
+        return int(((b & 0x7F) == 0x7F).sum()), 0
+    from mxcli.tensorio import nonfinite_counts
+
+    return nonfinite_counts(t)
+
 
 def _nonfinite(t: torch.Tensor) -> torch.Tensor:
     return ~torch.isfinite(t.detach().float())
@@ -80,7 +93,7 @@ def unexplained_nonfinite(
             if bool(bad.any()):
                 counts[name] = int(bad.sum())
         return counts
-    if any(t.is_floating_point() and bool(_nonfinite(t).any()) for t in inputs.values()):
+    if any(sum(input_nonfinite(n, t)) for n, t in inputs.items()):
         return {}
     counts = {}
     for name, t in outputs.items():
@@ -100,4 +113,4 @@ def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
     ]
 
 
-__all__ = ["nonfinite_warnings", "unexplained_nonfinite"]
+__all__ = ["input_nonfinite", "nonfinite_warnings", "unexplained_nonfinite"]

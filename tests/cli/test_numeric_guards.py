@@ -232,3 +232,21 @@ def test_router_nan_logits_follow_max8_find_index8() -> None:
     assert torch.isnan(soft[1].float()).all()
     _, sig = topk_affinities(lg, 2, RouterActFnType.SIGMOID)
     assert float(sig[1, 1]) == 1.0 and float(sig[1, 0]) == 0.0  # sigmoid(inf) = 1: finite
+
+
+def test_nan_code_in_prequantized_weight_is_a_nonfinite_input(
+    cli, tmp_path: Path, files: dict[str, Path]
+) -> None:
+    """An E4M3 NaN code (0x7F) in an x4 weight word counts as a NaN input: rejected without
+    --allow-nonfinite, and with it the NaN gradients are explained (no warning)."""
+    f = read_file(files["bwd_pq"])
+    w = f.tensors["down_proj_weight"].clone()
+    w.view(torch.uint8).view(-1)[9] = 0x7F
+    bad = tmp_path / "bad.safetensors"
+    write_file(bad, {**f.tensors, "down_proj_weight": w}, f.metadata)
+    out = tmp_path / "out" / "o.safetensors"
+    out.parent.mkdir()
+    _assert_user_error(cli("run-bwd", bad, "-o", out), ["down_proj_weight", "1 NaN"], out)
+    r = cli("run-bwd", bad, "-o", out, "--allow-nonfinite", "--strict", "--quiet")
+    assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
+    assert torch.isnan(read_file(out).tensors["hidden_states_grad"].float()).any()
