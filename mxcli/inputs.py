@@ -160,6 +160,18 @@ def make_prefill_inputs(
         "distributions": "hidden 0.5*N(0,1); gamma 1+0.2*N(0,1); residual 0.5*N(0,1); "
         "router 0.1*N(0,1); bias 0.1*N(0,1)",
     }
+    # the kernel contract's own validation (top_k <= 8 and <= E, n_group | E, ...): what the
+    # kernel would reject is never written
+    from mxcli.kernels.rmsnorm_mx_prefill.contract import validate
+
+    validate(
+        tensors["hidden_states"],
+        tensors["gamma"],
+        tensors.get("router_weights"),
+        tensors.get("router_bias"),
+        residual=tensors.get("residual"),
+        **kwargs,
+    )
     return KernelInputs(PREFILL, tensors, kwargs, generator)
 
 
@@ -267,6 +279,13 @@ def make_bwd_inputs(
         w_gu = _uniform(g, (E, H, 2, I), -0.1, 0.1).to(torch.bfloat16)
     else:
         w_gu, w_d = (w.to(torch.bfloat16) for w in weights)
+        for name, w in (("gate_up_proj_weight", w_gu), ("down_proj_weight", w_d)):
+            bad = ~torch.isfinite(w)
+            if bool(bad.any()):  # every gradient would be NaN
+                nan = int(torch.isnan(w).sum())
+                raise InputError(
+                    f"{name}: expected finite values, got {nan} NaN and {int(bad.sum()) - nan} Inf"
+                )
     a_rand = _uniform(g, (T, E), 0.0, 1.0)
     x = _uniform(g, (T, H), 0.0, 1.0)
     dy = _uniform(g, (T, H), -1.0, 1.0).to(torch.bfloat16)

@@ -535,7 +535,9 @@ def check_tensors(
                 f"{arg.name}: expected dtype {allowed}, got {str(t.dtype).removeprefix('torch.')}"
             )
         if not allow_nonfinite:
-            nan, inf = nonfinite_counts(t)
+            from mxcli.verification.finite import input_nonfinite  # x4 words: NaN codes too
+
+            nan, inf = input_nonfinite(arg.name, t)
             if nan or inf:
                 raise InputError(
                     f"{arg.name}: contains {nan} NaN and {inf} Inf value(s) "
@@ -942,6 +944,10 @@ def run_file(
     with step(f"Running {kernel} on {backend}"):
         outcome = run_kernel(kernel, tensors, kwargs, backend=backend, device=device)
     timings["run"] = outcome.seconds
+    from mxcli.verification.finite import unexplained_nonfinite
+
+    # checked at the kernel's (padded) sizes, where inputs and outputs line up
+    nonfinite = unexplained_nonfinite(kernel, tensors, outcome.outputs, kwargs)
     outputs, extra = outcome.outputs, geometry_metadata(kernel, tensors)
     if pad is not None:  # bwd gradients are cut back to the model's sizes
         from mxcli.weightprep.padding import unpad_run_outputs
@@ -969,6 +975,7 @@ def run_file(
         "device": outcome.device,
         "kwargs": dump_kwargs(io, kwargs),
         "outputs": describe_tensors(outputs),
+        "nonfinite": nonfinite,  # output -> NaN/Inf count the inputs do not explain
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
         **({"padding": extra["padding"]} if "padding" in extra else {}),
     }

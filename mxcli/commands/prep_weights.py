@@ -58,6 +58,9 @@ def main(
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
+    allow_nonfinite: bool = typer.Option(
+        False, "--allow-nonfinite", help="Convert source weights holding NaN or Inf."
+    ),
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
@@ -70,7 +73,7 @@ def main(
         opts = PrepOptions(
             tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
             scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers,
-            threads=threads, check=check,
+            threads=threads, check=check, allow_nonfinite=allow_nonfinite,
         )  # fmt: skip
         reporter = None
         if not dry_run and not quiet:

@@ -60,6 +60,10 @@ LayerOpt = Annotated[
 AllowNonfinite = Annotated[
     bool, typer.Option("--allow-nonfinite", help="Run even if an input holds NaN or Inf.")
 ]
+Strict = Annotated[
+    bool,
+    typer.Option("--strict", help="Exit 1 when an output holds NaN/Inf the inputs do not explain."),
+]
 
 
 def _run(
@@ -76,6 +80,7 @@ def _run(
     force: bool,
     json_out: bool,
     quiet: bool,
+    strict: bool = False,
 ) -> None:
     from mxcli.tensorio import run_file
 
@@ -97,6 +102,17 @@ def _run(
         print_json(summary)
     elif not quiet:
         _print_summary(summary)
+    _check_nonfinite(summary["nonfinite"], strict)
+
+
+def _check_nonfinite(counts: dict[str, int], strict: bool) -> None:
+    """Warn about unexplained NaN/Inf outputs (`mxcli.verification.finite`); exit 1 if strict."""
+    from mxcli.verification.finite import nonfinite_warnings
+
+    for line in nonfinite_warnings(counts):
+        typer.echo(line, err=True)
+    if counts and strict:
+        raise typer.Exit(1)
 
 
 def _print_summary(s: dict[str, Any]) -> None:
@@ -204,6 +220,7 @@ def run_prefill(
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
     allow_nonfinite: AllowNonfinite = False,
+    strict: Strict = False,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -242,6 +259,7 @@ def run_prefill(
             force=force,
             json_out=json_out,
             quiet=quiet,
+            strict=strict,
         ),
         json_out=json_out,
     )
@@ -272,6 +290,7 @@ def run_bwd(
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
     allow_nonfinite: AllowNonfinite = False,
+    strict: Strict = False,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -302,6 +321,7 @@ def run_bwd(
             force=force,
             json_out=json_out,
             quiet=quiet,
+            strict=strict,
         )
 
     guarded(debug, body, json_out=json_out)

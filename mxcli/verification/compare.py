@@ -10,6 +10,10 @@ bit-identical. A :class:`Tolerance` decides pass or fail:
   and the NaN/Inf positions agree; at most ``max_mismatch_frac`` of the elements may fail, the
   cosine similarity must reach ``min_cosine`` and the normalised L2 error
   ``|a - b| / (|a| + |b|)`` must stay under ``max_norm_l2`` when those are set.
+- ``chain``: the tolerance model of results that pass through an fp32 matmul, a bf16 rounding
+  and an MX quantization (`mxcli.verification.mxchain`): every element within ``ulps`` bf16 ulps
+  (ulp floor ``atol_of_max * max|b|``), except at most ``max_mismatch_frac`` of them, which may
+  be one step further, bounded by ``step_of_max * max|b|``; cosine and L2 as for ``close``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,19 @@ class Tolerance:
     min_cosine: float | None = None
     max_norm_l2: float | None = None
     max_mismatch_frac: float = 0.0
+    ulps: float = 0.0  # chain: bf16 ulps for every element
+    step_of_max: float = 0.0  # chain: bound of one step for max_mismatch_frac of them
 
     def describe(self) -> str:
         if self.kind == "exact":
             text = "bit-exact"
+        elif self.kind == "chain":
+            text = f"{self.ulps:g} bf16 ulps"
+            if self.max_mismatch_frac:
+                text += f", {self.max_mismatch_frac:.0%} 1 step <= {self.step_of_max:.3g}*max"
+            if self.min_cosine is not None:
+                text += f", cos>={self.min_cosine:.6g}"
+            return text
         else:
             parts = []
             if self.rtol:
@@ -171,7 +184,18 @@ def compare_tensors(
     if nonfinite_bad.any():
         add_note(rep, f"{int(nonfinite_bad.sum())} NaN/Inf mismatch(es)")
 
-    if tol.kind == "exact":
+    chain = None
+    if tol.kind == "chain":
+        from mxcli.verification.mxchain import ChainTolerance, compare_chain
+
+        chain = compare_chain(
+            a.where(finite, b),
+            b,
+            tol.step_of_max * bmax,
+            ChainTolerance(tol.ulps, tol.atol_of_max or 2.0**-12, tol.max_mismatch_frac),
+        )
+        rep.mismatches = chain.stepped + chain.beyond + int(nonfinite_bad.sum())
+    elif tol.kind == "exact":
         if mask is None:
             bad = _bits(actual).reshape(-1) != _bits(expected).reshape(-1)
         else:
@@ -183,6 +207,10 @@ def compare_tensors(
         rep.mismatches = int(bad.sum())
 
     ok = rep.mismatches <= math.floor(tol.max_mismatch_frac * rep.numel)
+    if chain is not None:
+        ok = chain.passed and not bool(nonfinite_bad.any())
+        if chain.beyond:
+            add_note(rep, f"{chain.beyond} element(s) beyond one step")
     if tol.kind != "exact":
         if tol.min_cosine is not None and rep.cosine < tol.min_cosine:
             ok = False

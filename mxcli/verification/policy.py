@@ -7,7 +7,11 @@ Profiles (the tolerance a comparison of two runs of the *same* numerics deserves
   bit-exact; floating outputs may differ by the last place of their dtype (fp32 accumulation
   order, transcendental functions): ``rtol = 2^-7`` per element, ``atol`` 1e-6, cosine >= 0.9999.
   Weight gradients accumulate in bf16 over blocks, so their bound is ``rtol = 2^-5`` with an
-  absolute floor of ``2^-8 * max|golden|``.
+  absolute floor of ``2^-8 * max|golden|``. Outputs downstream of dG/dU (the hidden-state,
+  gate/up weight and bias gradients) pass through the P1 matmul, a bf16 rounding and an MX
+  quantization: they follow the ``chain`` model of `mxcli.verification.mxchain` (2 bf16 ulps,
+  at most 1% of the elements one step further, bounded by ``2^-3 * max|golden|``: one E4M3 code
+  step is at most 2^-3 of its group's largest magnitude).
 - ``hardware``: for a Trainium device against the reference, the upstream test tolerances
   (prefill spec §7, bwd spec §11.3): at most 1% of codes and scale bytes may flip, dequantized
   values within ``5e-2 * max`` for 99% of elements, indices on at least 95% of the tokens,
@@ -40,6 +44,11 @@ PROFILES = ("strict", "hardware")
 
 _ULP = Tolerance("close", rtol=2.0**-7, atol=1e-6, min_cosine=0.9999)
 _WGRAD = Tolerance("close", rtol=2.0**-5, atol_of_max=2.0**-8, min_cosine=0.9999)
+# mxchain model; the ulp floor 2^-8 * max keeps _WGRAD's floor (bf16 accumulation over blocks)
+_CHAIN = Tolerance(
+    "chain", ulps=2.0, atol_of_max=2.0**-8, step_of_max=2.0**-3, max_mismatch_frac=0.01,
+    min_cosine=0.9999,
+)  # fmt: skip
 
 _STRICT: dict[str, Tolerance] = {
     "norm_quant_packed.codes": EXACT,
@@ -50,11 +59,11 @@ _STRICT: dict[str, Tolerance] = {
     "expert_affinities": _ULP,
     "output_residual": _ULP,
     "norm_bf16": _ULP,
-    "hidden_states_grad": _ULP,
+    "hidden_states_grad": _CHAIN,
     "expert_affinities_masked_grad": _ULP,
-    "gate_up_proj_weight_grad": _WGRAD,
+    "gate_up_proj_weight_grad": _CHAIN,
     "down_proj_weight_grad": _WGRAD,
-    "gate_and_up_proj_bias_grad": _WGRAD,
+    "gate_and_up_proj_bias_grad": _CHAIN,
     "down_proj_bias_grad": _WGRAD,
 }
 
@@ -109,6 +118,9 @@ def tolerance_for(
         return Tolerance("exact", max_mismatch_frac=ov.get("max_mismatch_frac") or 0.0)
     if tol.kind == "exact":
         return tol.with_overrides(max_mismatch_frac=ov.get("max_mismatch_frac"))
+    if tol.kind == "chain" and (ov.get("rtol") is not None or ov.get("atol") is not None):
+        # an explicit rtol/atol replaces the model by a plain element-wise bound
+        return Tolerance("close", min_cosine=tol.min_cosine).with_overrides(**ov)
     return tol.with_overrides(**ov)
 
 

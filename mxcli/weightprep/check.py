@@ -39,6 +39,7 @@ class _Stat:
 
     def __init__(self) -> None:
         self.exact = True
+        self.nonfinite = 0  # NaN/Inf in the source: such a tensor is never called exact
         self.max_abs = 0.0
         self.signal = 0.0
         self.noise = 0.0
@@ -49,6 +50,10 @@ class _Stat:
             self.exact = False
             self.max_abs = math.inf
             return
+        bad_src = int((~torch.isfinite(r)).sum())
+        if bad_src:
+            self.nonfinite += bad_src
+            self.exact = False
         both_nan = torch.isnan(o) & torch.isnan(r)
         d = torch.where(both_nan, torch.zeros_like(o), o - r)
         if out.dtype == ref.dtype:  # same dtype: the bytes must agree (-0 vs 0, NaN payloads)
@@ -57,7 +62,7 @@ class _Stat:
             )
         else:  # a decoded MXFP8 weight vs its bf16 source: the values must agree
             same = bool((d == 0).all()) and torch.equal(torch.isnan(o), torch.isnan(r))
-        self.exact = self.exact and same
+        self.exact = self.exact and same and not self.nonfinite
         if d.numel():
             self.max_abs = max(self.max_abs, float(d.abs().max()))
         self.signal += float(torch.where(both_nan, torch.zeros_like(r), r).double().pow(2).sum())
@@ -70,8 +75,15 @@ class _Stat:
             "exact": self.exact,
             "max_abs_diff": self.max_abs if math.isfinite(self.max_abs) else None,
         }
+        if self.nonfinite:
+            out["nonfinite_source"] = self.nonfinite
         if sqnr:
-            ok = self.noise > 0.0 and self.signal > 0.0 and math.isfinite(self.noise)
+            ok = (
+                self.noise > 0.0
+                and self.signal > 0.0
+                and math.isfinite(self.noise)
+                and not self.nonfinite
+            )
             out["sqnr_db"] = round(10.0 * math.log10(self.signal / self.noise), 3) if ok else None
         return out
 

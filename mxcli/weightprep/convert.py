@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mxcli import __version__
+from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe import prequantize_weights
 from mxcli.kernels.rmsnorm_mx_prefill import arrange_router_weights
 from mxcli.weightprep.checkpoint import CheckpointReader, torch_dtype
@@ -66,6 +67,35 @@ def read_prefill(rd: CheckpointReader, plan: Plan, layer: int) -> dict[str, torc
     if fam.router_bias:
         out["router_bias"] = rd.get(p + fam.router_bias)
     return out
+
+
+def check_finite(plan: Plan, name: str, t: torch.Tensor, where: str = "") -> None:
+    """A source tensor holding NaN/Inf is an error unless ``--allow-nonfinite``: the kernels
+    would turn it into NaN gradients (and an MX group holding it into NaN codes).
+
+    ``where`` names the first bad element's position (`expert_position`)."""
+    if plan.options.allow_nonfinite or not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        nan = int(torch.isnan(t).sum())
+        first = tuple(int(v) for v in bad.nonzero()[0])
+        at = expert_position(where, first) if where else f"at {list(first)}"
+        raise InputError(
+            f"{name}: expected finite values, got {nan} NaN and {int(bad.sum()) - nan} Inf, "
+            f"first {at} (pass --allow-nonfinite to convert anyway)"
+        )
+
+
+def expert_position(kind: str, index: tuple[int, ...]) -> str:
+    """The source coordinates of an element of a chunk ``gate_up [c, H, 2, I]`` (``kind`` =
+    ``"gate_up:e0"``) or ``down [c, I, H]`` (``"down:e0"``): expert, projection, ``(i, h)``."""
+    what, e0 = kind.split(":")
+    if what == "gate_up":
+        c, h, j, i = index
+        return f"in expert {int(e0) + c} {('gate', 'up')[j]}_proj at (i={i}, h={h})"
+    c, i, h = index
+    return f"in expert {int(e0) + c} down_proj at (h={h}, i={i})"
 
 
 def prefill_outputs(src: dict[str, torch.Tensor], plan: Plan) -> dict[str, torch.Tensor]:
@@ -199,7 +229,10 @@ def convert_layer(
         stack.callback(queue.close)  # unwinds before the files close
         outs_by_rank = {r: _Out(queue, w, plan, layer) for r, w in writers.items()}
 
-        for key, t in prefill_outputs(read_prefill(rd, plan, layer), plan).items():
+        src = read_prefill(rd, plan, layer)
+        for key, t in src.items():
+            check_finite(plan, f"layer {layer} {key}", t)
+        for key, t in prefill_outputs(src, plan).items():
             for dst in outs_by_rank.values():
                 dst.write(key, t)
 
@@ -211,6 +244,8 @@ def convert_layer(
             gu, dn = fam.shared.mlp.load(
                 rd, p, 0, 1, H, m.shared_I, m.fp8_block, sc
             )  # [1, H, 2, Is], [1, Is, H]
+            check_finite(plan, f"layer {layer} shared expert weights", gu, "gate_up:0")
+            check_finite(plan, f"layer {layer} shared expert weights", dn, "down:0")
             for rank in plan.ranks:
                 assert rank.shared_i_range is not None
                 outs_by_rank[rank.rank].mlp(
@@ -243,6 +278,8 @@ def convert_layer(
                 gu, dn = fam.experts.load(
                     rd, p, e0, e1, H, I, m.fp8_block, sc
                 )  # [c, H, 2, I], [c, I, H]
+                check_finite(plan, f"layer {layer} expert weights", gu, f"gate_up:{e0}")
+                check_finite(plan, f"layer {layer} expert weights", dn, f"down:{e0}")
                 biases = (
                     fam.experts.load_biases(rd, p, e0, e1, I)
                     if isinstance(fam.experts, Fused)

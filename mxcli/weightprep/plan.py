@@ -65,6 +65,7 @@ class PrepOptions:
     threads: int = 0  # torch intra-op threads per worker; 0 = auto (`threads_per_worker`)
     check: bool = False
     chunk_bytes: int = CHUNK_BYTES
+    allow_nonfinite: bool = False  # convert source weights holding NaN/Inf (else an error)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1 or self.workers < 1 or self.threads < 0:

@@ -8,6 +8,10 @@ MX matmuls tile by tile in PSUM and sums the affinity grad as a ones-matmul, the
 one torch matmul, so a bf16 rounding occasionally lands on the other side (observed ~1e-5).
 It is far tighter than the MXFP8 error itself: a wrong quantization group moves results by
 ~1e-2 (checked below with a deliberately mismatched grouping).
+
+Element by element, every output must also meet the strict tolerance `mxcli verify` applies to
+the sim backend (`mxcli.verification.policy`): the outputs downstream of dG/dU (P1 matmul, bf16
+rounding, MX quantization) under the tolerance model of `mxcli.verification.mxchain`.
 """
 
 from __future__ import annotations
@@ -39,11 +43,15 @@ from mxcli.kernels.blockwise_moe.config import AffinityOption
 from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
 from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
+from mxcli.tensorio import BWD_IO
+from mxcli.verification.compare import compare_tensors
+from mxcli.verification.policy import tolerance_for
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
 KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"
 NAMES = ("hidden_states_grad", "affinity_grad", "gate_up_grad", "down_grad", "bias_gu", "bias_d")
+OUTPUT_NAMES = BWD_IO.outputs
 
 
 def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
@@ -57,6 +65,9 @@ def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> flo
         assert r.float().norm() > 0, f"{name}: degenerate case (all-zero reference)"
         err = rel_l2(a, r)
         assert err <= REL_L2, f"{name}: relative L2 {err:.2e} > {REL_L2}"
+        out_name = OUTPUT_NAMES[NAMES.index(name)]
+        rep = compare_tensors(out_name, a, r, tolerance_for(out_name, "strict"))
+        assert rep.passed, f"{name}: {rep.message} ({rep.tolerance})"
         worst = max(worst, err)
     return worst
 

@@ -52,6 +52,26 @@ def check_int(name: str, t: torch.Tensor) -> None:
         raise BwdValidationError(f"{name}: expected an integer dtype (int32), got {t.dtype}")
 
 
+E8M0_NAN = 255  # bwd spec §5.2 / OCP MX: the E8M0 byte 0xFF encodes NaN
+
+
+def check_e8m0_scales(name: str, scales: torch.Tensor, rows: torch.Tensor) -> None:
+    """No NaN scale among the valid rows ``rows`` (the layout's scale rows) of ``scales [E, R, F]``.
+
+    A byte of 255 would make every value of its MX group NaN (and, through the matmuls, every
+    hidden-state gradient). Rows outside ``rows`` are layout holes the kernel never reads.
+    """
+    s = scales.view(torch.uint8) if scales.dtype != torch.uint8 else scales
+    bad = (s.index_select(1, rows.to(s.device)) == E8M0_NAN).nonzero()
+    if bad.numel():
+        e, m, f = (int(v) for v in bad[0])
+        raise BwdValidationError(
+            f"{name}: expected E8M0 scale bytes < 255, got 255 (NaN) at "
+            f"[{e}, {int(rows[m])}, {f}] (expert {e}, MX group {m}, column {f}; "
+            f"{bad.shape[0]} such byte(s))"
+        )
+
+
 def check_block_size(block_size: Any) -> int:
     if (
         isinstance(block_size, bool)

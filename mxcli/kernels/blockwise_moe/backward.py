@@ -35,7 +35,12 @@ from mxcli.kernels.blockwise_moe.numerics import (
     clamp_masks,
     ordered_scatter,
 )
-from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, dequantize_weight_x4, scale_rows
+from mxcli.kernels.blockwise_moe.prequant import (
+    ScaleLayout,
+    dequantize_weight_x4,
+    scale_row_index,
+    scale_rows,
+)
 from mxcli.mx import QuantScheme, group_order
 
 __all__ = [
@@ -488,12 +493,14 @@ def check_inputs(
     gu_layout = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
     if d_s is not None:
         _check_scales("down_weight_scales", d_s, (E, scale_rows(H, d_layout), I))
+        ck.check_e8m0_scales("down_weight_scales", d_s, scale_row_index(H, d_layout))
     if gu_s is None:
         ck.check_float("gate_up_proj_weight", wgu, None)
         ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
     else:
         _check_prequant("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
         _check_scales("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, gu_layout), H))
+        ck.check_e8m0_scales("gate_up_weight_scales", gu_s, scale_row_index(2 * I, gu_layout))
 
     N = ck.check_block_plan(tpi, b2e, B)
     ck.check_shape("expert_affinities_masked", ea, (T * E, 1))

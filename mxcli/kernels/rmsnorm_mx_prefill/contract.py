@@ -370,6 +370,14 @@ def validate(
                 raise _fail(
                     "router_weights", "E >= 8 for NOAUX_TC (max8 expert selection)", f"E={E}"
                 )
+            # §5.3 "If K exceeds the number of experts in kept groups, masked (-30000-shifted)
+            # experts get selected": the kernel would route outside the kept groups
+            if K > TG * (E // G):
+                raise _fail(
+                    "top_k",
+                    f"<= topk_group * E / n_group = {TG * (E // G)} (experts in the kept groups)",
+                    K,
+                )
     for name, t in tensors:
         if t.device != hs.device:
             raise _fail(name, f"device {hs.device} (same as hidden_states)", t.device)

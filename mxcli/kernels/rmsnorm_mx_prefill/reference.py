@@ -7,6 +7,15 @@ the work runs in chunks of tokens: memory is linear in T and intermediates stay 
 
 Not bit-exact by nature (spec §1, §9): the hardware's rsqrt / sigmoid / exp approximations and
 its fp32 accumulation orders (sum of squares, router matmul).
+
+Overflow (decision; spec §1 "engine arithmetic converts to fp32", §3.2, §3.3): every step is
+IEEE fp32 with RNE casts, nothing is guarded. A finite row with ``|x| >= 2^64`` overflows the
+fp32 sum of squares to +inf, so ``inv_rms = rsqrt(inf) = 0``: with a bf16 compute dtype
+``y = R_cd(a * 0) = 0`` (zero codes, scale byte 0, ``norm_bf16`` 0, logits ``raw * 0``); with
+fp16 (an fp16 router) ``a = R_fp16(x * gamma)`` is inf once ``|x * gamma| > 65504`` and
+``y = inf * 0 = NaN`` (NaN codes under scale byte 248, §3.4). The NKI kernel on the interpreter
+gives the same codes and scales. ``run-prefill`` warns about such outputs
+(`mxcli.verification.finite`).
 """
 
 from __future__ import annotations

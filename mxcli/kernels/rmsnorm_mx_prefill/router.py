@@ -112,9 +112,17 @@ def topk_affinities(
     Returns ``(expert_index [T, K] int32, affinities [T, E] bf16)``. Affinities are dense: each
     slot adds ``R_bf16(s_k)`` at its column with a bf16 rounding per add (duplicate indices
     accumulate), all other experts are exactly 0.
+
+    Non-finite logits (an overflow, see `reference`) follow IEEE arithmetic and the decisions of
+    the NKI interpreter (api spec §12 #25): ``max8`` sorts NaN as the largest value and
+    ``nc_find_index8`` never matches NaN, so a NaN slot's index is 0xFFFFFFFF (-1 as int32). The
+    dense row is built as ``sum_k (iota == idx_k) * s_k``, so one NaN ``s_k`` (a NaN logit, or
+    ``exp(inf - inf)`` in the softmax) makes every column NaN (``0 * NaN``).
     """
     T, E = logits.shape
     vals, idx = first_occurrence_topk(logits, top_k)  # [T, K]
+    nan_slot = torch.isnan(vals)
+    idx = idx.masked_fill(nan_slot, -1)
     if act is RouterActFnType.SIGMOID:
         s = torch.sigmoid(vals)  # no renormalisation
     else:
@@ -124,9 +132,10 @@ def topk_affinities(
     s_bf = s.to(torch.bfloat16).to(torch.float32)
     aff = torch.zeros((T, max(E, MAX_TOP_K)), dtype=torch.float32, device=logits.device)
     for j in range(top_k):  # K <= 8 slots, in slot order (each add rounds to bf16)
-        col = idx[:, j : j + 1]
+        col = idx[:, j : j + 1].clamp_min(0)  # a -1 slot's row is all NaN below
         acc = (aff.gather(1, col) + s_bf[:, j : j + 1]).to(torch.bfloat16).to(torch.float32)
         aff.scatter_(1, col, acc)
+    aff[torch.isnan(s_bf).any(dim=1)] = float("nan")
     return idx.to(torch.int32), aff[:, :E].to(torch.bfloat16)
 
 

@@ -1,0 +1,116 @@
+"""Non-finite kernel outputs that the inputs do not explain.
+
+A finite input can still give NaN or Inf outputs: the fp32 sum of squares of a prefill row
+overflows for ``|x| >= 2^64`` (and the fp16 compute dtype for ``|x * gamma| > 65504``), see
+`mxcli.kernels.rmsnorm_mx_prefill.reference`. The kernels (and their references) follow IEEE
+arithmetic there rather than guard against it, so ``run-prefill`` / ``run-bwd`` check every
+output afterwards and name what they find.
+
+*Explained* non-finite values are those an input already carries (only possible with
+``--allow-nonfinite``): for the prefill kernel, tokens are independent, so a token's outputs are
+explained by a non-finite value in its own ``hidden_states`` / ``residual`` row, and every token's
+by a non-finite ``gamma``, ``router_weights`` or ``router_bias``. The backward mixes all tokens
+and experts, so any non-finite input explains every output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mxcli.tensorio import PREFILL
+
+# pre-quantized (x4) weights: four E4M3 codes per 32-bit word; 0x7F / 0xFF are NaN
+X4_WEIGHTS = ("gate_up_proj_weight", "down_proj_weight")
+
+
+def input_nonfinite(name: str, t: torch.Tensor) -> tuple[int, int]:
+    """(NaN, Inf) counts of an input: float values, or the E4M3 codes of x4 weight words."""
+    if name in X4_WEIGHTS and t.dtype in (torch.uint32, torch.int32):
+        b = t.detach().contiguous().view(torch.uint8)
+        return int(((b & 0x7F) == 0x7F).sum()), 0
+    from mxcli.tensorio import nonfinite_counts
+
+    return nonfinite_counts(t)
+
+
+def _nonfinite(t: torch.Tensor) -> torch.Tensor:
+    return ~torch.isfinite(t.detach().float())
+
+
+def _rows_nonfinite(t: torch.Tensor | None, T: int) -> torch.Tensor:
+    if t is None or not t.is_floating_point():
+        return torch.zeros(T, dtype=torch.bool)
+    return _nonfinite(t.reshape(T, -1)).any(dim=1).cpu()
+
+
+def _prefill_views(
+    outputs: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any], H: int, E: int | None
+) -> dict[str, torch.Tensor]:
+    """The floating values of each prefill output; the packed rows decoded (codes x scales,
+    affinity tail), never their raw bytes (holes and scale bytes are not fp8 values)."""
+    from mxcli.kernels.rmsnorm_mx_prefill import packed_bytes
+    from mxcli.verification.policy import decode_packed
+
+    views: dict[str, torch.Tensor] = {}
+    for name, t in outputs.items():
+        if name == "norm_quant_packed":
+            packed_e = E if kwargs.get("pack_affinities") else None
+            dec = decode_packed(packed_bytes(t).cpu(), kwargs, H, packed_e)
+            views["norm_quant_packed"] = dec.values
+            if dec.affinities is not None:
+                views["norm_quant_packed.affinities"] = dec.affinities
+        elif t.is_floating_point():
+            views[name] = t
+    return views
+
+
+def unexplained_nonfinite(
+    kernel: str,
+    inputs: Mapping[str, torch.Tensor],
+    outputs: Mapping[str, torch.Tensor],
+    kwargs: Mapping[str, Any],
+) -> dict[str, int]:
+    """``{output name: count}`` of NaN/Inf output values the inputs do not explain (see the
+    module doc); empty when there are none."""
+    if kernel == PREFILL:
+        hs = inputs["hidden_states"]
+        H = int(hs.shape[-1])
+        T = hs.numel() // H
+        w = inputs.get("router_weights")
+        E = int(w.shape[1]) if w is not None else None
+        if any(
+            t is not None and t.is_floating_point() and bool(_nonfinite(t).any())
+            for t in (inputs.get(n) for n in ("gamma", "router_weights", "router_bias"))
+        ):
+            return {}
+        explained = _rows_nonfinite(hs, T) | _rows_nonfinite(inputs.get("residual"), T)
+        counts = {}
+        for name, v in _prefill_views(outputs, kwargs, H, E).items():
+            bad = _nonfinite(v.reshape(T, -1)).cpu() & ~explained[:, None]
+            if bool(bad.any()):
+                counts[name] = int(bad.sum())
+        return counts
+    if any(sum(input_nonfinite(n, t)) for n, t in inputs.items()):
+        return {}
+    counts = {}
+    for name, t in outputs.items():
+        if t.is_floating_point():
+            n = int(_nonfinite(t).sum())
+            if n:
+                counts[name] = n
+    return counts
+
+
+def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
+    """One line per output holding unexplained NaN/Inf values."""
+    return [
+        f"warning: {name}: {n} NaN/Inf value(s) that the inputs do not explain "
+        "(the inputs they depend on are finite: an overflow inside the kernel)"
+        for name, n in counts.items()
+    ]
+
+
+__all__ = ["input_nonfinite", "nonfinite_warnings", "unexplained_nonfinite"]
