@@ -484,6 +484,7 @@ _NISA_ALLOWED = {
     "activation", "dma_compute", "dma_copy", "iota", "max8", "memset", "nc_find_index8",
     "nc_matmul", "nc_transpose", "quantize_mx", "reciprocal", "scalar_tensor_tensor",
     "tensor_copy", "tensor_reduce", "tensor_scalar", "tensor_tensor", "dge_mode", "reduce_cmd",
+    "engine",  # DMA trigger queue / copy engine selection (nki_api_subset §6.1, §10)
 }  # fmt: skip
 
 

@@ -172,6 +172,21 @@ def rmsnorm_mx_prefill_nki(
         # token-major gamma broadcast to every partition [128, H] fp32 (stride-0 HBM rows)
         gamma_tm = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf, name="gamma_tm")
         nisa.dma_copy(dst=gamma_tm, src=gamma1.ap([[0, P], [1, H]], offset=0))
+
+    # Software pipeline over this program's token tiles (every tile has its own buffers, so no
+    # tile waits on another's). In each engine's in-order queue the work of neighbouring tiles
+    # interleaves: tile i+1's load and sum of squares are issued before tile i's stores, tile
+    # i-1's router logits between tile i's swizzle and its quantization, and tile i-1's top-K
+    # after tile i's quantization, so the engines overlap instead of taking turns. The first
+    # load goes out before the router weights, whose DMA would otherwise delay it.
+    tiles: list[tuple[int, int]] = []  # (first token, tokens) of this program's tiles
+    for t0 in range(tok_begin, tok_end, TOK_TILE):
+        tiles.append((t0, min(TOK_TILE, tok_end - t0)))
+    loaded: list[tuple[Any, Any]] = []  # (x, inv) of the loaded tile
+    routing: list[list[Any]] = []  # [t0, n, a_sw, inv, logits or None] of tiles to route
+    if tiles:
+        loaded.append(_load_and_rms(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res))
+
     w_sb = None
     bias_tm = None
     iota_e = None
@@ -198,17 +213,28 @@ def rmsnorm_mx_prefill_nki(
                 dst=gid_e, pattern=[[1, cfg.n_group], [0, epg]], offset=0, channel_multiplier=0
             )
 
-    for t0 in range(tok_begin, tok_end, TOK_TILE):
-        n = min(TOK_TILE, tok_end - t0)
-        x, inv = _load_and_rms(cfg, t0, n, hs2, res2, out_res)
+    for i in range(len(tiles)):
+        t0, n = tiles[i]
+        x, inv = loaded.pop(0)
+        if i + 1 < len(tiles):
+            # prefetch: the next tile's load (Activation queue) and sum of squares
+            loaded.append(_load_and_rms(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res))
         a_sw, y_sw = _swizzle_and_scale(cfg, n, x, inv, ident, gamma_sw)
+        if E > 0:
+            if routing:
+                # the previous tile's logits: PE work ready now, issued before this tile's
+                # code transposes so the PE never waits on this tile's quantization
+                routing[0][4] = _router_logits(cfg, routing[0][1], routing[0][2], w_sb)
+            routing.append([t0, n, a_sw, inv, None])
         _quantize_and_store(cfg, t0, n, y_sw, out_packed)
         if out_norm is not None:
             _store_norm_bf16(cfg, t0, n, x, inv, gamma_tm, out_norm)
-        if E > 0:
-            _route(
-                cfg, t0, n, a_sw, inv, w_sb, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff
-            )
+        if E > 0 and len(routing) > 1:
+            r0, rn, _, rinv, rlg = routing.pop(0)
+            _route(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff)
+    for r0, rn, ra, rinv, _ in routing:
+        lg_ps = _router_logits(cfg, rn, ra, w_sb)
+        _route(cfg, r0, rn, lg_ps, rinv, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff)
 
     outputs = [out_packed]
     for t in (out_index, out_aff, out_res, out_norm):
@@ -234,7 +260,14 @@ def _load_and_rms(
         # output_residual: the sum in stored order, converted to residual.dtype
         nisa.dma_copy(dst=out_res[t0 : t0 + n, :], src=x_st[0:n, :])
     else:
-        nisa.dma_copy(dst=x_st[0:n, :], src=hs2[t0 : t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
+        # triggered from the Activation queue: the stores go through the SP (sync) queue, so
+        # the next tile's load never waits behind this tile's stores (nki_api_subset §6.1)
+        nisa.dma_copy(
+            dst=x_st[0:n, :],
+            src=hs2[t0 : t0 + n, :],
+            dge_mode=nisa.dge_mode.hwdge,
+            engine=nisa.engine.scalar,
+        )
     x = x_st
     if cfg.hidden_interleaved:
         # §3.1 (V-B): x_nat[4p + q] = x_stored[q*(H/4) + p], a bit-exact strided copy
@@ -247,7 +280,9 @@ def _load_and_rms(
 
     # 2. sum of squares, 512-blocks chained in order in the ScalarE accumulator (§3.2)
     stat = nl.ndarray((TOK_TILE, 2), dtype=nl.float32, buffer=nl.sbuf, name="ss_inv")
-    sq = nl.ndarray((TOK_TILE, BLOCK), dtype=nl.float32, buffer=nl.sbuf, name="sq_junk")
+    # the squares themselves are junk: a bf16 tile streams at ScalarE's 2-byte rate, while the
+    # accumulator sums the fp32 squares before the output rounding (the sum stays fp32)
+    sq = nl.ndarray((TOK_TILE, BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name="sq_junk")
     for blk in range(NB):
         nisa.activation(
             dst=sq[0:n, :],
@@ -382,24 +417,10 @@ def _store_norm_bf16(
     nisa.dma_copy(dst=out_norm[t0 : t0 + n, :], src=nrm[0:n, :], dge_mode=nisa.dge_mode.hwdge)
 
 
-def _route(
-    cfg: PrefillKernelConfig,
-    t0: int,
-    n: int,
-    a_sw: Any,
-    inv: Any,
-    w_sb: Any,
-    bias_tm: Any,
-    iota_e: Any,
-    gid_e: Any,
-    out_packed: Any,
-    out_index: Any,
-    out_aff: Any,
-) -> None:
-    """Step 8: router logits, top-K / NOAUX_TC selection and the affinities of tokens
-    ``[t0, t0 + n)`` into their own tensor or the packed row tail (prefill spec §4.3, §5)."""
-    NB, E, K = cfg.NB, cfg.E, cfg.K
-    # one matmul per (h512, q) contracting partitions p, one PSUM accumulation chain (§5.1)
+def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, w_sb: Any) -> Any:
+    """Step 8a: raw router logits ``[n, E]`` fp32 in PSUM: one matmul per (h512, q) contracting
+    partitions p, one PSUM accumulation chain in (h512, q) order (prefill spec §5.1)."""
+    NB, E = cfg.NB, cfg.E
     lg_ps = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.psum, name="logits")
     for blk in range(NB):
         for q in range(4):
@@ -410,6 +431,26 @@ def _route(
                 moving=w_sb[:, i, :],
                 accumulate=i > 0,
             )
+    return lg_ps
+
+
+def _route(
+    cfg: PrefillKernelConfig,
+    t0: int,
+    n: int,
+    lg_ps: Any,
+    inv: Any,
+    bias_tm: Any,
+    iota_e: Any,
+    gid_e: Any,
+    out_packed: Any,
+    out_index: Any,
+    out_aff: Any,
+) -> None:
+    """Step 8b: from the raw logits ``lg_ps`` (`_router_logits`), top-K / NOAUX_TC selection and
+    the affinities of tokens ``[t0, t0 + n)`` into their own tensor or the packed row tail
+    (prefill spec §4.3, §5)."""
+    E, K = cfg.E, cfg.K
     if cfg.router_mode == RouterMode.NOAUX_TC:
         aff = _noaux_tc(
             n,
