@@ -164,8 +164,13 @@ def rmsnorm_mx_prefill_nki(
 
     # --- per-program constants ---
     ident = nl.shared_identity_matrix(P, dtype=nl.float32)
-    # gamma in the swizzled layout [128 p, NB, 4 q] = gamma[h512*512 + 4p + q], fp32 (exact)
-    gamma_sw = nl.ndarray((P, NB, 4), dtype=nl.float32, buffer=nl.sbuf, name="gamma_sw")
+    # gamma in the swizzled layout [128 p, NB, 4 q] = gamma[h512*512 + 4p + q], in its own dtype
+    # when that is 2-byte (a bit copy; the x * gamma pass then streams at VectorE's 2-byte rate),
+    # else fp32 (exact)
+    g_dt = nl.float32
+    if gamma1.dtype == nl.bfloat16 or gamma1.dtype == nl.float16:
+        g_dt = gamma1.dtype
+    gamma_sw = nl.ndarray((P, NB, 4), dtype=g_dt, buffer=nl.sbuf, name="gamma_sw")
     nisa.dma_copy(dst=gamma_sw, src=gamma1.ap([[4, P], [BLOCK, NB], [1, 4]], offset=0))
     gamma_tm = None
     if cfg.emit_norm_bf16:
@@ -175,17 +180,20 @@ def rmsnorm_mx_prefill_nki(
 
     # Software pipeline over this program's token tiles (every tile has its own buffers, so no
     # tile waits on another's). In each engine's in-order queue the work of neighbouring tiles
-    # interleaves: tile i+1's load and sum of squares are issued before tile i's stores, tile
-    # i-1's router logits between tile i's swizzle and its quantization, and tile i-1's top-K
-    # after tile i's quantization, so the engines overlap instead of taking turns. The first
-    # load goes out before the router weights, whose DMA would otherwise delay it.
+    # interleaves: tile i+1's load is issued before tile i's work and its sum of squares right
+    # after tile i's swizzle (ScalarE copies), tile i-1's router logits between tile i's swizzle
+    # and its quantization, tile i-1's top-K after tile i's quantization, so the engines overlap
+    # instead of taking turns. The first load goes out before the router weights, whose DMA
+    # would otherwise delay it.
     tiles: list[tuple[int, int]] = []  # (first token, tokens) of this program's tiles
     for t0 in range(tok_begin, tok_end, TOK_TILE):
         tiles.append((t0, min(TOK_TILE, tok_end - t0)))
-    loaded: list[tuple[Any, Any]] = []  # (x, inv) of the loaded tile
-    routing: list[list[Any]] = []  # [t0, n, a_sw, inv, logits or None] of tiles to route
+    x_next = None
+    inv_next = None
     if tiles:
-        loaded.append(_load_and_rms(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res))
+        x_next = _load(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res)
+        inv_next = _rms(cfg, tiles[0][1], x_next)
+    routing: list[list[Any]] = []  # [t0, n, a_sw, inv, logits or None] of tiles to route
 
     w_sb = None
     bias_tm = None
@@ -215,11 +223,12 @@ def rmsnorm_mx_prefill_nki(
 
     for i in range(len(tiles)):
         t0, n = tiles[i]
-        x, inv = loaded.pop(0)
+        x, inv = x_next, inv_next
         if i + 1 < len(tiles):
-            # prefetch: the next tile's load (Activation queue) and sum of squares
-            loaded.append(_load_and_rms(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res))
+            x_next = _load(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res)
         a_sw, y_sw = _swizzle_and_scale(cfg, n, x, inv, ident, gamma_sw)
+        if i + 1 < len(tiles):
+            inv_next = _rms(cfg, tiles[i + 1][1], x_next)
         if E > 0:
             if routing:
                 # the previous tile's logits: PE work ready now, issued before this tile's
@@ -243,12 +252,10 @@ def rmsnorm_mx_prefill_nki(
     return outputs
 
 
-def _load_and_rms(
-    cfg: PrefillKernelConfig, t0: int, n: int, hs2: Any, res2: Any, out_res: Any
-) -> tuple[Any, Any]:
-    """Steps 1-2 for tokens ``[t0, t0 + n)``: the token-major tile ``x [n, H]`` in natural H
-    order (input dtype) and ``inv_rms`` fp32 ``[n, 1]`` (prefill spec §3.1, §3.2)."""
-    H, NB = cfg.H, cfg.NB
+def _load(cfg: PrefillKernelConfig, t0: int, n: int, hs2: Any, res2: Any, out_res: Any) -> Any:
+    """Step 1 for tokens ``[t0, t0 + n)``: the token-major tile ``x [n, H]`` in natural H
+    order, input dtype (prefill spec §3.1)."""
+    H = cfg.H
     in_dt = hs2.dtype
     # 1. token-major load [n, H] (partition = token), §3.1
     x_st = nl.ndarray((TOK_TILE, H), dtype=in_dt, buffer=nl.sbuf, name="x_tok")
@@ -277,7 +284,12 @@ def _load_and_rms(
             dst=x.ap([[H, n], [4, Hq], [1, 4]], offset=0),
             src=x_st.ap([[H, n], [1, Hq], [Hq, 4]], offset=0),
         )
+    return x
 
+
+def _rms(cfg: PrefillKernelConfig, n: int, x: Any) -> Any:
+    """Step 2: ``inv_rms`` fp32 ``[n, 1]`` of the token-major tile ``x`` (prefill spec §3.2)."""
+    NB = cfg.NB
     # 2. sum of squares, 512-blocks chained in order in the ScalarE accumulator (§3.2)
     stat = nl.ndarray((TOK_TILE, 2), dtype=nl.float32, buffer=nl.sbuf, name="ss_inv")
     # the squares themselves are junk: a bf16 tile streams at ScalarE's 2-byte rate, while the
@@ -295,7 +307,7 @@ def _load_and_rms(
     # inv_rms = rsqrt(ss * fp32(1/N) + fp32(eps)): the mean is a multiply, eps the bias (§3.2)
     inv = stat[0:n, 1:2]
     nisa.activation(dst=inv, op=nl.rsqrt, data=stat[0:n, 0:1], bias=cfg.eps, scale=1.0 / cfg.N)
-    return x, inv
+    return inv
 
 
 def _swizzle_and_scale(
@@ -328,9 +340,13 @@ def _swizzle_and_scale(
             for j in range(2):
                 # word 2p + j of the block = elements 4p + 2j, 4p + 2j + 1 -> lanes 2j, 2j + 1
                 nisa.nc_transpose(dst=xt_ps[:, c, :, j], data=x32[:, w0 + j : w0 + BLOCK // 2 : 2])
+        # PSUM -> SBUF on the Scalar engine as fp32 words (bit-exact): the Vector multiply below
+        # then reads two 2-byte SBUF tiles, at twice the rate of a PSUM read
+        xt_sb = nl.ndarray((P, cb, n, 2), dtype=nl.float32, buffer=nl.sbuf, name="x_swz_sb")
+        nisa.tensor_copy(dst=xt_sb, src=xt_ps, engine=nisa.engine.scalar)
         nisa.tensor_tensor(
             dst=a_sw[:, b0 : b0 + cb, :, :],
-            data1=xt_ps.view(in_dt),  # [128, cb, n, 4] values of x (bit-exact)
+            data1=xt_sb.view(in_dt),  # [128, cb, n, 4] values of x (bit-exact)
             data2=gamma_sw[:, b0 : b0 + cb, :].expand_dim(2).broadcast(2, n),
             op=nl.multiply,
         )
