@@ -220,6 +220,21 @@ def test_hidden_interleaved() -> None:
     )
 
 
+@pytest.mark.parametrize("gamma_dtype", [torch.float32, torch.float16])
+def test_gamma_dtypes_and_swizzle_words_with_zero_halves(gamma_dtype: torch.dtype) -> None:
+    """The swizzle copies x out of PSUM as fp32 words (two bf16 each) on ScalarE; words whose
+    high half is +-0 are fp32 zeros/subnormals and must still arrive bit-exact. gamma in fp32
+    (kept fp32 on chip) or fp16 (kept in its own dtype): a = R_cd(x * gamma) as the reference."""
+    (x, gamma), kw = make_case(40, 1024, E=16, K=2, act=A.SIGMOID, bias_dtype=torch.float32)
+    x = x.clone()
+    x[..., 1::2] = 0.0  # odd elements = high halves of the fp32 words: subnormal / zero words
+    x[..., 3::8] = -0.0  # and negative zeros (sign bit only)
+    x[0, :8, 1::2] = x[0, :8, 0::2]  # a few full rows stay dense
+    g = torch.Generator().manual_seed(7)
+    gamma = (torch.randn(1, 1024, generator=g) * 0.2 + 1).to(gamma_dtype)
+    check_against_reference([x, gamma], kw)
+
+
 def test_e5m2_output_and_single_token() -> None:
     check_against_reference(*make_case(1, 512, E=8, K=1, act=A.SIGMOID, qmx_output_dtype="e5m2"))
 
