@@ -194,11 +194,11 @@ def rmsnorm_mx_prefill_nki(
         x_next = _load(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res)
         inv_next = _rms(cfg, tiles[0][1], x_next)
     routing: list[list[Any]] = []  # [t0, n, a_sw, inv, logits or None] of tiles to route
+    finishing: list[list[Any]] = []  # [t0, n, selection] of tiles whose affinities are due
 
     w_sb = None
     bias_tm = None
     iota_e = None
-    gid_e = None
     if E > 0:
         # router weights [128 p, NB*4 (h512, q), E]: arranged row h512*512 + q*128 + p (§6.1);
         # NOAUX_TC rows are already partition-major ([128, H/128, E] contiguous)
@@ -214,12 +214,6 @@ def rmsnorm_mx_prefill_nki(
         Ew = max(E, MAX8)
         iota_e = nl.ndarray((P, Ew), dtype=nl.float32, buffer=nl.sbuf, name="iota_e")
         nisa.iota(dst=iota_e, pattern=[[1, Ew]], offset=0, channel_multiplier=0)
-        if noaux:
-            epg = E // cfg.n_group
-            gid_e = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="group_id")
-            nisa.iota(
-                dst=gid_e, pattern=[[1, cfg.n_group], [0, epg]], offset=0, channel_multiplier=0
-            )
 
     for i in range(len(tiles)):
         t0, n = tiles[i]
@@ -238,12 +232,20 @@ def rmsnorm_mx_prefill_nki(
         _quantize_and_store(cfg, t0, n, y_sw, out_packed)
         if out_norm is not None:
             _store_norm_bf16(cfg, t0, n, x, inv, gamma_tm, out_norm)
-        if E > 0 and len(routing) > 1:
-            r0, rn, _, rinv, rlg = routing.pop(0)
-            _route(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff)
+        if E > 0:
+            if finishing:
+                f0, fn, fsel = finishing.pop(0)
+                _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
+            if len(routing) > 1:
+                r0, rn, _, rinv, rlg = routing.pop(0)
+                rsel = _route_select(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, out_index)
+                finishing.append([r0, rn, rsel])
     for r0, rn, ra, rinv, _ in routing:
         lg_ps = _router_logits(cfg, rn, ra, w_sb)
-        _route(cfg, r0, rn, lg_ps, rinv, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff)
+        rsel = _route_select(cfg, r0, rn, lg_ps, rinv, bias_tm, iota_e, out_index)
+        finishing.append([r0, rn, rsel])
+    for f0, fn, fsel in finishing:
+        _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
 
     outputs = [out_packed]
     for t in (out_index, out_aff, out_res, out_norm):
@@ -450,7 +452,7 @@ def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, w_sb: Any) -> An
     return lg_ps
 
 
-def _route(
+def _route_select(
     cfg: PrefillKernelConfig,
     t0: int,
     n: int,
@@ -458,32 +460,29 @@ def _route(
     inv: Any,
     bias_tm: Any,
     iota_e: Any,
-    gid_e: Any,
-    out_packed: Any,
     out_index: Any,
-    out_aff: Any,
-) -> None:
-    """Step 8b: from the raw logits ``lg_ps`` (`_router_logits`), top-K / NOAUX_TC selection and
-    the affinities of tokens ``[t0, t0 + n)`` into their own tensor or the packed row tail
-    (prefill spec §4.3, §5)."""
+) -> list[Any]:
+    """Step 8b: from the raw logits ``lg_ps`` (`_router_logits`), the top-K / NOAUX_TC selection
+    of tokens ``[t0, t0 + n)`` (prefill spec §5). Returns ``[aff, score, eq]``: the dense
+    affinity tile (SIGMOID / SOFTMAX), or NOAUX_TC's scores and selection planes for
+    `_route_finish` (a later pipeline stage: the planes come from GpSimd)."""
     E, K = cfg.E, cfg.K
     if cfg.router_mode == RouterMode.NOAUX_TC:
-        aff = _noaux_tc(
-            n,
-            E,
-            K,
-            cfg.n_group,
-            cfg.topk_group,
-            cfg.routed_scaling_factor,
-            lg_ps,
-            inv,
-            bias_tm,
-            iota_e,
-            gid_e,
-        )
-    else:
-        aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
+        score, eq = _noaux_select(n, E, K, cfg.n_group, cfg.topk_group, lg_ps, inv, bias_tm, iota_e)
+        return [None, score, eq]
+    aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
+    return [aff, None, None]
 
+
+def _route_finish(
+    cfg: PrefillKernelConfig, t0: int, n: int, selected: list[Any], out_packed: Any, out_aff: Any
+) -> None:
+    """Step 8c: the affinities of `_route_select`'s selection into their own tensor or the
+    packed row tail (prefill spec §4.3, §5.3)."""
+    E = cfg.E
+    aff = selected[0]
+    if aff is None:
+        aff = _noaux_affinities(n, E, cfg.K, cfg.routed_scaling_factor, selected[1], selected[2])
     if not cfg.pack_affinities:
         nisa.dma_copy(dst=out_aff[t0 : t0 + n, :], src=aff[0:n, :], dge_mode=nisa.dge_mode.hwdge)
         return
@@ -588,20 +587,19 @@ def _select8(n: int, src: Any, name: str) -> Any:
     return idx_f
 
 
-def _noaux_tc(
+def _noaux_select(
     n: int,
     E: int,
     K: int,
     G: int,
     TG: int,
-    rsf: float,
     lg_ps: Any,
     inv: Any,
     bias_tm: Any,
     iota_e: Any,
-    gid_e: Any,
-) -> Any:
-    """NOAUX_TC group-limited routing in fp32 (§5.3, errata 4): dense fp32 affinities [n, E]."""
+) -> tuple[Any, Any]:
+    """NOAUX_TC group-limited selection in fp32 (§5.3, errata 4): the pre-bias scores [n, E] and
+    the onehot counts of the K selected experts in plane 0 of ``eq [n, 8, E]``."""
     epg = E // G
     f32 = nl.float32
     # score = sigmoid(raw * inv_rms): the inv_rms scale fused, no bias inside the sigmoid
@@ -626,45 +624,70 @@ def _noaux_tc(
     nisa.tensor_tensor(dst=gs[0:n, 0:G], data1=g8[0:n, :, 0], data2=g8[0:n, :, 1], op=nl.add)
     kept = _select8(n, gs[0:n, :], "noaux_kept")
 
-    # mask[e] = number of kept slots naming group(e); masked = sfc + (mask - 1) * SENT
-    mask = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_mask")
-    nisa.memset(dst=mask[0:n, :], value=0.0)
+    # mask[g] = number of kept slots naming group g, per group (G columns, not E: the group ids
+    # are iota_e's first G columns); masked = sfc + (mask[group(e)] - 1) * SENT, the group's
+    # shift broadcast over its experts by a stride-0 view (same fp32 operations per element)
+    gmask = nl.ndarray((TOK_TILE, G), dtype=f32, buffer=nl.sbuf, name="noaux_group_mask")
+    nisa.memset(dst=gmask[0:n, :], value=0.0)
     for j in range(TG):
         nisa.scalar_tensor_tensor(
-            dst=mask[0:n, :],
-            data=gid_e[0:n, :],
+            dst=gmask[0:n, :],
+            data=iota_e[0:n, 0:G],
             op0=nl.equal,
             operand0=kept[0:n, j : j + 1],
             op1=nl.add,
-            operand1=mask[0:n, :],
+            operand1=gmask[0:n, :],
         )
-    shift = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_shift")
     nisa.tensor_scalar(
-        dst=shift[0:n, :],
-        data=mask[0:n, :],
+        dst=gmask[0:n, :],
+        data=gmask[0:n, :],
         op0=nl.subtract,
         operand0=1.0,
         op1=nl.multiply,
         operand1=NOAUX_SENTINEL,
     )
     masked = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_masked")
-    nisa.tensor_tensor(dst=masked[0:n, :], data1=sfc[0:n, :], data2=shift[0:n, :], op=nl.add)
+    nisa.tensor_tensor(
+        dst=masked[0:n, :].reshape((n, G, epg)),
+        data1=sfc[0:n, :].reshape((n, G, epg)),
+        data2=gmask[0:n, :].expand_dim(2).broadcast(2, epg),
+        op=nl.add,
+    )
     sel = _select8(n, masked[0:n, :], "noaux_sel")
 
-    # onehot (counts) of the K selected experts; w = pre-bias score of the selected
-    onehot = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_onehot")
-    nisa.memset(dst=onehot[0:n, :], value=0.0)
-    for k in range(K):
-        nisa.scalar_tensor_tensor(
-            dst=onehot[0:n, :],
-            data=iota_e[0:n, 0:E],
-            op0=nl.equal,
-            operand0=sel[0:n, k : k + 1],
-            op1=nl.add,
-            operand1=onehot[0:n, :],
-        )
+    # the K selection planes on the otherwise idle GpSimd engine: one compare of [n, K, E]
+    # (iota and the K indices broadcast by stride-0 views)
+    eq = nl.ndarray((TOK_TILE, MAX8, E), dtype=f32, buffer=nl.sbuf, name="noaux_onehot")
+    nisa.tensor_tensor(
+        dst=eq[0:n, 0:K, :],
+        data1=iota_e[0:n, 0:E].expand_dim(1).broadcast(1, K),
+        data2=sel[0:n, 0:K].expand_dim(2).broadcast(2, E),
+        op=nl.equal,
+        engine=nisa.engine.gpsimd,
+    )
+    # onehot (counts) = the K planes summed pairwise into plane 0, on GpSimd too (counts of 0/1:
+    # exact in any order)
+    width = K
+    for _ in range(3):  # K <= 8 = 2**3 planes
+        if width > 1:
+            half = width // 2
+            nisa.tensor_tensor(
+                dst=eq[0:n, 0:half, :],
+                data1=eq[0:n, 0:half, :],
+                data2=eq[0:n, width - half : width, :],
+                op=nl.add,
+                engine=nisa.engine.gpsimd,
+            )
+            width = width - half
+    return score, eq
+
+
+def _noaux_affinities(n: int, E: int, K: int, rsf: float, score: Any, eq: Any) -> Any:
+    """NOAUX_TC affinities (§5.3) from `_noaux_select`: w = pre-bias score of the selected
+    (``score * eq[:, 0]``), aff = w * rsf / (sum(w) + 1e-20), fp32 [n, E]."""
+    f32 = nl.float32
     w = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_w")
-    nisa.tensor_tensor(dst=w[0:n, :], data1=score[0:n, :], data2=onehot[0:n, :], op=nl.multiply)
+    nisa.tensor_tensor(dst=w[0:n, :], data1=score[0:n, :], data2=eq[0:n, 0, :], op=nl.multiply)
     # den = sum over all E columns + 1e-20; c = rsf * (1 / den); aff = w * c
     den = nl.ndarray((TOK_TILE, 1), dtype=f32, buffer=nl.sbuf, name="noaux_den")
     nisa.tensor_reduce(dst=den[0:n, :], op=nl.add, data=w[0:n, :], axis=1, keepdims=True)
