@@ -178,13 +178,15 @@ def rmsnorm_mx_prefill_nki(
         gamma_tm = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf, name="gamma_tm")
         nisa.dma_copy(dst=gamma_tm, src=gamma1.ap([[0, P], [1, H]], offset=0))
 
-    # Software pipeline over this program's token tiles (every tile has its own buffers, so no
-    # tile waits on another's). In each engine's in-order queue the work of neighbouring tiles
-    # interleaves: tile i+1's load is issued before tile i's work and its sum of squares right
-    # after tile i's swizzle (ScalarE copies), tile i-1's router logits between tile i's swizzle
-    # and its quantization, tile i-1's top-K after tile i's quantization, so the engines overlap
-    # instead of taking turns. The first load goes out before the router weights, whose DMA
-    # would otherwise delay it.
+    # Software pipeline over this program's token tiles. Every tile has its own buffers, so no
+    # tile waits on another's; what is pipelined is the issue order, because each engine runs its
+    # queue in order. Iteration i issues: tile i+1's load (Activation DMA queue, ahead of tile
+    # i's stores on the SP queue), tile i's swizzle, gamma and inv_rms passes, tile i-1's router
+    # logits (PE) and NOAUX_TC scores (ScalarE), tile i+1's sum of squares, tile i-3's
+    # affinities, tile i's quantization and stores, then tile i-1's top-K selection. Each
+    # engine thus finds independent work from neighbouring tiles queued where it would
+    # otherwise wait on another engine. The first load goes out before the router weights,
+    # whose DMA would otherwise delay it.
     tiles: list[tuple[int, int]] = []  # (first token, tokens) of this program's tiles
     for t0 in range(tok_begin, tok_end, TOK_TILE):
         tiles.append((t0, min(TOK_TILE, tok_end - t0)))
@@ -193,8 +195,10 @@ def rmsnorm_mx_prefill_nki(
     if tiles:
         x_next = _load(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res)
         inv_next = _rms(cfg, tiles[0][1], x_next)
-    routing: list[list[Any]] = []  # [t0, n, a_sw, inv, logits or None] of tiles to route
-    finishing: list[list[Any]] = []  # [t0, n, selection] of tiles whose affinities are due
+    # router stages in flight: [t0, n, a_sw, inv, logits/scores or None, tile] awaiting the
+    # top-K selection, and [t0, n, selection, tile] awaiting the affinities
+    routing: list[list[Any]] = []
+    finishing: list[list[Any]] = []
 
     w_sb = None
     bias_tm = None
@@ -220,31 +224,31 @@ def rmsnorm_mx_prefill_nki(
         x, inv = x_next, inv_next
         if i + 1 < len(tiles):
             x_next = _load(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res)
-        a_sw, y_sw = _swizzle_and_scale(cfg, n, x, inv, ident, gamma_sw)
+        a_sw = _swizzle_gamma(cfg, n, x, gamma_sw)
+        y_sw = _scale_inv(cfg, n, a_sw, inv, ident)
+        if E > 0 and routing:
+            prev = routing[0]
+            prev[4] = _router_logits(cfg, prev[1], prev[2], prev[3], w_sb)
         if i + 1 < len(tiles):
             inv_next = _rms(cfg, tiles[i + 1][1], x_next)
-        if E > 0:
-            if routing:
-                # the previous tile's logits: PE work ready now, issued before this tile's
-                # code transposes so the PE never waits on this tile's quantization
-                routing[0][4] = _router_logits(cfg, routing[0][1], routing[0][2], w_sb)
-            routing.append([t0, n, a_sw, inv, None])
+        if E > 0 and finishing and finishing[0][3] <= i - 3:
+            f0, fn, fsel, _ = finishing.pop(0)
+            _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
         _quantize_and_store(cfg, t0, n, y_sw, out_packed)
         if out_norm is not None:
             _store_norm_bf16(cfg, t0, n, x, inv, gamma_tm, out_norm)
         if E > 0:
-            if finishing:
-                f0, fn, fsel = finishing.pop(0)
-                _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
-            if len(routing) > 1:
-                r0, rn, _, rinv, rlg = routing.pop(0)
+            if routing:
+                r0, rn, _, rinv, rlg, ri = routing.pop(0)
                 rsel = _route_select(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, out_index)
-                finishing.append([r0, rn, rsel])
-    for r0, rn, ra, rinv, _ in routing:
-        lg_ps = _router_logits(cfg, rn, ra, w_sb)
-        rsel = _route_select(cfg, r0, rn, lg_ps, rinv, bias_tm, iota_e, out_index)
-        finishing.append([r0, rn, rsel])
-    for f0, fn, fsel in finishing:
+                finishing.append([r0, rn, rsel, ri])
+            routing.append([t0, n, a_sw, inv, None, i])
+    # drain: the last tile's router, then the affinities still due
+    for r0, rn, ra, rinv, _, ri in routing:
+        rlg = _router_logits(cfg, rn, ra, rinv, w_sb)
+        rsel = _route_select(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, out_index)
+        finishing.append([r0, rn, rsel, ri])
+    for f0, fn, fsel, _ in finishing:
         _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
 
     outputs = [out_packed]
@@ -312,25 +316,11 @@ def _rms(cfg: PrefillKernelConfig, n: int, x: Any) -> Any:
     return inv
 
 
-def _swizzle_and_scale(
-    cfg: PrefillKernelConfig, n: int, x: Any, inv: Any, ident: Any, gamma_sw: Any
-) -> tuple[Any, Any]:
-    """Steps 3-5: ``a = R_cd(x * gamma)`` and ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled
-    layout ``[128 p, NB, n, 4 q]`` (element ``h512*512 + 4p + q``), prefill spec §3.3."""
+def _swizzle_gamma(cfg: PrefillKernelConfig, n: int, x: Any, gamma_sw: Any) -> Any:
+    """Steps 3 + 5a: ``a = R_cd(x * gamma)`` in the swizzled layout ``[128 p, NB, n, 4 q]``
+    (element ``h512*512 + 4p + q``), prefill spec §3.3."""
     NB, cd = cfg.NB, cfg.compute_dtype
     in_dt = x.dtype
-    # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
-    inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
-    nisa.nc_matmul(
-        dst=inv_ps,
-        stationary=inv.broadcast(1, P),
-        moving=ident[0:n, 0:n],
-        is_moving_onezero=True,
-        accumulate=False,
-    )
-    r_sw = nl.ndarray((P, n), dtype=cd, buffer=nl.sbuf, name="inv_cd")
-    nisa.tensor_copy(dst=r_sw, src=inv_ps)  # R_cd(inv_rms), §3.3
-
     # 3 + 5a. fp32-packed transposes into [128 p, NB, n, 4 q]; a = R_cd(x * gamma) from PSUM
     a_sw = nl.ndarray((P, NB, n, 4), dtype=cd, buffer=nl.sbuf, name="a_sw")
     x32 = x[0:n, :].view(nl.float32)  # [n, H/2]: word w holds elements 2w, 2w+1
@@ -353,6 +343,25 @@ def _swizzle_and_scale(
             op=nl.multiply,
         )
 
+    return a_sw
+
+
+def _scale_inv(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any, ident: Any) -> Any:
+    """Steps 4 + 5b: ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled layout, prefill spec §3.3
+    (apart from `_swizzle_gamma`, which does not need inv_rms)."""
+    NB, cd = cfg.NB, cfg.compute_dtype
+    # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
+    inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
+    nisa.nc_matmul(
+        dst=inv_ps,
+        stationary=inv.broadcast(1, P),
+        moving=ident[0:n, 0:n],
+        is_moving_onezero=True,
+        accumulate=False,
+    )
+    r_sw = nl.ndarray((P, n), dtype=cd, buffer=nl.sbuf, name="inv_cd")
+    nisa.tensor_copy(dst=r_sw, src=inv_ps, engine=nisa.engine.scalar)  # R_cd(inv_rms), §3.3
+
     # 5b. y = R_cd(a * R_cd(inv_rms)), inv broadcast over blocks and lanes (stride 0)
     y_sw = nl.ndarray((P, NB, n, 4), dtype=cd, buffer=nl.sbuf, name="y_sw")
     nisa.tensor_tensor(
@@ -361,7 +370,7 @@ def _swizzle_and_scale(
         data2=r_sw.ap([[n, P], [0, NB], [1, n], [0, 4]], offset=0),
         op=nl.multiply,
     )
-    return a_sw, y_sw
+    return y_sw
 
 
 def _quantize_and_store(
@@ -376,7 +385,8 @@ def _quantize_and_store(
     # in its data's 32-partition quadrant, at offset 0/4/8/12 within it.
     q_sw = nl.ndarray((P, NB, n), dtype=cfg.qmx_dtype, buffer=nl.sbuf, name="q_sw")
     sc = nl.ndarray((P, n_packs, n), dtype=nl.uint8, buffer=nl.sbuf, name="scales")
-    nisa.memset(dst=sc, value=0)  # holes of the scale region are 0x00 (reference HoleFill.ZERO)
+    # holes of the scale region are 0x00 (reference HoleFill.ZERO); GpSimd has time to spare
+    nisa.memset(dst=sc, value=0, engine=nisa.engine.gpsimd)
     for blk in range(NB):
         pack = blk
         shift = 0
@@ -393,7 +403,12 @@ def _quantize_and_store(
         ct_ps = nl.ndarray((TOK_TILE, cb, P), dtype=nl.float32, buffer=nl.psum, name="codes_t")
         for c in range(cb):
             nisa.nc_transpose(dst=ct_ps[0:n, c, :], data=q32[:, b0 + c, :])
-        nisa.tensor_copy(dst=codes_tm[0:n, b0 * P : (b0 + cb) * P], src=ct_ps[0:n, :, :])
+        # on VectorE: the Scalar engine's queue is busier in the pipeline (cost-model schedule)
+        nisa.tensor_copy(
+            dst=codes_tm[0:n, b0 * P : (b0 + cb) * P],
+            src=ct_ps[0:n, :, :],
+            engine=nisa.engine.vector,
+        )
     packed_f32 = out_packed.view(nl.float32)  # [T, row/4]: code words
     nisa.dma_copy(
         dst=packed_f32[t0 : t0 + n, 0 : H // 4],
@@ -435,9 +450,11 @@ def _store_norm_bf16(
     nisa.dma_copy(dst=out_norm[t0 : t0 + n, :], src=nrm[0:n, :], dge_mode=nisa.dge_mode.hwdge)
 
 
-def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, w_sb: Any) -> Any:
+def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any, w_sb: Any) -> Any:
     """Step 8a: raw router logits ``[n, E]`` fp32 in PSUM: one matmul per (h512, q) contracting
-    partitions p, one PSUM accumulation chain in (h512, q) order (prefill spec §5.1)."""
+    partitions p, one PSUM accumulation chain in (h512, q) order (prefill spec §5.1). NOAUX_TC:
+    then its scores ``sigmoid(raw * inv_rms)`` [n, E] fp32 in SBUF (§5.3), issued here so the
+    Scalar engine computes them as soon as the logits are ready."""
     NB, E = cfg.NB, cfg.E
     lg_ps = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.psum, name="logits")
     for blk in range(NB):
@@ -449,6 +466,11 @@ def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, w_sb: Any) -> An
                 moving=w_sb[:, i, :],
                 accumulate=i > 0,
             )
+    if cfg.router_mode == RouterMode.NOAUX_TC:
+        # score = sigmoid(raw * inv_rms): the inv_rms scale fused, no bias inside the sigmoid
+        score = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.sbuf, name="noaux_score")
+        nisa.activation(dst=score[0:n, :], op=nl.sigmoid, data=lg_ps[0:n, :], scale=inv)
+        return score
     return lg_ps
 
 
@@ -462,13 +484,14 @@ def _route_select(
     iota_e: Any,
     out_index: Any,
 ) -> list[Any]:
-    """Step 8b: from the raw logits ``lg_ps`` (`_router_logits`), the top-K / NOAUX_TC selection
+    """Step 8b: from `_router_logits`' raw logits (NOAUX_TC: scores) ``lg_ps``, the top-K /
+    NOAUX_TC selection
     of tokens ``[t0, t0 + n)`` (prefill spec §5). Returns ``[aff, score, eq]``: the dense
     affinity tile (SIGMOID / SOFTMAX), or NOAUX_TC's scores and selection planes for
     `_route_finish` (a later pipeline stage: the planes come from GpSimd)."""
     E, K = cfg.E, cfg.K
     if cfg.router_mode == RouterMode.NOAUX_TC:
-        score, eq = _noaux_select(n, E, K, cfg.n_group, cfg.topk_group, lg_ps, inv, bias_tm, iota_e)
+        score, eq = _noaux_select(n, E, K, cfg.n_group, cfg.topk_group, lg_ps, bias_tm, iota_e)
         return [None, score, eq]
     aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
     return [aff, None, None]
@@ -593,18 +616,15 @@ def _noaux_select(
     K: int,
     G: int,
     TG: int,
-    lg_ps: Any,
-    inv: Any,
+    score: Any,
     bias_tm: Any,
     iota_e: Any,
 ) -> tuple[Any, Any]:
-    """NOAUX_TC group-limited selection in fp32 (§5.3, errata 4): the pre-bias scores [n, E] and
-    the onehot counts of the K selected experts in plane 0 of ``eq [n, 8, E]``."""
+    """NOAUX_TC group-limited selection in fp32 (§5.3, errata 4) from the pre-bias scores
+    [n, E] (`_router_logits`): returns them with the onehot counts of the K selected experts in
+    plane 0 of ``eq [n, 8, E]``."""
     epg = E // G
     f32 = nl.float32
-    # score = sigmoid(raw * inv_rms): the inv_rms scale fused, no bias inside the sigmoid
-    score = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_score")
-    nisa.activation(dst=score[0:n, :], op=nl.sigmoid, data=lg_ps[0:n, :], scale=inv)
     sfc = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_sfc")
     nisa.tensor_tensor(dst=sfc[0:n, :], data1=score[0:n, :], data2=bias_tm[0:n, :], op=nl.add)
 
