@@ -173,6 +173,23 @@ def test_noaux_tc_groups(pack_affinities: bool) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "act, extra",
+    [
+        (A.NOAUX_TC, dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)),
+        (A.SOFTMAX, dict(pack_affinities=True)),
+    ],
+)
+def test_pipelined_tiles_match_reference(act: RouterActFnType, extra: dict[str, Any]) -> None:
+    """Six tiles on one core, the last one short: every stage of the kernel's tile pipeline
+    (prefetched load and sum of squares, router logits one tile behind, selection, NOAUX_TC
+    affinities three tiles behind, the drain) runs, and no tile's results leak into another's."""
+    check_against_reference(
+        *make_case(5 * 128 + 37, 512, E=64, K=8, act=act, bias_dtype=torch.float32, **extra),
+        lnc=1,
+    )
+
+
 def test_noaux_tc_deepseek_routing() -> None:
     # E = 256, 8 groups of 32, 4 kept, K = 8 (the DeepSeek-V3 configuration)
     check_against_reference(

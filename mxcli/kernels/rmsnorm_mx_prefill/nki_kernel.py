@@ -13,11 +13,12 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
 1. token-major load ``x [n, H]`` (partition = token); with ``residual`` the DMA adds the two
    inputs and writes the sum in the input dtype (``dma_compute``, §3.1);
 2. sum of squares per token on the Scalar engine, one ``activation(square)`` per 512-column
-   block chained through the accumulator register in block order (§3.2), then
-   ``inv_rms = rsqrt(ss * (1/N) + eps)``;
+   block chained through the accumulator register in block order (§3.2; the squares go to a
+   bf16 junk tile, the accumulator sums them in fp32), then ``inv_rms = rsqrt(ss * (1/N) + eps)``;
 3. the "fp32-packed transpose" into the swizzled layout ``[128 p, NB, n, 4 q]`` (element
    ``h = h512*512 + 4p + q``): bf16 pairs are read as fp32 words, even and odd words transposed
-   by the PE into the two halves of each x4 lane quad (bit-exact);
+   by the PE into the two halves of each x4 lane quad (bit-exact), copied to SBUF as fp32 words
+   by the Scalar engine;
 4. ``inv_rms`` broadcast to all 128 partitions by a matmul of a stride-0 stationary against the
    identity (exact), rounded to cd;
 5. the three-rounding chain ``a = R_cd(x*gamma)``, ``y = R_cd(a * R_cd(inv_rms))`` (§3.3);
@@ -28,7 +29,13 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
 8. router: ``raw = sum over (h512, q) of a[:, h512, :, q].T @ W[h512, q]`` accumulated in one
    PSUM tile (§5.1), ``logits = raw * inv_rms (+ bias)``, ``max8`` + ``nc_find_index8`` top-K,
    sigmoid / softmax over K with dense bf16 affinities (§5.2), or NOAUX_TC group selection in
-   fp32 (§5.3); affinities either to their own tensor or into the packed row tail (§4.3).
+   fp32 (§5.3; its one-hot compare on GpSimd); affinities either to their own tensor or into
+   the packed row tail (§4.3).
+
+Tiles are software-pipelined (the main loop's comment): the engines run their queues in order,
+so the issue order interleaves neighbouring tiles' work. `mxcli profile prefill` (the per-engine
+cost model) chose it: at DeepSeek-V3 shapes (T 2048, LNC 2) the schedule went from 323 us (2.06x
+the Vector bound, 157 us) to 128 us (1.28x the bound, 101 us).
 
 LNC: with ``kernel[2]`` the two programs split the tokens (core 0 the first ``ceil(T/2)``,
 prefill spec §7); tokens are independent, so results do not depend on it. The programs write
