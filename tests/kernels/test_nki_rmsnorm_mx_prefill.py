@@ -173,6 +173,23 @@ def test_noaux_tc_groups(pack_affinities: bool) -> None:
     )
 
 
+@pytest.mark.parametrize(
+    "act, extra",
+    [
+        (A.NOAUX_TC, dict(n_group=8, topk_group=4, routed_scaling_factor=2.5)),
+        (A.SOFTMAX, dict(pack_affinities=True)),
+    ],
+)
+def test_pipelined_tiles_match_reference(act: RouterActFnType, extra: dict[str, Any]) -> None:
+    """Six tiles on one core, the last one short: every stage of the kernel's tile pipeline
+    (prefetched load and sum of squares, router logits one tile behind, selection, NOAUX_TC
+    affinities three tiles behind, the drain) runs, and no tile's results leak into another's."""
+    check_against_reference(
+        *make_case(5 * 128 + 37, 512, E=64, K=8, act=act, bias_dtype=torch.float32, **extra),
+        lnc=1,
+    )
+
+
 def test_noaux_tc_deepseek_routing() -> None:
     # E = 256, 8 groups of 32, 4 kept, K = 8 (the DeepSeek-V3 configuration)
     check_against_reference(
@@ -218,6 +235,21 @@ def test_hidden_interleaved() -> None:
             64, 1024, residual_dtype=torch.bfloat16, emit_norm_bf16=True, hidden_interleaved=True
         )
     )
+
+
+@pytest.mark.parametrize("gamma_dtype", [torch.float32, torch.float16])
+def test_gamma_dtypes_and_swizzle_words_with_zero_halves(gamma_dtype: torch.dtype) -> None:
+    """The swizzle copies x out of PSUM as fp32 words (two bf16 each) on ScalarE; words whose
+    high half is +-0 are fp32 zeros/subnormals and must still arrive bit-exact. gamma in fp32
+    (kept fp32 on chip) or fp16 (kept in its own dtype): a = R_cd(x * gamma) as the reference."""
+    (x, gamma), kw = make_case(40, 1024, E=16, K=2, act=A.SIGMOID, bias_dtype=torch.float32)
+    x = x.clone()
+    x[..., 1::2] = 0.0  # odd elements = high halves of the fp32 words: subnormal / zero words
+    x[..., 3::8] = -0.0  # and negative zeros (sign bit only)
+    x[0, :8, 1::2] = x[0, :8, 0::2]  # a few full rows stay dense
+    g = torch.Generator().manual_seed(7)
+    gamma = (torch.randn(1, 1024, generator=g) * 0.2 + 1).to(gamma_dtype)
+    check_against_reference([x, gamma], kw)
 
 
 def test_e5m2_output_and_single_token() -> None:
@@ -484,6 +516,7 @@ _NISA_ALLOWED = {
     "activation", "dma_compute", "dma_copy", "iota", "max8", "memset", "nc_find_index8",
     "nc_matmul", "nc_transpose", "quantize_mx", "reciprocal", "scalar_tensor_tensor",
     "tensor_copy", "tensor_reduce", "tensor_scalar", "tensor_tensor", "dge_mode", "reduce_cmd",
+    "engine",  # DMA trigger queue / copy engine selection (nki_api_subset §6.1, §10)
 }  # fmt: skip
 
 

@@ -13,11 +13,12 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
 1. token-major load ``x [n, H]`` (partition = token); with ``residual`` the DMA adds the two
    inputs and writes the sum in the input dtype (``dma_compute``, §3.1);
 2. sum of squares per token on the Scalar engine, one ``activation(square)`` per 512-column
-   block chained through the accumulator register in block order (§3.2), then
-   ``inv_rms = rsqrt(ss * (1/N) + eps)``;
+   block chained through the accumulator register in block order (§3.2; the squares go to a
+   bf16 junk tile, the accumulator sums them in fp32), then ``inv_rms = rsqrt(ss * (1/N) + eps)``;
 3. the "fp32-packed transpose" into the swizzled layout ``[128 p, NB, n, 4 q]`` (element
    ``h = h512*512 + 4p + q``): bf16 pairs are read as fp32 words, even and odd words transposed
-   by the PE into the two halves of each x4 lane quad (bit-exact);
+   by the PE into the two halves of each x4 lane quad (bit-exact), copied to SBUF as fp32 words
+   by the Scalar engine;
 4. ``inv_rms`` broadcast to all 128 partitions by a matmul of a stride-0 stationary against the
    identity (exact), rounded to cd;
 5. the three-rounding chain ``a = R_cd(x*gamma)``, ``y = R_cd(a * R_cd(inv_rms))`` (§3.3);
@@ -28,7 +29,13 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
 8. router: ``raw = sum over (h512, q) of a[:, h512, :, q].T @ W[h512, q]`` accumulated in one
    PSUM tile (§5.1), ``logits = raw * inv_rms (+ bias)``, ``max8`` + ``nc_find_index8`` top-K,
    sigmoid / softmax over K with dense bf16 affinities (§5.2), or NOAUX_TC group selection in
-   fp32 (§5.3); affinities either to their own tensor or into the packed row tail (§4.3).
+   fp32 (§5.3; its one-hot compare on GpSimd); affinities either to their own tensor or into
+   the packed row tail (§4.3).
+
+Tiles are software-pipelined (the main loop's comment): the engines run their queues in order,
+so the issue order interleaves neighbouring tiles' work. `mxcli profile prefill` (the per-engine
+cost model) chose it: at DeepSeek-V3 shapes (T 2048, LNC 2) the schedule went from 323 us (2.06x
+the Vector bound, 157 us) to 128 us (1.28x the bound, 101 us).
 
 LNC: with ``kernel[2]`` the two programs split the tokens (core 0 the first ``ceil(T/2)``,
 prefill spec §7); tokens are independent, so results do not depend on it. The programs write
@@ -164,18 +171,45 @@ def rmsnorm_mx_prefill_nki(
 
     # --- per-program constants ---
     ident = nl.shared_identity_matrix(P, dtype=nl.float32)
-    # gamma in the swizzled layout [128 p, NB, 4 q] = gamma[h512*512 + 4p + q], fp32 (exact)
-    gamma_sw = nl.ndarray((P, NB, 4), dtype=nl.float32, buffer=nl.sbuf, name="gamma_sw")
+    # gamma in the swizzled layout [128 p, NB, 4 q] = gamma[h512*512 + 4p + q], in its own dtype
+    # when that is 2-byte (a bit copy; the x * gamma pass then streams at VectorE's 2-byte rate),
+    # else fp32 (exact)
+    g_dt = nl.float32
+    if gamma1.dtype == nl.bfloat16 or gamma1.dtype == nl.float16:
+        g_dt = gamma1.dtype
+    gamma_sw = nl.ndarray((P, NB, 4), dtype=g_dt, buffer=nl.sbuf, name="gamma_sw")
     nisa.dma_copy(dst=gamma_sw, src=gamma1.ap([[4, P], [BLOCK, NB], [1, 4]], offset=0))
     gamma_tm = None
     if cfg.emit_norm_bf16:
         # token-major gamma broadcast to every partition [128, H] fp32 (stride-0 HBM rows)
         gamma_tm = nl.ndarray((P, H), dtype=nl.float32, buffer=nl.sbuf, name="gamma_tm")
         nisa.dma_copy(dst=gamma_tm, src=gamma1.ap([[0, P], [1, H]], offset=0))
+
+    # Software pipeline over this program's token tiles. Every tile has its own buffers, so no
+    # tile waits on another's; what is pipelined is the issue order, because each engine runs its
+    # queue in order. Iteration i issues: tile i+1's load (Activation DMA queue, ahead of tile
+    # i's stores on the SP queue), tile i's swizzle, gamma and inv_rms passes, tile i-1's router
+    # logits (PE) and NOAUX_TC scores (ScalarE), tile i+1's sum of squares, tile i-3's
+    # affinities, tile i's quantization and stores, then tile i-1's top-K selection. Each
+    # engine thus finds independent work from neighbouring tiles queued where it would
+    # otherwise wait on another engine. The first load goes out before the router weights,
+    # whose DMA would otherwise delay it.
+    tiles: list[tuple[int, int]] = []  # (first token, tokens) of this program's tiles
+    for t0 in range(tok_begin, tok_end, TOK_TILE):
+        tiles.append((t0, min(TOK_TILE, tok_end - t0)))
+    x_next = None
+    inv_next = None
+    if tiles:
+        x_next = _load(cfg, tiles[0][0], tiles[0][1], hs2, res2, out_res)
+        inv_next = _rms(cfg, tiles[0][1], x_next)
+    # router stages in flight: [t0, n, a_sw, inv, logits/scores or None, tile] awaiting the
+    # top-K selection, and [t0, n, selection, tile] awaiting the affinities
+    routing: list[list[Any]] = []
+    finishing: list[list[Any]] = []
+
     w_sb = None
     bias_tm = None
     iota_e = None
-    gid_e = None
     if E > 0:
         # router weights [128 p, NB*4 (h512, q), E]: arranged row h512*512 + q*128 + p (§6.1);
         # NOAUX_TC rows are already partition-major ([128, H/128, E] contiguous)
@@ -191,24 +225,38 @@ def rmsnorm_mx_prefill_nki(
         Ew = max(E, MAX8)
         iota_e = nl.ndarray((P, Ew), dtype=nl.float32, buffer=nl.sbuf, name="iota_e")
         nisa.iota(dst=iota_e, pattern=[[1, Ew]], offset=0, channel_multiplier=0)
-        if noaux:
-            epg = E // cfg.n_group
-            gid_e = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="group_id")
-            nisa.iota(
-                dst=gid_e, pattern=[[1, cfg.n_group], [0, epg]], offset=0, channel_multiplier=0
-            )
 
-    for t0 in range(tok_begin, tok_end, TOK_TILE):
-        n = min(TOK_TILE, tok_end - t0)
-        x, inv = _load_and_rms(cfg, t0, n, hs2, res2, out_res)
-        a_sw, y_sw = _swizzle_and_scale(cfg, n, x, inv, ident, gamma_sw)
+    for i in range(len(tiles)):
+        t0, n = tiles[i]
+        x, inv = x_next, inv_next
+        if i + 1 < len(tiles):
+            x_next = _load(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res)
+        a_sw = _swizzle_gamma(cfg, n, x, gamma_sw)
+        y_sw = _scale_inv(cfg, n, a_sw, inv, ident)
+        if E > 0 and routing:
+            prev = routing[0]
+            prev[4] = _router_logits(cfg, prev[1], prev[2], prev[3], w_sb)
+        if i + 1 < len(tiles):
+            inv_next = _rms(cfg, tiles[i + 1][1], x_next)
+        if E > 0 and finishing and finishing[0][3] <= i - 3:
+            f0, fn, fsel, _ = finishing.pop(0)
+            _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
         _quantize_and_store(cfg, t0, n, y_sw, out_packed)
         if out_norm is not None:
             _store_norm_bf16(cfg, t0, n, x, inv, gamma_tm, out_norm)
         if E > 0:
-            _route(
-                cfg, t0, n, a_sw, inv, w_sb, bias_tm, iota_e, gid_e, out_packed, out_index, out_aff
-            )
+            if routing:
+                r0, rn, _, rinv, rlg, ri = routing.pop(0)
+                rsel = _route_select(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, out_index)
+                finishing.append([r0, rn, rsel, ri])
+            routing.append([t0, n, a_sw, inv, None, i])
+    # drain: the last tile's router, then the affinities still due
+    for r0, rn, ra, rinv, _, ri in routing:
+        rlg = _router_logits(cfg, rn, ra, rinv, w_sb)
+        rsel = _route_select(cfg, r0, rn, rlg, rinv, bias_tm, iota_e, out_index)
+        finishing.append([r0, rn, rsel, ri])
+    for f0, fn, fsel, _ in finishing:
+        _route_finish(cfg, f0, fn, fsel, out_packed, out_aff)
 
     outputs = [out_packed]
     for t in (out_index, out_aff, out_res, out_norm):
@@ -217,12 +265,10 @@ def rmsnorm_mx_prefill_nki(
     return outputs
 
 
-def _load_and_rms(
-    cfg: PrefillKernelConfig, t0: int, n: int, hs2: Any, res2: Any, out_res: Any
-) -> tuple[Any, Any]:
-    """Steps 1-2 for tokens ``[t0, t0 + n)``: the token-major tile ``x [n, H]`` in natural H
-    order (input dtype) and ``inv_rms`` fp32 ``[n, 1]`` (prefill spec §3.1, §3.2)."""
-    H, NB = cfg.H, cfg.NB
+def _load(cfg: PrefillKernelConfig, t0: int, n: int, hs2: Any, res2: Any, out_res: Any) -> Any:
+    """Step 1 for tokens ``[t0, t0 + n)``: the token-major tile ``x [n, H]`` in natural H
+    order, input dtype (prefill spec §3.1)."""
+    H = cfg.H
     in_dt = hs2.dtype
     # 1. token-major load [n, H] (partition = token), §3.1
     x_st = nl.ndarray((TOK_TILE, H), dtype=in_dt, buffer=nl.sbuf, name="x_tok")
@@ -234,7 +280,14 @@ def _load_and_rms(
         # output_residual: the sum in stored order, converted to residual.dtype
         nisa.dma_copy(dst=out_res[t0 : t0 + n, :], src=x_st[0:n, :])
     else:
-        nisa.dma_copy(dst=x_st[0:n, :], src=hs2[t0 : t0 + n, :], dge_mode=nisa.dge_mode.hwdge)
+        # triggered from the Activation queue: the stores go through the SP (sync) queue, so
+        # the next tile's load never waits behind this tile's stores (nki_api_subset §6.1)
+        nisa.dma_copy(
+            dst=x_st[0:n, :],
+            src=hs2[t0 : t0 + n, :],
+            dge_mode=nisa.dge_mode.hwdge,
+            engine=nisa.engine.scalar,
+        )
     x = x_st
     if cfg.hidden_interleaved:
         # §3.1 (V-B): x_nat[4p + q] = x_stored[q*(H/4) + p], a bit-exact strided copy
@@ -244,10 +297,17 @@ def _load_and_rms(
             dst=x.ap([[H, n], [4, Hq], [1, 4]], offset=0),
             src=x_st.ap([[H, n], [1, Hq], [Hq, 4]], offset=0),
         )
+    return x
 
+
+def _rms(cfg: PrefillKernelConfig, n: int, x: Any) -> Any:
+    """Step 2: ``inv_rms`` fp32 ``[n, 1]`` of the token-major tile ``x`` (prefill spec §3.2)."""
+    NB = cfg.NB
     # 2. sum of squares, 512-blocks chained in order in the ScalarE accumulator (§3.2)
     stat = nl.ndarray((TOK_TILE, 2), dtype=nl.float32, buffer=nl.sbuf, name="ss_inv")
-    sq = nl.ndarray((TOK_TILE, BLOCK), dtype=nl.float32, buffer=nl.sbuf, name="sq_junk")
+    # the squares themselves are junk: a bf16 tile streams at ScalarE's 2-byte rate, while the
+    # accumulator sums the fp32 squares before the output rounding (the sum stays fp32)
+    sq = nl.ndarray((TOK_TILE, BLOCK), dtype=nl.bfloat16, buffer=nl.sbuf, name="sq_junk")
     for blk in range(NB):
         nisa.activation(
             dst=sq[0:n, :],
@@ -260,28 +320,14 @@ def _load_and_rms(
     # inv_rms = rsqrt(ss * fp32(1/N) + fp32(eps)): the mean is a multiply, eps the bias (§3.2)
     inv = stat[0:n, 1:2]
     nisa.activation(dst=inv, op=nl.rsqrt, data=stat[0:n, 0:1], bias=cfg.eps, scale=1.0 / cfg.N)
-    return x, inv
+    return inv
 
 
-def _swizzle_and_scale(
-    cfg: PrefillKernelConfig, n: int, x: Any, inv: Any, ident: Any, gamma_sw: Any
-) -> tuple[Any, Any]:
-    """Steps 3-5: ``a = R_cd(x * gamma)`` and ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled
-    layout ``[128 p, NB, n, 4 q]`` (element ``h512*512 + 4p + q``), prefill spec §3.3."""
+def _swizzle_gamma(cfg: PrefillKernelConfig, n: int, x: Any, gamma_sw: Any) -> Any:
+    """Steps 3 + 5a: ``a = R_cd(x * gamma)`` in the swizzled layout ``[128 p, NB, n, 4 q]``
+    (element ``h512*512 + 4p + q``), prefill spec §3.3."""
     NB, cd = cfg.NB, cfg.compute_dtype
     in_dt = x.dtype
-    # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
-    inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
-    nisa.nc_matmul(
-        dst=inv_ps,
-        stationary=inv.broadcast(1, P),
-        moving=ident[0:n, 0:n],
-        is_moving_onezero=True,
-        accumulate=False,
-    )
-    r_sw = nl.ndarray((P, n), dtype=cd, buffer=nl.sbuf, name="inv_cd")
-    nisa.tensor_copy(dst=r_sw, src=inv_ps)  # R_cd(inv_rms), §3.3
-
     # 3 + 5a. fp32-packed transposes into [128 p, NB, n, 4 q]; a = R_cd(x * gamma) from PSUM
     a_sw = nl.ndarray((P, NB, n, 4), dtype=cd, buffer=nl.sbuf, name="a_sw")
     x32 = x[0:n, :].view(nl.float32)  # [n, H/2]: word w holds elements 2w, 2w+1
@@ -293,12 +339,35 @@ def _swizzle_and_scale(
             for j in range(2):
                 # word 2p + j of the block = elements 4p + 2j, 4p + 2j + 1 -> lanes 2j, 2j + 1
                 nisa.nc_transpose(dst=xt_ps[:, c, :, j], data=x32[:, w0 + j : w0 + BLOCK // 2 : 2])
+        # PSUM -> SBUF on the Scalar engine as fp32 words (bit-exact): the Vector multiply below
+        # then reads two 2-byte SBUF tiles, at twice the rate of a PSUM read
+        xt_sb = nl.ndarray((P, cb, n, 2), dtype=nl.float32, buffer=nl.sbuf, name="x_swz_sb")
+        nisa.tensor_copy(dst=xt_sb, src=xt_ps, engine=nisa.engine.scalar)
         nisa.tensor_tensor(
             dst=a_sw[:, b0 : b0 + cb, :, :],
-            data1=xt_ps.view(in_dt),  # [128, cb, n, 4] values of x (bit-exact)
+            data1=xt_sb.view(in_dt),  # [128, cb, n, 4] values of x (bit-exact)
             data2=gamma_sw[:, b0 : b0 + cb, :].expand_dim(2).broadcast(2, n),
             op=nl.multiply,
         )
+
+    return a_sw
+
+
+def _scale_inv(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any, ident: Any) -> Any:
+    """Steps 4 + 5b: ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled layout, prefill spec §3.3
+    (apart from `_swizzle_gamma`, which does not need inv_rms)."""
+    NB, cd = cfg.NB, cfg.compute_dtype
+    # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
+    inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
+    nisa.nc_matmul(
+        dst=inv_ps,
+        stationary=inv.broadcast(1, P),
+        moving=ident[0:n, 0:n],
+        is_moving_onezero=True,
+        accumulate=False,
+    )
+    r_sw = nl.ndarray((P, n), dtype=cd, buffer=nl.sbuf, name="inv_cd")
+    nisa.tensor_copy(dst=r_sw, src=inv_ps, engine=nisa.engine.scalar)  # R_cd(inv_rms), §3.3
 
     # 5b. y = R_cd(a * R_cd(inv_rms)), inv broadcast over blocks and lanes (stride 0)
     y_sw = nl.ndarray((P, NB, n, 4), dtype=cd, buffer=nl.sbuf, name="y_sw")
@@ -308,7 +377,7 @@ def _swizzle_and_scale(
         data2=r_sw.ap([[n, P], [0, NB], [1, n], [0, 4]], offset=0),
         op=nl.multiply,
     )
-    return a_sw, y_sw
+    return y_sw
 
 
 def _quantize_and_store(
@@ -323,7 +392,8 @@ def _quantize_and_store(
     # in its data's 32-partition quadrant, at offset 0/4/8/12 within it.
     q_sw = nl.ndarray((P, NB, n), dtype=cfg.qmx_dtype, buffer=nl.sbuf, name="q_sw")
     sc = nl.ndarray((P, n_packs, n), dtype=nl.uint8, buffer=nl.sbuf, name="scales")
-    nisa.memset(dst=sc, value=0)  # holes of the scale region are 0x00 (reference HoleFill.ZERO)
+    # holes of the scale region are 0x00 (reference HoleFill.ZERO); GpSimd has time to spare
+    nisa.memset(dst=sc, value=0, engine=nisa.engine.gpsimd)
     for blk in range(NB):
         pack = blk
         shift = 0
@@ -340,7 +410,12 @@ def _quantize_and_store(
         ct_ps = nl.ndarray((TOK_TILE, cb, P), dtype=nl.float32, buffer=nl.psum, name="codes_t")
         for c in range(cb):
             nisa.nc_transpose(dst=ct_ps[0:n, c, :], data=q32[:, b0 + c, :])
-        nisa.tensor_copy(dst=codes_tm[0:n, b0 * P : (b0 + cb) * P], src=ct_ps[0:n, :, :])
+        # on VectorE: the Scalar engine's queue is busier in the pipeline (cost-model schedule)
+        nisa.tensor_copy(
+            dst=codes_tm[0:n, b0 * P : (b0 + cb) * P],
+            src=ct_ps[0:n, :, :],
+            engine=nisa.engine.vector,
+        )
     packed_f32 = out_packed.view(nl.float32)  # [T, row/4]: code words
     nisa.dma_copy(
         dst=packed_f32[t0 : t0 + n, 0 : H // 4],
@@ -382,24 +457,12 @@ def _store_norm_bf16(
     nisa.dma_copy(dst=out_norm[t0 : t0 + n, :], src=nrm[0:n, :], dge_mode=nisa.dge_mode.hwdge)
 
 
-def _route(
-    cfg: PrefillKernelConfig,
-    t0: int,
-    n: int,
-    a_sw: Any,
-    inv: Any,
-    w_sb: Any,
-    bias_tm: Any,
-    iota_e: Any,
-    gid_e: Any,
-    out_packed: Any,
-    out_index: Any,
-    out_aff: Any,
-) -> None:
-    """Step 8: router logits, top-K / NOAUX_TC selection and the affinities of tokens
-    ``[t0, t0 + n)`` into their own tensor or the packed row tail (prefill spec §4.3, §5)."""
-    NB, E, K = cfg.NB, cfg.E, cfg.K
-    # one matmul per (h512, q) contracting partitions p, one PSUM accumulation chain (§5.1)
+def _router_logits(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any, w_sb: Any) -> Any:
+    """Step 8a: raw router logits ``[n, E]`` fp32 in PSUM: one matmul per (h512, q) contracting
+    partitions p, one PSUM accumulation chain in (h512, q) order (prefill spec §5.1). NOAUX_TC:
+    then its scores ``sigmoid(raw * inv_rms)`` [n, E] fp32 in SBUF (§5.3), issued here so the
+    Scalar engine computes them as soon as the logits are ready."""
+    NB, E = cfg.NB, cfg.E
     lg_ps = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.psum, name="logits")
     for blk in range(NB):
         for q in range(4):
@@ -411,22 +474,45 @@ def _route(
                 accumulate=i > 0,
             )
     if cfg.router_mode == RouterMode.NOAUX_TC:
-        aff = _noaux_tc(
-            n,
-            E,
-            K,
-            cfg.n_group,
-            cfg.topk_group,
-            cfg.routed_scaling_factor,
-            lg_ps,
-            inv,
-            bias_tm,
-            iota_e,
-            gid_e,
-        )
-    else:
-        aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
+        # score = sigmoid(raw * inv_rms): the inv_rms scale fused, no bias inside the sigmoid
+        score = nl.ndarray((TOK_TILE, E), dtype=nl.float32, buffer=nl.sbuf, name="noaux_score")
+        nisa.activation(dst=score[0:n, :], op=nl.sigmoid, data=lg_ps[0:n, :], scale=inv)
+        return score
+    return lg_ps
 
+
+def _route_select(
+    cfg: PrefillKernelConfig,
+    t0: int,
+    n: int,
+    lg_ps: Any,
+    inv: Any,
+    bias_tm: Any,
+    iota_e: Any,
+    out_index: Any,
+) -> list[Any]:
+    """Step 8b: from `_router_logits`' raw logits (NOAUX_TC: scores) ``lg_ps``, the top-K /
+    NOAUX_TC selection
+    of tokens ``[t0, t0 + n)`` (prefill spec §5). Returns ``[aff, score, eq]``: the dense
+    affinity tile (SIGMOID / SOFTMAX), or NOAUX_TC's scores and selection planes for
+    `_route_finish` (a later pipeline stage: the planes come from GpSimd)."""
+    E, K = cfg.E, cfg.K
+    if cfg.router_mode == RouterMode.NOAUX_TC:
+        score, eq = _noaux_select(n, E, K, cfg.n_group, cfg.topk_group, lg_ps, bias_tm, iota_e)
+        return [None, score, eq]
+    aff = _topk_router(n, E, K, cfg.router_mode, lg_ps, inv, bias_tm, iota_e, out_index, t0)
+    return [aff, None, None]
+
+
+def _route_finish(
+    cfg: PrefillKernelConfig, t0: int, n: int, selected: list[Any], out_packed: Any, out_aff: Any
+) -> None:
+    """Step 8c: the affinities of `_route_select`'s selection into their own tensor or the
+    packed row tail (prefill spec §4.3, §5.3)."""
+    E = cfg.E
+    aff = selected[0]
+    if aff is None:
+        aff = _noaux_affinities(n, E, cfg.K, cfg.routed_scaling_factor, selected[1], selected[2])
     if not cfg.pack_affinities:
         nisa.dma_copy(dst=out_aff[t0 : t0 + n, :], src=aff[0:n, :], dge_mode=nisa.dge_mode.hwdge)
         return
@@ -531,25 +617,21 @@ def _select8(n: int, src: Any, name: str) -> Any:
     return idx_f
 
 
-def _noaux_tc(
+def _noaux_select(
     n: int,
     E: int,
     K: int,
     G: int,
     TG: int,
-    rsf: float,
-    lg_ps: Any,
-    inv: Any,
+    score: Any,
     bias_tm: Any,
     iota_e: Any,
-    gid_e: Any,
-) -> Any:
-    """NOAUX_TC group-limited routing in fp32 (§5.3, errata 4): dense fp32 affinities [n, E]."""
+) -> tuple[Any, Any]:
+    """NOAUX_TC group-limited selection in fp32 (§5.3, errata 4) from the pre-bias scores
+    [n, E] (`_router_logits`): returns them with the onehot counts of the K selected experts in
+    plane 0 of ``eq [n, 8, E]``."""
     epg = E // G
     f32 = nl.float32
-    # score = sigmoid(raw * inv_rms): the inv_rms scale fused, no bias inside the sigmoid
-    score = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_score")
-    nisa.activation(dst=score[0:n, :], op=nl.sigmoid, data=lg_ps[0:n, :], scale=inv)
     sfc = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_sfc")
     nisa.tensor_tensor(dst=sfc[0:n, :], data1=score[0:n, :], data2=bias_tm[0:n, :], op=nl.add)
 
@@ -569,45 +651,70 @@ def _noaux_tc(
     nisa.tensor_tensor(dst=gs[0:n, 0:G], data1=g8[0:n, :, 0], data2=g8[0:n, :, 1], op=nl.add)
     kept = _select8(n, gs[0:n, :], "noaux_kept")
 
-    # mask[e] = number of kept slots naming group(e); masked = sfc + (mask - 1) * SENT
-    mask = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_mask")
-    nisa.memset(dst=mask[0:n, :], value=0.0)
+    # mask[g] = number of kept slots naming group g, per group (G columns, not E: the group ids
+    # are iota_e's first G columns); masked = sfc + (mask[group(e)] - 1) * SENT, the group's
+    # shift broadcast over its experts by a stride-0 view (same fp32 operations per element)
+    gmask = nl.ndarray((TOK_TILE, G), dtype=f32, buffer=nl.sbuf, name="noaux_group_mask")
+    nisa.memset(dst=gmask[0:n, :], value=0.0)
     for j in range(TG):
         nisa.scalar_tensor_tensor(
-            dst=mask[0:n, :],
-            data=gid_e[0:n, :],
+            dst=gmask[0:n, :],
+            data=iota_e[0:n, 0:G],
             op0=nl.equal,
             operand0=kept[0:n, j : j + 1],
             op1=nl.add,
-            operand1=mask[0:n, :],
+            operand1=gmask[0:n, :],
         )
-    shift = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_shift")
     nisa.tensor_scalar(
-        dst=shift[0:n, :],
-        data=mask[0:n, :],
+        dst=gmask[0:n, :],
+        data=gmask[0:n, :],
         op0=nl.subtract,
         operand0=1.0,
         op1=nl.multiply,
         operand1=NOAUX_SENTINEL,
     )
     masked = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_masked")
-    nisa.tensor_tensor(dst=masked[0:n, :], data1=sfc[0:n, :], data2=shift[0:n, :], op=nl.add)
+    nisa.tensor_tensor(
+        dst=masked[0:n, :].reshape((n, G, epg)),
+        data1=sfc[0:n, :].reshape((n, G, epg)),
+        data2=gmask[0:n, :].expand_dim(2).broadcast(2, epg),
+        op=nl.add,
+    )
     sel = _select8(n, masked[0:n, :], "noaux_sel")
 
-    # onehot (counts) of the K selected experts; w = pre-bias score of the selected
-    onehot = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_onehot")
-    nisa.memset(dst=onehot[0:n, :], value=0.0)
-    for k in range(K):
-        nisa.scalar_tensor_tensor(
-            dst=onehot[0:n, :],
-            data=iota_e[0:n, 0:E],
-            op0=nl.equal,
-            operand0=sel[0:n, k : k + 1],
-            op1=nl.add,
-            operand1=onehot[0:n, :],
-        )
+    # the K selection planes on the otherwise idle GpSimd engine: one compare of [n, K, E]
+    # (iota and the K indices broadcast by stride-0 views)
+    eq = nl.ndarray((TOK_TILE, MAX8, E), dtype=f32, buffer=nl.sbuf, name="noaux_onehot")
+    nisa.tensor_tensor(
+        dst=eq[0:n, 0:K, :],
+        data1=iota_e[0:n, 0:E].expand_dim(1).broadcast(1, K),
+        data2=sel[0:n, 0:K].expand_dim(2).broadcast(2, E),
+        op=nl.equal,
+        engine=nisa.engine.gpsimd,
+    )
+    # onehot (counts) = the K planes summed pairwise into plane 0, on GpSimd too (counts of 0/1:
+    # exact in any order)
+    width = K
+    for _ in range(3):  # K <= 8 = 2**3 planes
+        if width > 1:
+            half = width // 2
+            nisa.tensor_tensor(
+                dst=eq[0:n, 0:half, :],
+                data1=eq[0:n, 0:half, :],
+                data2=eq[0:n, width - half : width, :],
+                op=nl.add,
+                engine=nisa.engine.gpsimd,
+            )
+            width = width - half
+    return score, eq
+
+
+def _noaux_affinities(n: int, E: int, K: int, rsf: float, score: Any, eq: Any) -> Any:
+    """NOAUX_TC affinities (§5.3) from `_noaux_select`: w = pre-bias score of the selected
+    (``score * eq[:, 0]``), aff = w * rsf / (sum(w) + 1e-20), fp32 [n, E]."""
+    f32 = nl.float32
     w = nl.ndarray((TOK_TILE, E), dtype=f32, buffer=nl.sbuf, name="noaux_w")
-    nisa.tensor_tensor(dst=w[0:n, :], data1=score[0:n, :], data2=onehot[0:n, :], op=nl.multiply)
+    nisa.tensor_tensor(dst=w[0:n, :], data1=score[0:n, :], data2=eq[0:n, 0, :], op=nl.multiply)
     # den = sum over all E columns + 1e-20; c = rsf * (1 / den); aff = w * c
     den = nl.ndarray((TOK_TILE, 1), dtype=f32, buffer=nl.sbuf, name="noaux_den")
     nisa.tensor_reduce(dst=den[0:n, :], op=nl.add, data=w[0:n, :], axis=1, keepdims=True)
