@@ -76,6 +76,22 @@ def _encode_e4m3fn(v):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always")
+def _round_e4m3fn(v, nan_pos, nan_neg):  # type: ignore[no-untyped-def]
+    """The fp32 value of ``_encode_e4m3fn(v)`` without going through the code (same rounding,
+    saturation and NaNs; `nan_pos`/`nan_neg` are the decoded NaN codes 0x7F/0xFF)."""
+    bits = _f32_to_bits(v)
+    sign = bits & np.uint32(0x80000000)
+    a = bits & np.uint32(0x7FFFFFFF)
+    odd = (a >> np.uint32(20)) & np.uint32(1)
+    nrm = min((a + np.uint32(0x7FFFF) + odd) & np.uint32(0xFFF00000), np.uint32(0x43E00000))
+    sub = _f32_to_bits(np.rint(_bits_to_f32(a) * np.float32(512.0)) * np.float32(1.0 / 512.0))
+    r = _bits_to_f32((sub if a < np.uint32(121 << 23) else nrm) | sign)
+    if a > np.uint32(0x7F800000):
+        r = nan_neg if sign else nan_pos
+    return r
+
+
+@njit(inline="always")
 def _encode_e5m2(v):  # type: ignore[no-untyped-def]
     bits = _f32_to_bits(v)
     sign = np.uint8((bits >> np.uint32(24)) & np.uint32(0x80))
@@ -121,9 +137,10 @@ def _deq_run(xr, base, n, inv_el, sc_el, e5m2, maxval, lut, dr):  # type: ignore
             v = -maxval if v < -maxval else v
             ds[i] = lut[_encode_e5m2(v)] * sc_el[i]
     else:
+        nan_pos, nan_neg = lut[0x7F], lut[0xFF]
         for i in range(n):
             v = _bits_to_f32(_load_bits(xs[i])) * inv_el[i]
-            ds[i] = lut[_encode_e4m3fn(v)] * sc_el[i]
+            ds[i] = _round_e4m3fn(v, nan_pos, nan_neg) * sc_el[i]
 
 
 @njit(parallel=True, cache=True)
@@ -173,9 +190,9 @@ def quantize_rows(
                         sc = _bits_to_f32(
                             np.uint32(1 << 22) if byte == 0 else np.uint32(byte) << np.uint32(23)
                         )
-                        for i in range(8):
-                            inv_el[8 * g + i] = inv
-                            sc_el[8 * g + i] = sc
+                        inv_el[8 * g : 8 * g + 8] = inv
+                        if want_deq:
+                            sc_el[8 * g : 8 * g + 8] = sc
                     for j in range(4):
                         if want_deq:
                             _deq_run(xr, k0 + j * v, v, inv_el, sc_el, e5m2, maxval, lut, deq[r])
@@ -195,9 +212,9 @@ def quantize_rows(
                         sc = _bits_to_f32(
                             np.uint32(1 << 22) if byte == 0 else np.uint32(byte) << np.uint32(23)
                         )
-                        for i in range(GROUP):
-                            inv_el[GROUP * g + i] = inv
-                            sc_el[GROUP * g + i] = sc
+                        inv_el[GROUP * g : GROUP * g + GROUP] = inv
+                        if want_deq:
+                            sc_el[GROUP * g : GROUP * g + GROUP] = sc
                     if want_deq:
                         _deq_run(xr, k0, c, inv_el, sc_el, e5m2, maxval, lut, deq[r])
                     else:

@@ -311,6 +311,11 @@ def _fused_kernels(t: torch.Tensor) -> Any:
 _FUSED: Any = None
 
 
+def uses_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether quantizing `x` runs the fused numba kernels (`mxcli.mx._fused`)."""
+    return _fused_kernels(x) is not None
+
+
 @overload
 def _restore(a: torch.Tensor, lead: torch.Size, ax: int) -> torch.Tensor: ...
 @overload
