@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -290,6 +290,43 @@ def _quantize_block(
         g0 += count * ng
 
 
+def _fused_kernels(t: torch.Tensor) -> Any:
+    """The `mxcli.mx._fused` module when it applies to `t` (numba installed, CPU tensor, not
+    turned off with ``MXCLI_FUSED=0``), else None: then the pure-torch path runs."""
+    global _FUSED
+    if t.device.type != "cpu" or t.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    if _FUSED is None:
+        try:
+            from mxcli.mx import _fused
+
+            _FUSED = _fused
+        except Exception:  # numba missing or broken: the torch path gives the same bytes
+            _FUSED = False
+    if _FUSED is False or not _FUSED.enabled():
+        return None
+    return _FUSED
+
+
+_FUSED: Any = None
+
+
+def uses_fused_kernels(x: torch.Tensor) -> bool:
+    """Whether quantizing `x` runs the fused numba kernels (`mxcli.mx._fused`)."""
+    return _fused_kernels(x) is not None
+
+
+@overload
+def _restore(a: torch.Tensor, lead: torch.Size, ax: int) -> torch.Tensor: ...
+@overload
+def _restore(a: None, lead: torch.Size, ax: int) -> None: ...
+def _restore(a: torch.Tensor | None, lead: torch.Size, ax: int) -> torch.Tensor | None:
+    """``[R, n]`` rows back to the input's leading shape, the last axis moved back to `ax`."""
+    if a is None:
+        return None
+    return a.reshape(*lead, a.shape[-1]).movedim(-1, ax).contiguous()
+
+
 def _run(
     x: Any,
     axis: int,
@@ -312,6 +349,11 @@ def _run(
     codes = torch.empty((R, K), dtype=torch.uint8, device=t.device) if want_codes else None
     scales = torch.empty((R, K // GROUP_SIZE), dtype=torch.uint8, device=t.device)
     deq = torch.empty((R, K), dtype=torch.float32, device=t.device) if want_deq else None
+    fused = _fused_kernels(t)
+    if fused is not None:
+        segments = _segments(K, scheme, tile_k, chunks)
+        fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
+        return _restore(codes, lead, ax), _restore(scales, lead, ax), _restore(deq, lead, ax), ax
     rows = R if t.is_cuda else max(1, min(R, _BLOCK_ELEMS // K))
     work = {
         "xf": torch.empty(rows * K, dtype=torch.float32, device=t.device),
@@ -333,13 +375,7 @@ def _run(
             None if deq is None else deq[r0:r1],
             work,
         )
-
-    def restore(a: torch.Tensor | None) -> torch.Tensor | None:
-        if a is None:
-            return None
-        return a.reshape(*lead, a.shape[-1]).movedim(-1, ax).contiguous()
-
-    return restore(codes), restore(scales), restore(deq), ax  # type: ignore[return-value]
+    return _restore(codes, lead, ax), _restore(scales, lead, ax), _restore(deq, lead, ax), ax
 
 
 def quantize_mx(

@@ -18,6 +18,7 @@ from mxcli.kernels.blockwise_moe.config import (
     MatmulMxfp8KernelConfig,
 )
 from mxcli.mx import ElemFormat, QuantScheme, ScaleRule, fake_quantize_mx
+from mxcli.mx.quantize import uses_fused_kernels
 
 __all__ = [
     "Emulate",
@@ -134,9 +135,14 @@ class Numerics:
         """MXFP8 quantize-dequantize along the contraction `axis` (fp32 result); exact: fp32 copy."""
         if self.exact:
             return x.to(torch.float32)
-        if x.dtype == torch.bfloat16 and grouping.scheme is QuantScheme.WRAPX and x.is_contiguous():
-            # Performance only (values are identical): mxcli.mx's wrapX path runs faster on fp32
-            # rows than on bf16 ones, and the widening is exact and cheap.
+        if (
+            x.dtype == torch.bfloat16
+            and grouping.scheme is QuantScheme.WRAPX
+            and x.is_contiguous()
+            and not uses_fused_kernels(x)
+        ):
+            # Performance only (values are identical): mxcli.mx's pure-torch wrapX path runs
+            # faster on fp32 rows than on bf16 ones (the fused kernels read bf16 directly).
             x = x.to(torch.float32)
         return fake_quantize_mx(
             x,
