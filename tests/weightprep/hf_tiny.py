@@ -22,6 +22,11 @@ TINY: dict[str, Any] = dict(
     max_position_embeddings=128, pad_token_id=0, bos_token_id=0, eos_token_id=0,
 )  # fmt: skip
 E, K = 8, 2
+# Multi-head latent attention at tiny size (DeepSeek-style families).
+_MLA_NO_Q_LORA: dict[str, Any] = dict(
+    kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32
+)
+_MLA: dict[str, Any] = dict(q_lora_rank=64, **_MLA_NO_Q_LORA)
 # Per model_type: the keys its config class reads for E / top_k and anything else needed to
 # make layer 1 a MoE layer at tiny size.
 OVERRIDES: dict[str, dict[str, Any]] = {
@@ -58,11 +63,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         n_group=2,
         topk_group=1,
         routed_scaling_factor=2.5,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        **_MLA,
     ),
     "deepseek_v32": dict(
         n_routed_experts=E,
@@ -71,11 +72,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         n_group=2,
         topk_group=1,
         routed_scaling_factor=2.5,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        **_MLA,
         index_n_heads=2,
         index_head_dim=64,
         index_topk=16,
@@ -95,11 +92,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         n_group=1,
         topk_group=1,
         routed_scaling_factor=1.8,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        **_MLA,
     ),
     "dots1": dict(
         n_routed_experts=E,
@@ -130,11 +123,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         num_expert_group=2,
         topk_group=1,
         num_shared_experts=1,
-        q_lora_rank=64,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        **_MLA,
         layer_types=["full_attention"] * 2,
     ),
     "kimi_linear": dict(
@@ -144,10 +133,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
         num_expert_group=2,
         topk_group=1,
         num_shared_experts=1,
-        kv_lora_rank=64,
-        qk_rope_head_dim=32,
-        qk_nope_head_dim=32,
-        v_head_dim=32,
+        **_MLA_NO_Q_LORA,
         layer_types=["full_attention"] * 2,
     ),
     "minimax_m2": dict(num_local_experts=E, num_experts_per_tok=K),
