@@ -911,10 +911,16 @@ def _phase2(
     for ci in range(ntk):
         kt = geo.k2[ci]
         v = kt.v
+        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
+        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
+        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
+        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
+        # under 256 B are overhead-bound).
+        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
+        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
+        nisa.dma_copy(dst=rows[0:v, :, :], src=src)
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
-        for j in range(4):
-            r = kt.k0 + j * v
-            nisa.dma_copy(dst=ilv[0:v, :, j], src=t["dgu_s"][r : r + v, w0 : w0 + Wn])
+        nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
     hsg = t["hsg"]
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
