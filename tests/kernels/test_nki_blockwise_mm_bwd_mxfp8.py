@@ -350,6 +350,7 @@ def test_kernel_source_is_plain_nki() -> None:
         "dma_copy", "nc_transpose", "tensor_copy", "tensor_tensor", "tensor_scalar",
         "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",
         "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode", "dma_transpose",
+        "engine",  # the enum: PSUM evictions on ScalarE (tensor_copy engine=engine.scalar)
     }  # fmt: skip
     assert used <= allowed, used - allowed
     assert {"quantize_mx", "nc_matmul_mx", "nc_transpose", "core_barrier"} <= used

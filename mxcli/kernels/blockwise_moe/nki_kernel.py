@@ -38,7 +38,8 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    spec's bf16 rounding points), clamp masks, affinity grad ``sum_i D*Hm`` as a ones-matmul over
    the partitions. ``dG | dU`` and ``S`` (bf16, ``[2I, B]`` / ``[I, B]``) go to a shared HBM
    scratch: under LNC 2 phase 1 is split over I (SHARD_ON_FREE) and the halves meet there.
-3. phase 2 per window: ``[dG|dU]^T`` loaded in the wrapX layout along 2I, quantized;
+3. phase 2 per window: ``[dG|dU]^T`` chunk rows loaded whole (contiguous DMA runs), then
+   interleaved into the wrapX layout along 2I by one VectorE copy, quantized;
    ``R [W, H] = mx(dGU, W_gu)`` per 128-token tile; hidden-state grad rows scattered (or
    gathered, added in fp32, rounded to bf16 and scattered when accumulating).
 4. phases 3/4 operands (contraction over the block's tokens): ``X`` and ``dY`` rows gathered,
@@ -49,6 +50,10 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
+
+Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the PE
+transposes and of the phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact
+as on VectorE: one fp32 -> bf16 rounding), the other elementwise work on VectorE.
 
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
@@ -745,7 +750,7 @@ def _phase1(
             h = kt.k0 + j * v
             for tt in range(nTw):
                 nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
-            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
         _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
     nisa.dma_copy(dst=alpha, src=t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
@@ -1014,7 +1019,7 @@ def _transposed_q(
                 ps = nl.ndarray((P, n), dtype=bf, buffer=nl.psum, name=f"{name}_tp")
                 for fi in range(nf):
                     nisa.nc_transpose(dst=ps[0:v, fi * P : (fi + 1) * P], data=ft[:, fi, k : k + v])
-                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
             _quantize_chunk_to(ilv, kt, n, name, dst, f0)
 
 
@@ -1065,7 +1070,7 @@ def _bias_down(
 def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) -> None:
     """dst = bf16(dst + bf16(C)) through one DMA read and one write (dense block 0: write)."""
     c = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_c")
-    nisa.tensor_copy(dst=c, src=c_ps)
+    nisa.tensor_copy(dst=c, src=c_ps, engine=nisa.engine.scalar)
     if not first_dense:
         old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
         nisa.dma_copy(dst=old, src=dst_ap)
