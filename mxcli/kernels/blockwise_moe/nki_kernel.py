@@ -47,7 +47,9 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    scratch; all quantized and spilled to HBM scratch (they are needed for every output tile).
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
    ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
+   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead. The stationary ``X``
+   / ``S`` operands are loaded once per block when they fit `STATIONARY_BUDGET` (else per
+   128-column tile, i.e. again for every output tile of the other operand).
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
@@ -94,6 +96,9 @@ QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadra
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
+# SBUF bytes per partition a phase-3/4 stationary operand (X or S, quantized along the block's
+# tokens) may take to be loaded once per block instead of once per output tile.
+STATIONARY_BUDGET = 40 * 1024
 
 
 @dataclass
@@ -321,6 +326,15 @@ def _resident(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, Any
     """An HBM operand's columns ``[c_lo, c_lo+n)`` loaded into SBUF for the block."""
     q, views = _load_q(op, c_lo, n, name)
     return {"layout": None, "q": q, "views": views, "c_lo": c_lo}
+
+
+def _stationary(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, Any]:
+    """A phase-3/4 stationary operand's columns ``[c_lo, c_lo+n)``: loaded once (whole-row DMA
+    runs) when its x4 data and scales fit `STATIONARY_BUDGET`, else left in HBM and loaded per
+    128-column tile (short runs, and once per output tile of the other operand)."""
+    if n and len(op["layout"].tiles) * n * 5 <= STATIONARY_BUDGET:
+        return _resident(op, c_lo, n, name)
+    return op
 
 
 def _quantize_tile(ilv: Any, kt: KTile, n: int, q_dst: Any, s_dst: Any) -> None:
@@ -1082,15 +1096,18 @@ def _phase3(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
     """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3)."""
+    if not geo.Hc:
+        return
     first = cfg.dense and b == 0
     I2 = 2 * cfg.I
+    x_op = _stationary(t["xq"], geo.h0, geo.Hc, "p3_xres")
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
             n = min(NMAX, cfg.I - i0)
             gq, gsv = _load_q(t["gq"], g * cfg.I + i0, n, "p3_g")
             for j in range(geo.n_h):
                 ht = geo.h_lo + j
-                xq, xsv = _load_q(t["xq"], ht * P, P, "p3_x")
+                xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
                 c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
                 for ci in range(len(geo.k3)):
                     v = geo.k3[ci].v
@@ -1107,12 +1124,15 @@ def _phase4(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
     """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4)."""
+    if not geo.Hc:
+        return
     first = cfg.dense and b == 0
+    s_op = _stationary(t["sq"], 0, cfg.I, "p4_sres")
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         n = min(NMAX, geo.h0 + geo.Hc - c0)
         yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
         for it in range(cfg.I // P):
-            sq, ssv = _load_q(t["sq"], it * P, P, "p4_s")
+            sq, ssv = _load_q(s_op, it * P, P, "p4_s")
             c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p4_c")
             for ci in range(len(geo.k4)):
                 v = geo.k4[ci].v
