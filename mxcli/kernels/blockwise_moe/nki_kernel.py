@@ -53,9 +53,11 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
-Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the PE
-transposes and of the phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact
-as on VectorE: one fp32 -> bf16 rounding), the other elementwise work on VectorE.
+Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the phase-2
+and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on VectorE: one fp32 ->
+bf16 rounding), the other elementwise work on VectorE. The PE transposes' evictions stay on
+VectorE: they sit on the dependency chain of every quantized operand, and ScalarE's narrower
+PSUM path (128 vs 256 elements per cycle) lengthened the schedule.
 
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
@@ -764,7 +766,7 @@ def _phase1(
             h = kt.k0 + j * v
             for tt in range(nTw):
                 nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
-            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
+            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
         _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
     nisa.dma_copy(dst=alpha, src=t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
@@ -955,7 +957,7 @@ def _phase2(
                     moving_scale=wsv[ci], accumulate=ci > 0,
                 )  # fmt: skip
             r = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_rb")
-            nisa.tensor_copy(dst=r, src=r_ps)
+            nisa.tensor_copy(dst=r, src=r_ps, engine=nisa.engine.scalar)
             gtt = win * nTw + tt
             if blk["tok"] is None:
                 r0 = b * cfg.B + gtt * P
@@ -1033,7 +1035,7 @@ def _transposed_q(
                 ps = nl.ndarray((P, n), dtype=bf, buffer=nl.psum, name=f"{name}_tp")
                 for fi in range(nf):
                     nisa.nc_transpose(dst=ps[0:v, fi * P : (fi + 1) * P], data=ft[:, fi, k : k + v])
-                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
             _quantize_chunk_to(ilv, kt, n, name, dst, f0)
 
 
