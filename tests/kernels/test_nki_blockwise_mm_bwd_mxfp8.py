@@ -282,12 +282,14 @@ def test_remainder_chunks_odd_tile_split() -> None:
 
 @pytest.mark.parametrize("prequantized", [False, True])
 def test_streamed_weights(monkeypatch: pytest.MonkeyPatch, prequantized: bool) -> None:
-    """With no SBUF budget for resident weights, the quantized weights are spilled to the HBM
-    scratch (or read from the pre-quantized inputs) and streamed per window; same results."""
+    """With no SBUF budget for resident weights or phase-3/4 stationary operands, the quantized
+    weights are spilled to the HBM scratch (or read from the pre-quantized inputs) and streamed
+    per window, and X / S are loaded per output tile; same results."""
     mod = nki_runtime.load_kernel_module(
         "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
     )
     monkeypatch.setattr(mod, "RESIDENT_BUDGET", 0)
+    monkeypatch.setattr(mod, "STATIONARY_BUDGET", 0)
     args = case(256, 512, 2, 256, 2, 256)
     cfg = MXFP8MOEBwdConfig.routed(top_k=2)
     if prequantized:
@@ -361,6 +363,7 @@ def test_kernel_source_is_plain_nki() -> None:
         "dma_copy", "nc_transpose", "tensor_copy", "tensor_tensor", "tensor_scalar",
         "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",
         "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode", "dma_transpose",
+        "engine",  # the enum: PSUM evictions on ScalarE (tensor_copy engine=engine.scalar)
     }  # fmt: skip
     assert used <= allowed, used - allowed
     assert {"quantize_mx", "nc_matmul_mx", "nc_transpose", "core_barrier"} <= used

@@ -38,7 +38,8 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    spec's bf16 rounding points), clamp masks, affinity grad ``sum_i D*Hm`` as a ones-matmul over
    the partitions. ``dG | dU`` and ``S`` (bf16, ``[2I, B]`` / ``[I, B]``) go to a shared HBM
    scratch: under LNC 2 phase 1 is split over I (SHARD_ON_FREE) and the halves meet there.
-3. phase 2 per window: ``[dG|dU]^T`` loaded in the wrapX layout along 2I, quantized;
+3. phase 2 per window: ``[dG|dU]^T`` chunk rows loaded whole (contiguous DMA runs), then
+   interleaved into the wrapX layout along 2I by one VectorE copy, quantized;
    ``R [W, H] = mx(dGU, W_gu)`` per 128-token tile; hidden-state grad rows scattered (or
    gathered, added in fp32, rounded to bf16 and scattered when accumulating).
 4. phases 3/4 operands (contraction over the block's tokens): ``X`` and ``dY`` rows gathered,
@@ -46,9 +47,17 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    scratch; all quantized and spilled to HBM scratch (they are needed for every output tile).
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
    ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
+   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead. The stationary ``X``
+   / ``S`` operands are loaded once per block when they fit `STATIONARY_BUDGET` (else per
+   128-column tile, i.e. again for every output tile of the other operand).
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
+
+Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the phase-2
+and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on VectorE: one fp32 ->
+bf16 rounding), the other elementwise work on VectorE. The PE transposes' evictions stay on
+VectorE: they sit on the dependency chain of every quantized operand, and ScalarE's narrower
+PSUM path (128 vs 256 elements per cycle) lengthened the schedule.
 
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
@@ -89,6 +98,9 @@ QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadra
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
+# SBUF bytes per partition a phase-3/4 stationary operand (X or S, quantized along the block's
+# tokens) may take to be loaded once per block instead of once per output tile.
+STATIONARY_BUDGET = 40 * 1024
 
 
 @dataclass
@@ -316,6 +328,15 @@ def _resident(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, Any
     """An HBM operand's columns ``[c_lo, c_lo+n)`` loaded into SBUF for the block."""
     q, views = _load_q(op, c_lo, n, name)
     return {"layout": None, "q": q, "views": views, "c_lo": c_lo}
+
+
+def _stationary(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, Any]:
+    """A phase-3/4 stationary operand's columns ``[c_lo, c_lo+n)``: loaded once (whole-row DMA
+    runs) when its x4 data and scales fit `STATIONARY_BUDGET`, else left in HBM and loaded per
+    128-column tile (short runs, and once per output tile of the other operand)."""
+    if n and len(op["layout"].tiles) * n * 5 <= STATIONARY_BUDGET:
+        return _resident(op, c_lo, n, name)
+    return op
 
 
 def _quantize_tile(ilv: Any, kt: KTile, n: int, q_dst: Any, s_dst: Any) -> None:
@@ -911,10 +932,16 @@ def _phase2(
     for ci in range(ntk):
         kt = geo.k2[ci]
         v = kt.v
+        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
+        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
+        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
+        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
+        # under 256 B are overhead-bound).
+        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
+        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
+        nisa.dma_copy(dst=rows[0:v, :, :], src=src)
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
-        for j in range(4):
-            r = kt.k0 + j * v
-            nisa.dma_copy(dst=ilv[0:v, :, j], src=t["dgu_s"][r : r + v, w0 : w0 + Wn])
+        nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
     hsg = t["hsg"]
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
@@ -930,7 +957,7 @@ def _phase2(
                     moving_scale=wsv[ci], accumulate=ci > 0,
                 )  # fmt: skip
             r = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_rb")
-            nisa.tensor_copy(dst=r, src=r_ps)
+            nisa.tensor_copy(dst=r, src=r_ps, engine=nisa.engine.scalar)
             gtt = win * nTw + tt
             if blk["tok"] is None:
                 r0 = b * cfg.B + gtt * P
@@ -1059,7 +1086,7 @@ def _bias_down(
 def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) -> None:
     """dst = bf16(dst + bf16(C)) through one DMA read and one write (dense block 0: write)."""
     c = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_c")
-    nisa.tensor_copy(dst=c, src=c_ps)
+    nisa.tensor_copy(dst=c, src=c_ps, engine=nisa.engine.scalar)
     if not first_dense:
         old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
         nisa.dma_copy(dst=old, src=dst_ap)
@@ -1071,15 +1098,18 @@ def _phase3(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
     """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3)."""
+    if not geo.Hc:
+        return
     first = cfg.dense and b == 0
     I2 = 2 * cfg.I
+    x_op = _stationary(t["xq"], geo.h0, geo.Hc, "p3_xres")
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
             n = min(NMAX, cfg.I - i0)
             gq, gsv = _load_q(t["gq"], g * cfg.I + i0, n, "p3_g")
             for j in range(geo.n_h):
                 ht = geo.h_lo + j
-                xq, xsv = _load_q(t["xq"], ht * P, P, "p3_x")
+                xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
                 c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
                 for ci in range(len(geo.k3)):
                     v = geo.k3[ci].v
@@ -1096,12 +1126,15 @@ def _phase4(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
     """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4)."""
+    if not geo.Hc:
+        return
     first = cfg.dense and b == 0
+    s_op = _stationary(t["sq"], 0, cfg.I, "p4_sres")
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         n = min(NMAX, geo.h0 + geo.Hc - c0)
         yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
         for it in range(cfg.I // P):
-            sq, ssv = _load_q(t["sq"], it * P, P, "p4_s")
+            sq, ssv = _load_q(s_op, it * P, P, "p4_s")
             c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p4_c")
             for ci in range(len(geo.k4)):
                 v = geo.k4[ci].v
