@@ -23,9 +23,9 @@ from tests.weightprep.real_models import (
     write_meta_checkpoint,
 )
 
-# Kimi-K2's model_type kimi_k2 comes with its own code (not transformers); its architecture
-# is DeepseekV3ForCausalLM, so it is planned with --model-type deepseek_v3
-_FORCED = {"moonshotai/Kimi-K2-Instruct": "deepseek_v3"}
+# Kimi-K2's model_type kimi_k2 comes with its own code (not transformers); its architecture is
+# DeepseekV3ForCausalLM, and the deepseek_v3 family lists kimi_k2 among its model types
+_FORCED: dict[str, str] = {}
 _ROUTER = {
     "deepseek_v3": "NOAUX_TC", "kimi_k2": "NOAUX_TC", "glm4_moe": "NOAUX_TC",
     "qwen3_moe": "SOFTMAX", "gpt_oss": "SOFTMAX", "mixtral": "SOFTMAX", "llama4": "SIGMOID",
@@ -153,12 +153,7 @@ def test_cli_dry_run_from_config_only(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "repo",
     [
-        pytest.param(
-            "moonshotai/Kimi-K2-Instruct",
-            marks=pytest.mark.xfail(
-                reason="model_type kimi_k2 (remote code) is not in the family table", strict=True
-            ),
-        ),
+        "moonshotai/Kimi-K2-Instruct",
         "zai-org/GLM-4.5",
     ],
 )

@@ -297,10 +297,11 @@ def _deepseek_like(
     shared: bool = True,
     keys: dict[str, tuple[Any, Any]] | None = None,
     notes: tuple[str, ...] = (),
+    also: tuple[str, ...] = (),
 ) -> Family:
     return Family(
         name=name,
-        model_types=(name,),
+        model_types=(name, *also),
         keys=keys or _DEEPSEEK_KEYS,
         gamma="post_attention_layernorm.weight",
         router_weight=f"{base}.gate.weight",
@@ -536,8 +537,11 @@ FAMILY_LIST: tuple[Family, ...] = (
     # -- DeepSeek-V3 routing (sigmoid + correction bias, group-limited): NOAUX_TC ---------------
     _deepseek_like(
         "deepseek_v3",
-        "deepseek-ai/DeepSeek-V3",
+        "deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct",
         notes=("layers past num_hidden_layers (the MTP module) are not converted",),
+        # Kimi-K2 ships its own config code (model_type kimi_k2) over the DeepSeek-V3
+        # architecture and config keys (DeepseekV3ForCausalLM)
+        also=("kimi_k2",),
     ),
     _deepseek_like("deepseek_v32", "deepseek-ai/DeepSeek-V3.2-Exp"),
     _deepseek_like("glm4_moe", "zai-org/GLM-4.5"),
