@@ -537,7 +537,7 @@ FAMILY_LIST: tuple[Family, ...] = (
     # -- DeepSeek-V3 routing (sigmoid + correction bias, group-limited): NOAUX_TC ---------------
     _deepseek_like(
         "deepseek_v3",
-        "deepseek-ai/DeepSeek-V3, moonshotai/Kimi-K2-Instruct",
+        "deepseek-ai/DeepSeek-V3",
         notes=("layers past num_hidden_layers (the MTP module) are not converted",),
         # Kimi-K2 ships its own config code (model_type kimi_k2) over the DeepSeek-V3
         # architecture and config keys (DeepseekV3ForCausalLM)
