@@ -38,16 +38,19 @@ def test_peak_rss_independent_of_layer_count(tmp_path: Path) -> None:
     ck = build_checkpoint(
         "qwen3_moe",
         tmp_path / "src",
-        num_layers=4,
+        num_layers=8,
         hidden_size=H,
         intermediate_size=I,
         num_experts=E,
     )
-    p1, layers1 = _peak(ck.path, tmp_path / "o1", "0")
-    p4, layers4 = _peak(ck.path, tmp_path / "o4", "0-3")
-    assert layers1 == [0] and layers4 == [0, 1, 2, 3]
-    # Holding every layer would add 3 layers (180 MiB); streaming adds only allocator noise
-    # (a few tens of MiB at most), less than one layer.
-    assert p4 - p1 < LAYER_BYTES, (p1, p4)
+    # Two layers against four: both runs have a layer being converted while the previous one is
+    # written, so the pipeline's own depth cancels out and only growth with layer count remains.
+    p2, layers2 = _peak(ck.path, tmp_path / "o2", "0-1")
+    p8, layers8 = _peak(ck.path, tmp_path / "o8", "0-7")
+    assert layers2 == [0, 1] and layers8 == list(range(8))
+    # Holding every layer would add 6 layers (360 MiB); streaming adds only allocator noise
+    # (glibc arenas of the writer thread: up to about one and a half layers seen with
+    # ATEN_CPU_CAPABILITY=default), under two layers.
+    assert p8 - p2 < 2 * LAYER_BYTES, (p2, p8)
     # and a run holds about one expert chunk (here the whole layer) beyond the interpreter
-    assert p1 < 700 * 2**20, p1
+    assert p2 < 700 * 2**20, p2
