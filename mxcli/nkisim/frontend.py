@@ -566,6 +566,42 @@ def _describe(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# Syntax outside the NKI 0.6 subset (migration guide "Language restrictions"; constructs no
+# upstream kernel uses): AST node type -> (rule, message, whether its children are checked too).
+_BANNED_SYNTAX: dict[str, tuple[Rule, str, bool]] = {
+    "Try": (Rule.TRY, "try/except is not supported; check with assert", True),
+    "TryStar": (Rule.TRY, "try/except is not supported; check with assert", True),
+    "Raise": (Rule.RAISE, "raise is not supported; check with assert", False),
+    "With": (Rule.WITH, "with statements are not supported", True),
+    "AsyncWith": (Rule.SYNTAX, "async with is not supported", False),
+    "AsyncFor": (Rule.SYNTAX, "async for is not supported", False),
+    "Await": (Rule.SYNTAX, "await is not supported", False),
+    "Match": (Rule.SYNTAX, "match statements are not supported", False),
+    "Lambda": (Rule.LAMBDA, "lambda is not supported; define a function", False),
+    "Set": (Rule.SET, "set literals are not supported; use a tuple or list", True),
+    "SetComp": (Rule.SET, "set comprehensions are not supported", True),
+    "GeneratorExp": (Rule.GENERATOR, "generator expressions are not supported; use a loop", True),
+    "ListComp": (
+        Rule.COMPREHENSION,
+        "list comprehensions are not used by NKI kernels; use a loop",
+        True,
+    ),
+    "DictComp": (
+        Rule.COMPREHENSION,
+        "dict comprehensions are not used by NKI kernels; use a loop",
+        True,
+    ),
+    "Global": (Rule.GLOBAL, "global statements are not supported", False),
+    "Nonlocal": (Rule.GLOBAL, "nonlocal statements are not supported", False),
+    "Yield": (Rule.YIELD, "yield is not supported", True),
+    "YieldFrom": (Rule.YIELD, "yield from is not supported", True),
+    "Delete": (Rule.DELETE, "del is not supported", False),
+    "NamedExpr": (Rule.WALRUS, "assignment expressions (:=) are not supported", True),
+    "Import": (Rule.IMPORT, "import inside a kernel function; import at module level", False),
+    "ImportFrom": (Rule.IMPORT, "import inside a kernel function; import at module level", False),
+}
+
+
 class _BodyVisitor(ast.NodeVisitor):
     """Rejects syntax outside the subset and resolves free names of one function or class body."""
 
@@ -613,84 +649,16 @@ class _BodyVisitor(ast.NodeVisitor):
         if node.value is not None:
             self.visit(node.value)
 
-    # -- statements and expressions outside the subset
-    def visit_Try(self, node: ast.Try) -> None:
-        self.add(Rule.TRY, node, "try/except is not supported; check with assert")
-        self.generic_visit(node)
-
-    visit_TryStar = visit_Try  # type: ignore[assignment]
-
-    def visit_Raise(self, node: ast.Raise) -> None:
-        self.add(Rule.RAISE, node, "raise is not supported; check with assert")
-
-    def visit_With(self, node: ast.With) -> None:
-        self.add(Rule.WITH, node, "with statements are not supported")
-        self.generic_visit(node)
-
-    def visit_AsyncWith(self, node: ast.AsyncWith) -> None:
-        self.add(Rule.SYNTAX, node, "async with is not supported")
-
-    def visit_AsyncFor(self, node: ast.AsyncFor) -> None:
-        self.add(Rule.SYNTAX, node, "async for is not supported")
-
-    def visit_Await(self, node: ast.Await) -> None:
-        self.add(Rule.SYNTAX, node, "await is not supported")
-
-    def visit_Match(self, node: ast.AST) -> None:
-        self.add(Rule.SYNTAX, node, "match statements are not supported")
-
-    def visit_Lambda(self, node: ast.Lambda) -> None:
-        self.add(Rule.LAMBDA, node, "lambda is not supported; define a function")
-
-    def visit_Set(self, node: ast.Set) -> None:
-        self.add(Rule.SET, node, "set literals are not supported; use a tuple or list")
-        self.generic_visit(node)
-
-    def visit_SetComp(self, node: ast.SetComp) -> None:
-        self.add(Rule.SET, node, "set comprehensions are not supported")
-        self.generic_visit(node)
-
-    def visit_GeneratorExp(self, node: ast.GeneratorExp) -> None:
-        self.add(Rule.GENERATOR, node, "generator expressions are not supported; use a loop")
-        self.generic_visit(node)
-
-    def visit_ListComp(self, node: ast.ListComp) -> None:
-        self.add(
-            Rule.COMPREHENSION, node, "list comprehensions are not used by NKI kernels; use a loop"
-        )
-        self.generic_visit(node)
-
-    def visit_DictComp(self, node: ast.DictComp) -> None:
-        self.add(
-            Rule.COMPREHENSION, node, "dict comprehensions are not used by NKI kernels; use a loop"
-        )
-        self.generic_visit(node)
-
-    def visit_Global(self, node: ast.Global) -> None:
-        self.add(Rule.GLOBAL, node, "global statements are not supported")
-
-    def visit_Nonlocal(self, node: ast.Nonlocal) -> None:
-        self.add(Rule.GLOBAL, node, "nonlocal statements are not supported")
-
-    def visit_Yield(self, node: ast.Yield) -> None:
-        self.add(Rule.YIELD, node, "yield is not supported")
-        self.generic_visit(node)
-
-    def visit_YieldFrom(self, node: ast.YieldFrom) -> None:
-        self.add(Rule.YIELD, node, "yield from is not supported")
-        self.generic_visit(node)
-
-    def visit_Delete(self, node: ast.Delete) -> None:
-        self.add(Rule.DELETE, node, "del is not supported")
-
-    def visit_NamedExpr(self, node: ast.NamedExpr) -> None:
-        self.add(Rule.WALRUS, node, "assignment expressions (:=) are not supported")
-        self.generic_visit(node)
-
-    def visit_Import(self, node: ast.Import) -> None:
-        self.add(Rule.IMPORT, node, "import inside a kernel function; import at module level")
-
-    visit_ImportFrom = visit_Import  # type: ignore[assignment]
+    # -- statements and expressions outside the subset (`_BANNED_SYNTAX`)
+    def visit(self, node: ast.AST) -> None:
+        banned = _BANNED_SYNTAX.get(type(node).__name__)
+        if banned is None:
+            super().visit(node)
+            return
+        rule, message, look_inside = banned
+        self.add(rule, node, message)
+        if look_inside:  # names inside still reach helpers and globals that need checking
+            self.generic_visit(node)
 
     def visit_Constant(self, node: ast.Constant) -> None:
         if isinstance(node.value, (bytes, complex)):
