@@ -3,7 +3,8 @@
 Cases (T = 4096 tokens, H = 7168): NOAUX_TC router with E = 256, K = 8 (n_group 8, topk_group 4,
 routed_scaling_factor 2.5) and ``pack_affinities=True``; and the same without a router.
 Floor, measured in the same run: one fp32 ``(T x H) @ (H x E)`` matmul plus one ``clone()`` of
-the bf16 input. Target: reference time <= 2x the floor. The last line is the worst ratio.
+the bf16 input. Target (issue #14): reference time <= 1.3x the floor. The last line is the worst
+ratio.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def main() -> None:
             f"{name}: reference {t_ref * 1e3:7.1f} ms | floor (fp32 matmul + clone) "
             f"{t_floor * 1e3:7.1f} ms | ratio {ratio:.2f}"
         )
-    print(f"ratio (reference / floor, worst case; target <= 2): {max(ratios):.2f}")
+    print(f"ratio (reference / floor, worst case; target <= 1.3): {max(ratios):.2f}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from mxcli.kernels.rmsnorm_mx_prefill.router import (
 )
 from mxcli.kernels.rmsnorm_mx_prefill.router_weights import unarrange_router_weights
 from mxcli.mx import ScaleRule, prefill_scale_offsets, quantize_mx
+from mxcli.mx.quantize import uses_fused_kernels
 
 # Tokens per work chunk on CPU: at least 128 (the router matmul loses efficiency below that),
 # more for small H so per-op overhead stays small. Results do not depend on it.
@@ -65,6 +66,20 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     """Spec §3.1: ``x_nat[4p + q] = x_stored[q*(H/4) + p]`` over the whole row."""
     T, H = x.shape
     return x.view(T, 4, H // 4).transpose(1, 2).reshape(T, H)
+
+
+def _fused_chain(cfg: PrefillConfig, hidden_states: torch.Tensor) -> Any:
+    """The `_fused` kernels module when they apply (numba installed and not turned off with
+    ``MXCLI_FUSED=0``, CPU, bf16 input and compute dtype, a fixed bf16 NaN pattern), else None."""
+    if cfg.compute_dtype != torch.bfloat16 or hidden_states.dtype != torch.bfloat16:
+        return None
+    if not uses_fused_kernels(hidden_states):
+        return None
+    try:
+        from mxcli.kernels.rmsnorm_mx_prefill import _fused
+    except Exception:  # numba broken: the torch chain gives the same bytes
+        return None
+    return _fused if _fused.bf16_nan_bits() is not None else None
 
 
 def _sequential_sum(v: torch.Tensor) -> torch.Tensor:
@@ -172,7 +187,7 @@ def _run(
 
     hs = hidden_states.reshape(T, H)  # [T, H] stored order
     res = residual.reshape(T, H) if residual is not None else None
-    g = gamma.reshape(H).to(f32)  # [H] natural order
+    g = gamma.reshape(H).to(f32).contiguous()  # [H] natural order
     # §3.2: the mean is a multiply by the fp32 immediate 1/N; eps is the rsqrt bias (fp32)
     inv_n = torch.tensor(1.0 / cfg.unpadded_hidden_size, dtype=f32, device=dev)
     eps32 = torch.tensor(cfg.eps, dtype=f32, device=dev)
@@ -211,6 +226,14 @@ def _run(
     af_buf = torch.empty((chunk, H), dtype=f32, device=dev)
     a_buf = torch.empty((chunk, H), dtype=cd, device=dev)
     xs_buf = torch.empty((chunk, H), dtype=in_dtype, device=dev) if res is not None else None
+    fused = _fused_chain(cfg, hidden_states)
+    fmt = cfg.qmx.elem
+    offset = rule.exponent_offset(fmt)
+    xn_buf = (
+        torch.empty((chunk, H), dtype=in_dtype, device=dev)
+        if fused is not None and cfg.hidden_interleaved
+        else None
+    )
 
     for t0 in range(0, T, chunk):
         t1 = min(T, t0 + chunk)
@@ -226,38 +249,69 @@ def _run(
             xs.copy_(xf.add_(tmp))
             out_res[t0:t1] = xs  # stored (interleaved) order, converted to residual.dtype
             x = xs
-        if cfg.hidden_interleaved:
-            # §3.1: x_nat[4p + q] = x_stored[q*(H/4) + p], de-interleaved while widening
-            xf.view(n, H // 4, 4).copy_(x.view(n, 4, H // 4).transpose(1, 2))
+        if fused is not None:
+            # same arithmetic as the torch branch below, fused (`_fused`): bit-identical
+            if cfg.hidden_interleaved:
+                assert xn_buf is not None
+                xn = xn_buf[:n]  # §3.1 de-interleave in bf16 (exact)
+                xn.view(n, H // 4, 4).copy_(x.view(n, 4, H // 4).transpose(1, 2))
+                x = xn
+            x = x.contiguous()
+            fused.squares(x, tmp)
+            ss = _sequential_sum(tmp.view(n, geo.num_h512, 512).sum(dim=2))
+            inv_rms = torch.rsqrt(ss * inv_n + eps32)  # [n] fp32
+            inv_col = inv_rms.unsqueeze(1)
+            if out_norm is not None:
+                xf.copy_(x)
+                torch.mul(xf, inv_col, out=tmp)
+                out_norm[t0:t1] = tmp.mul_(g)
+            rows = packed[t0:t1]
+            rows[:, H:] = tail_fill
+            r = inv_rms.to(cd).to(f32).contiguous()
+            fused.rms_chain(
+                x,
+                g,
+                r,
+                offset,
+                fmt.torch_dtype,
+                fmt.max_finite,
+                offsets,
+                rows,
+                af if w_mat is not None else None,
+            )
         else:
-            xf.copy_(x)  # [n, H] fp32, natural order (exact widening)
+            if cfg.hidden_interleaved:
+                # §3.1: x_nat[4p + q] = x_stored[q*(H/4) + p], de-interleaved while widening
+                xf.view(n, H // 4, 4).copy_(x.view(n, 4, H // 4).transpose(1, 2))
+            else:
+                xf.copy_(x)  # [n, H] fp32, natural order (exact widening)
 
-        # §3.2: fp32 sum of squares over the full padded H, 512-blocks chained in order
-        torch.mul(xf, xf, out=tmp)
-        ss = _sequential_sum(tmp.view(n, geo.num_h512, 512).sum(dim=2))
-        inv_rms = torch.rsqrt(ss * inv_n + eps32)  # [n] fp32
-        inv_col = inv_rms.unsqueeze(1)
+            # §3.2: fp32 sum of squares over the full padded H, 512-blocks chained in order
+            torch.mul(xf, xf, out=tmp)
+            ss = _sequential_sum(tmp.view(n, geo.num_h512, 512).sum(dim=2))
+            inv_rms = torch.rsqrt(ss * inv_n + eps32)  # [n] fp32
+            inv_col = inv_rms.unsqueeze(1)
 
-        if out_norm is not None:
-            # §3.5: fp32 x*inv_rms*gamma (fp32 inv_rms, not the cd one), one bf16 rounding
-            torch.mul(xf, inv_col, out=tmp)
-            out_norm[t0:t1] = tmp.mul_(g)
+            if out_norm is not None:
+                # §3.5: fp32 x*inv_rms*gamma (fp32 inv_rms, not the cd one), one bf16 rounding
+                torch.mul(xf, inv_col, out=tmp)
+                out_norm[t0:t1] = tmp.mul_(g)
 
-        # §3.3: three roundings to cd: a = R(x*g); r = R(inv); y = R(a*r)
-        torch.mul(xf, g, out=af)
-        a.copy_(af)
-        af.copy_(a)  # af: the cd values of a in fp32 (router input too, §5.1)
-        r = inv_rms.to(cd).to(f32).unsqueeze(1)
-        torch.mul(af, r, out=tmp)
-        y = a
-        y.copy_(tmp)  # [n, H] cd, what quantize_mx sees
+            # §3.3: three roundings to cd: a = R(x*g); r = R(inv); y = R(a*r)
+            torch.mul(xf, g, out=af)
+            a.copy_(af)
+            af.copy_(a)  # af: the cd values of a in fp32 (router input too, §5.1)
+            r = inv_rms.to(cd).to(f32).unsqueeze(1)
+            torch.mul(af, r, out=tmp)
+            y = a
+            y.copy_(tmp)  # [n, H] cd, what quantize_mx sees
 
-        # §3.4 / §4: codes in natural order, one scale byte per 32 contiguous elements
-        codes, scales = quantize_mx(y, -1, elem=cfg.qmx.elem, rule=rule, scheme="1x32")
-        rows = packed[t0:t1]
-        rows[:, :H] = codes
-        rows[:, H:] = tail_fill
-        rows[:, offsets] = scales
+            # §3.4 / §4: codes in natural order, one scale byte per 32 contiguous elements
+            codes, scales = quantize_mx(y, -1, elem=cfg.qmx.elem, rule=rule, scheme="1x32")
+            rows = packed[t0:t1]
+            rows[:, :H] = codes
+            rows[:, H:] = tail_fill
+            rows[:, offsets] = scales
 
         if w_mat is not None:
             assert logits is not None

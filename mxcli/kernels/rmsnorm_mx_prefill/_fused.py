@@ -1,0 +1,182 @@
+"""Fused CPU kernels (numba) for the prefill reference's elementwise chain (prefill spec §3.2-§3.4).
+
+The torch reference rounds three times to bf16 (``a = R(x*gamma)``, ``y = R(a*r)``) and then
+quantizes ``y``; done as torch ops that is six passes over ``[tokens, H]`` plus the quantizer's.
+`rms_chain` does it in one pass per 32-element group, in registers, and writes the codes and
+scale bytes straight into the packed rows (and the fp32 router input ``a``, when asked).
+`squares` feeds the sum of squares, which stays a torch reduction: its fp32 summation order is
+torch's, and the reference's bytes must not change.
+
+Optional like `mxcli.mx._fused` (numba; ``MXCLI_FUSED=0`` turns it off). Bit-identical to the
+torch chain (tests/kernels/prefill/test_fused_chain.py), including the NaN pattern torch's
+fp32 -> bf16 cast writes, which depends on its CPU kernel and is probed once (`bf16_nan_bits`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from mxcli.mx import _simd as simd
+
+GROUP = simd.GROUP
+
+
+@intrinsic
+def _square_group(typingctx, x, start, out):  # type: ignore[no-untyped-def]
+    """``out[start : start + 32] = fp32(x[...])**2`` for a bf16 (uint16) row `x`."""
+    if x.layout != "C" or out.layout != "C":
+        return None
+    sig = types.void(x, start, out)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        x_arr = context.make_array(signature.args[0])(context, builder, args[0])
+        o_arr = context.make_array(signature.args[2])(context, builder, args[2])
+        v = simd.load_fp32(builder, cgutils.gep(builder, x_arr.data, args[1]), GROUP, True)
+        simd.store(builder, builder.fmul(v, v), cgutils.gep(builder, o_arr.data, args[1]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _chain_intrinsic(e5m2: bool, want_a: bool) -> Callable[..., Any]:
+    """Intrinsic ``byte = f(x, start, gamma, r, nan_bits, offset, maxval, row, a_out)`` for one
+    group of 32 of a bf16 row: ``a = R(x*gamma)``, ``y = R(a*r)`` (§3.3), MX codes of ``y`` into
+    ``row[start : start + 32]`` (§3.4), ``a`` into `a_out` when `want_a`; returns the scale byte."""
+
+    def typer(typingctx, x, start, gamma, r, nan_bits, offset, maxval, row, a_out):  # type: ignore[no-untyped-def]
+        if any(arr.layout != "C" for arr in (x, gamma, row, a_out)):
+            return None
+        sig = types.uint8(x, start, gamma, r, nan_bits, offset, maxval, row, a_out)
+
+        def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+            arrays = [
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 2, 7, 8)
+            ]
+            x_arr, g_arr, row_arr, a_arr = arrays
+            start_v, r_v, nan_v, offset_v, maxval_v = args[1], args[3], args[4], args[5], args[6]
+            n = GROUP
+            xv = simd.load_fp32(builder, cgutils.gep(builder, x_arr.data, start_v), n, True)
+            gv = simd.load_fp32(builder, cgutils.gep(builder, g_arr.data, start_v), n, False)
+            a = simd.round_bf16(builder, builder.fmul(xv, gv), n, nan_v)
+            if want_a:
+                simd.store(builder, a, cgutils.gep(builder, a_arr.data, start_v))
+            y = simd.round_bf16(builder, builder.fmul(a, simd.broadcast(builder, r_v, n)), n, nan_v)
+            gs = simd.GroupScale(builder, [y], offset_v)
+            v = simd.scale_to_fp8_range(builder, y, gs, e5m2, maxval_v)
+            codes = simd.encode_fp8(builder, v, n, e5m2)
+            simd.store(builder, codes, cgutils.gep(builder, row_arr.data, start_v))
+            return builder.trunc(gs.byte, simd.I8)
+
+        return sig, codegen
+
+    return intrinsic(typer)
+
+
+_chain_e4m3 = _chain_intrinsic(e5m2=False, want_a=False)
+_chain_e4m3_a = _chain_intrinsic(e5m2=False, want_a=True)
+_chain_e5m2 = _chain_intrinsic(e5m2=True, want_a=False)
+_chain_e5m2_a = _chain_intrinsic(e5m2=True, want_a=True)
+
+
+@njit(parallel=True, cache=True)
+def _squares_rows(x, out):  # type: ignore[no-untyped-def]
+    n, H = x.shape
+    for t in prange(n):
+        xr = x[t]
+        orow = out[t]
+        for g in range(H // GROUP):
+            _square_group(xr, g * GROUP, orow)
+
+
+@njit(parallel=True, cache=True)
+def _chain_rows(x, gamma, r, nan_bits, offset, e5m2, maxval, scale_pos, rows, a_out, want_a):  # type: ignore[no-untyped-def]
+    n, H = x.shape
+    for t in prange(n):
+        xr = x[t]
+        row = rows[t]
+        ar = a_out[t] if want_a else a_out[0]
+        rt = r[t]
+        for g in range(H // GROUP):
+            k = g * GROUP
+            if e5m2:
+                if want_a:
+                    b = _chain_e5m2_a(xr, k, gamma, rt, nan_bits, offset, maxval, row, ar)
+                else:
+                    b = _chain_e5m2(xr, k, gamma, rt, nan_bits, offset, maxval, row, ar)
+            elif want_a:
+                b = _chain_e4m3_a(xr, k, gamma, rt, nan_bits, offset, maxval, row, ar)
+            else:
+                b = _chain_e4m3(xr, k, gamma, rt, nan_bits, offset, maxval, row, ar)
+            row[scale_pos[g]] = b
+
+
+def _u16(x: torch.Tensor) -> np.ndarray:
+    return x.view(torch.int16).numpy().view(np.uint16)
+
+
+def squares(x: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = x.float() ** 2`` for contiguous CPU ``x [n, H]`` bf16 into fp32 ``out [n, H]``."""
+    _squares_rows(_u16(x), out.numpy())
+
+
+_NAN_BITS: int | None = None
+
+
+def bf16_nan_bits() -> int | None:
+    """The bf16 pattern torch's CPU fp32 -> bf16 copy writes for every NaN, or None when it
+    keeps information (a sign or payload): then the fused chain does not apply."""
+    global _NAN_BITS
+    if _NAN_BITS is None:
+        nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF], dtype=torch.int32)
+        patterns = set()
+        for length in (1, 7, 64, 1000):
+            src = nans.repeat(length).view(torch.float32)
+            dst = torch.empty(src.shape, dtype=torch.bfloat16)
+            dst.copy_(src)
+            patterns.update((dst.view(torch.int16).to(torch.int32) & 0xFFFF).tolist())
+        _NAN_BITS = patterns.pop() if len(patterns) == 1 else -1
+    return None if _NAN_BITS < 0 else _NAN_BITS
+
+
+def rms_chain(
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    r: torch.Tensor,
+    offset: int,
+    fp8: torch.dtype,
+    maxval: float,
+    scale_pos: torch.Tensor,
+    rows: torch.Tensor,
+    a_out: torch.Tensor | None,
+) -> None:
+    """One chunk of the prefill chain (§3.3, §3.4, §4.2) on contiguous CPU tensors.
+
+    x ``[n, H]`` bf16 natural order; gamma ``[H]`` fp32; r ``[n]`` fp32 (the bf16-rounded
+    inv_rms); scale_pos ``[H/32]`` int64 byte positions of the scales in a row; rows
+    ``[n, row_bytes]`` uint8 (codes at ``[:H]``, scales at `scale_pos`; the rest untouched);
+    a_out ``[n, H]`` fp32 receives ``R_bf16(x*gamma)`` (the router input) when given.
+    """
+    nan_bits = bf16_nan_bits()
+    assert nan_bits is not None, "rms_chain needs a fixed bf16 NaN pattern (bf16_nan_bits)"
+    a_np = a_out.numpy() if a_out is not None else np.empty((1, GROUP), dtype=np.float32)
+    _chain_rows(
+        _u16(x),
+        gamma.numpy(),
+        r.numpy(),
+        np.int32(nan_bits),
+        np.int32(offset),
+        fp8 == torch.float8_e5m2,
+        np.float32(maxval),
+        scale_pos.numpy(),
+        rows.numpy(),
+        a_np,
+        a_out is not None,
+    )
