@@ -184,6 +184,16 @@ def _lut(fp8: torch.dtype) -> np.ndarray:
     return _LUTS[fp8]
 
 
+def match_torch_threads() -> None:
+    """Run numba's parallel loops on as many threads as torch's intra-op pool (capped by numba's
+    pool size), so ``torch.set_num_threads`` governs both."""
+    import numba
+
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+
+
 def quantize_2d(
     x: torch.Tensor,
     segments: list[tuple[int, int, bool]],
@@ -195,11 +205,7 @@ def quantize_2d(
     deq: torch.Tensor | None,
 ) -> None:
     """Run `quantize_rows` on a contiguous CPU ``x [R, K]`` (bf16 or fp32) into the outputs."""
-    import numba
-
-    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
+    match_torch_threads()
     xn = x.view(torch.int16).numpy().view(np.uint16) if x.dtype == torch.bfloat16 else x.numpy()
     lut = _lut(fp8)
     seg = np.asarray(segments, dtype=np.int64).reshape(-1, 3)

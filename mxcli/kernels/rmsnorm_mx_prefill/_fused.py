@@ -24,6 +24,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from mxcli.mx import _simd as simd
+from mxcli.mx._fused import match_torch_threads
 
 GROUP = simd.GROUP
 
@@ -124,6 +125,7 @@ def _u16(x: torch.Tensor) -> np.ndarray:
 
 def squares(x: torch.Tensor, out: torch.Tensor) -> None:
     """``out = x.float() ** 2`` for contiguous CPU ``x [n, H]`` bf16 into fp32 ``out [n, H]``."""
+    match_torch_threads()
     _squares_rows(_u16(x), out.numpy())
 
 
@@ -166,6 +168,7 @@ def rms_chain(
     """
     nan_bits = bf16_nan_bits()
     assert nan_bits is not None, "rms_chain needs a fixed bf16 NaN pattern (bf16_nan_bits)"
+    match_torch_threads()
     a_np = a_out.numpy() if a_out is not None else np.empty((1, GROUP), dtype=np.float32)
     _chain_rows(
         _u16(x),
