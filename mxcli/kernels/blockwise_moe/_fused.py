@@ -1,0 +1,261 @@
+"""Fused elementwise passes of the backward reference (numba), bit-identical to its torch ops.
+
+Optional (numba, extra ``fast``): `backward.py` uses these kernels through `kernels()` and runs
+its pure-torch path when numba is missing or ``MXCLI_FUSED=0``; both give the same bytes
+(tests/kernels/test_blockwise_bwd_fused.py). They replace chains of torch passes (gathers,
+transposes, fp32 -> bf16 round trips, the SwiGLU backward, bf16 read-add-write accumulations)
+with one pass each; matmuls and MX quantization stay where they were.
+
+Every fp32 operation is the same IEEE operation, in the same order, as the torch expression it
+replaces (numba without ``fastmath`` neither reassociates nor contracts into FMAs), and every
+store to bf16 is `_round_bf16`: round to nearest even on the bit pattern, which is torch's CPU
+cast for all non-NaN inputs (overflow to ±Inf and subnormals included). NaN becomes the one
+pattern torch's cast produces on this CPU (0xFFFF with ATen's AVX2/AVX-512 kernels, 0x7FC0
+with ``ATEN_CPU_CAPABILITY=default``), measured once (`_torch_bf16_nan`).
+
+bf16 tensors cross as their uint16 patterns; compiled lazily on first use, cached on disk.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic
+
+# Columns per parallel work item of the transposing gathers: a tile of this many destination
+# rows is written column by column, so the strided writes stay in L1.
+_TILE = 64
+
+
+@intrinsic
+def _f32_bits(typingctx, x):  # type: ignore[no-untyped-def]
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, x):  # type: ignore[no-untyped-def]
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(inline="always")
+def _f(h):  # type: ignore[no-untyped-def]
+    """bf16 pattern (uint16) -> fp32 value (exact)."""
+    return _bits_f32(np.uint32(h) << np.uint32(16))
+
+
+@njit(inline="always")
+def _round_bf16(v, nan_bits):  # type: ignore[no-untyped-def]
+    """fp32 -> bf16 pattern, round to nearest even; NaN -> `nan_bits` (torch's cast)."""
+    b = _f32_bits(v)
+    r = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    return nan_bits if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r
+
+
+@njit(parallel=True, cache=True)
+def gather_gate_up(src, blocks, perm, out):  # type: ignore[no-untyped-def]
+    """``out[k, c, i, j] = src[blocks[k], c, i, perm[j]]`` as fp32 (``src`` bf16 ``[N, 2, I, B]``)."""
+    nb, C, F, B = out.shape
+    for kf in prange(nb * C * F):
+        k = kf // (C * F)
+        c = (kf // F) % C
+        i = kf % F
+        s = src[blocks[k], c, i]
+        o = out[k, c, i]
+        for j in range(B):
+            o[j] = _f(s[perm[j]])
+
+
+@njit(parallel=True, cache=True)
+def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[no-untyped-def]
+    """Token rows ``src[ids[r]]`` (zero where ``ids[r] >= n_src``, the padding id), bf16 patterns:
+    ``rows [R, H]`` (if `want_rows`) and per block of B rows, transposed, ``rows_t [R/B, H, B]``."""
+    R = ids.shape[0]
+    H = src.shape[1]
+    nb = R // B
+    n_tiles = (H + _TILE - 1) // _TILE
+    for item in prange(nb * n_tiles):
+        k = item // n_tiles
+        h0 = (item % n_tiles) * _TILE
+        h1 = min(H, h0 + _TILE)
+        t = rows_t[k]
+        for j in range(B):
+            r = k * B + j
+            tid = ids[r]
+            if tid < n_src:
+                s = src[tid]
+                for h in range(h0, h1):
+                    t[h, j] = s[h]
+                if want_rows:
+                    rows[r, h0:h1] = s[h0:h1]
+            else:
+                for h in range(h0, h1):
+                    t[h, j] = np.uint16(0)
+                if want_rows:
+                    rows[r, h0:h1] = np.uint16(0)
+
+
+@njit(parallel=True, cache=True)
+def swiglu_bwd(  # type: ignore[no-untyped-def]
+    g, u, sig, d, ds, al, on_i,
+    act_src, has_act, h_src, has_h, s_src, has_s, blocks, perm,
+    clamp, nan_bits, dgu_t, dgu_rows, p4_t, prod,
+):  # fmt: skip
+    """The P1 elementwise chain of `backward.py` (spec §6 P1.3-P1.6) for ``[nb, I, B]`` blocks.
+
+    Inputs fp32 ``g, u, sig = σ(g), d`` (un-scaled P1 product), ``ds`` (ON_H: the scaled P1
+    product; ON_I: unused, ``Ds = D·α``), ``al [nb, B]``; optional bf16 checkpoints
+    ``act_src / h_src / s_src [N, I, B]`` read at ``[blocks[k], i, perm[j]]``. ``clamp``: 4
+    fp32 bounds (nl_lo, nl_hi, l_lo, l_hi), NaN where unset, a mask applied only where a bound
+    of its pair is set. Outputs (bf16 patterns): ``dgu_t [nb, 2I, B]``, its rows
+    ``dgu_rows [nb*B, 2I]``, the P4 operand ``p4_t [nb, I, B]``; fp32 ``prod [2, nb, I/2, B]``:
+    ``D·Hm`` in the two LNC2 halves over I (summed by the caller, as torch sums them).
+    """
+    nb, F, B = g.shape
+    half = F // 2
+    one = np.float32(1.0)
+    zero = np.float32(0.0)
+    nl_lo, nl_hi, l_lo, l_hi = clamp[0], clamp[1], clamp[2], clamp[3]
+    has_nl = not (np.isnan(nl_lo) and np.isnan(nl_hi))
+    has_l = not (np.isnan(l_lo) and np.isnan(l_hi))
+    for ki in prange(nb * F):
+        k = ki // F
+        i = ki % F
+        blk = blocks[k]
+        hi_half = 1 if i >= half else 0
+        pr = prod[hi_half, k, i - hi_half * half]
+        for j in range(B):
+            gv = g[k, i, j]
+            uv = u[k, i, j]
+            s = sig[k, i, j]
+            if has_act:
+                act = act_src[blk, i, perm[j]]
+            else:
+                act = _round_bf16(gv * s, nan_bits)
+            dphi = one - s  # σ(1 + g(1 − σ)), left to right as torch evaluates it
+            dphi = dphi * gv
+            dphi = dphi + one
+            dphi = dphi * s
+            dga = _round_bf16(_f(_round_bf16(dphi, nan_bits)) * uv, nan_bits)
+            if has_h:
+                hm = h_src[blk, i, perm[j]]
+            else:
+                hm = _round_bf16(_f(act) * uv, nan_bits)
+            dv = d[k, i, j]
+            pr[j] = dv * _f(hm)
+            a = al[k, j]
+            dsv = dv * a if on_i else ds[k, i, j]
+            dg = _round_bf16(dsv * _f(dga), nan_bits)
+            du = _round_bf16(dsv * _f(act), nan_bits)
+            if has_nl:  # strict inequalities on the checkpoint value (spec §4.2)
+                m = (np.isnan(nl_hi) or gv < nl_hi) and (np.isnan(nl_lo) or gv > nl_lo)
+                dg = _round_bf16(_f(dg) * (one if m else zero), nan_bits)
+            if has_l:
+                m = (np.isnan(l_hi) or uv < l_hi) and (np.isnan(l_lo) or uv > l_lo)
+                du = _round_bf16(_f(du) * (one if m else zero), nan_bits)
+            dgu_t[k, i, j] = dg
+            dgu_t[k, F + i, j] = du
+            dgu_rows[k * B + j, i] = dg
+            dgu_rows[k * B + j, F + i] = du
+            if not on_i:
+                p4_t[k, i, j] = hm
+            elif has_s:
+                p4_t[k, i, j] = s_src[blk, i, perm[j]]
+            else:
+                p4_t[k, i, j] = _round_bf16(_f(hm) * a, nan_bits)
+
+
+@njit(parallel=True, cache=True)
+def acc_block(acc, c, first, nan_bits):  # type: ignore[no-untyped-def]
+    """``acc = bf16(c)`` (`first`) else ``acc = bf16(acc + bf16(c))``, on bf16 patterns."""
+    M, N = c.shape
+    for m in prange(M):
+        a = acc[m]
+        cm = c[m]
+        if first:
+            for n in range(N):
+                a[n] = _round_bf16(cm[n], nan_bits)
+        else:
+            for n in range(N):
+                a[n] = _round_bf16(_f(a[n]) + _f(_round_bf16(cm[n], nan_bits)), nan_bits)
+
+
+@njit(parallel=True, cache=True)
+def round_rows(src, sel, dest, out, nan_bits):  # type: ignore[no-untyped-def]
+    """``out[dest[m]] = bf16(src[sel[m]])`` (fp32 rows in, bf16 pattern rows out)."""
+    H = src.shape[1]
+    for m in prange(sel.shape[0]):
+        s = src[sel[m]]
+        o = out[dest[m]]
+        for h in range(H):
+            o[h] = _round_bf16(s[h], nan_bits)
+
+
+@njit(parallel=True, cache=True)
+def ordered_scatter(out, ids, vals, accumulate, nan_bits):  # type: ignore[no-untyped-def]
+    """Rows ``vals[j]`` into zero-initialised ``out[ids[j]]`` in the order of j: the first write to
+    a row is a store, later ones ``bf16(out + v)`` (`accumulate`) or a store (last wins)."""
+    H = out.shape[1]
+    n_tiles = (H + _TILE - 1) // _TILE
+    for tile in prange(n_tiles):
+        h0 = tile * _TILE
+        h1 = min(H, h0 + _TILE)
+        seen = np.zeros(out.shape[0], dtype=np.bool_)
+        for j in range(ids.shape[0]):
+            t = ids[j]
+            o = out[t]
+            v = vals[j]
+            if accumulate and seen[t]:
+                for h in range(h0, h1):
+                    o[h] = _round_bf16(_f(o[h]) + _f(v[h]), nan_bits)
+            else:
+                o[h0:h1] = v[h0:h1]
+            seen[t] = True
+
+
+# ---- torch-facing helpers ------------------------------------------------------------------
+
+
+def enabled() -> bool:
+    """Whether `backward.py` should use these kernels (``MXCLI_FUSED=0`` turns them off)."""
+    return os.environ.get("MXCLI_FUSED", "1") != "0"
+
+
+def sync_threads() -> None:
+    """Run numba's parallel loops on as many threads as torch uses."""
+    import numba
+
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
+    if numba.get_num_threads() != n:
+        numba.set_num_threads(n)
+
+
+_NAN_BITS: dict[str, int] = {}
+
+
+def torch_bf16_nan() -> np.uint16:
+    """The bf16 pattern torch's CPU fp32 -> bf16 cast gives NaN (depends on ATen's kernels)."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in _NAN_BITS:
+        probe = torch.full((64,), float("nan")).to(torch.bfloat16)
+        _NAN_BITS[cap] = int(probe.view(torch.int16)[0]) & 0xFFFF
+    return np.uint16(_NAN_BITS[cap])
+
+
+def u16(t: torch.Tensor) -> Any:
+    """The uint16 patterns of a bf16 tensor as a numpy view (shares memory)."""
+    return t.view(torch.int16).numpy().view(np.uint16)
