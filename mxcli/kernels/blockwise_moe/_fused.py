@@ -27,9 +27,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# Columns per parallel work item of the transposing gathers: a tile of this many destination
-# rows is written column by column, so the strided writes stay in L1.
-_TILE = 64
+# Tile edge of the transposing gathers and of the ordered scatter's column split.
+_TILE = 32
 
 
 @intrinsic
@@ -83,30 +82,36 @@ def gather_gate_up(src, blocks, perm, out):  # type: ignore[no-untyped-def]
 @njit(parallel=True, cache=True)
 def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[no-untyped-def]
     """Token rows ``src[ids[r]]`` (zero where ``ids[r] >= n_src``, the padding id), bf16 patterns:
-    ``rows [R, H]`` (if `want_rows`) and per block of B rows, transposed, ``rows_t [R/B, H, B]``."""
+    ``rows [R, H]`` (if `want_rows`) and per block of B rows, transposed, ``rows_t [R/B, H, B]``.
+    """
     R = ids.shape[0]
     H = src.shape[1]
     nb = R // B
-    n_tiles = (H + _TILE - 1) // _TILE
-    for item in prange(nb * n_tiles):
-        k = item // n_tiles
-        h0 = (item % n_tiles) * _TILE
-        h1 = min(H, h0 + _TILE)
-        t = rows_t[k]
-        for j in range(B):
-            r = k * B + j
-            tid = ids[r]
+    zero = np.uint16(0)
+    n_jt = (B + _TILE - 1) // _TILE
+    n_ht = (H + _TILE - 1) // _TILE
+    # one item: a tile of _TILE tokens x _TILE columns, copied row-wise into a local buffer,
+    # then written out column-wise (a direct strided gather is several times slower)
+    for item in prange(nb * n_jt * n_ht):
+        k = item // (n_jt * n_ht)
+        j0 = ((item // n_ht) % n_jt) * _TILE
+        h0 = (item % n_ht) * _TILE
+        nj = min(B, j0 + _TILE) - j0
+        nh = min(H, h0 + _TILE) - h0
+        buf = np.empty((_TILE, _TILE), dtype=np.uint16)
+        for jj in range(nj):
+            tid = ids[k * B + j0 + jj]
             if tid < n_src:
-                s = src[tid]
-                for h in range(h0, h1):
-                    t[h, j] = s[h]
-                if want_rows:
-                    rows[r, h0:h1] = s[h0:h1]
+                buf[jj, :nh] = src[tid, h0 : h0 + nh]
             else:
-                for h in range(h0, h1):
-                    t[h, j] = np.uint16(0)
-                if want_rows:
-                    rows[r, h0:h1] = np.uint16(0)
+                buf[jj, :nh] = zero
+            if want_rows:
+                rows[k * B + j0 + jj, h0 : h0 + nh] = buf[jj, :nh]
+        t = rows_t[k]
+        for hh in range(nh):
+            th = t[h0 + hh, j0 : j0 + nj]
+            for jj in range(nj):
+                th[jj] = buf[jj, hh]
 
 
 @njit(parallel=True, cache=True)
@@ -130,53 +135,66 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
     one = np.float32(1.0)
     zero = np.float32(0.0)
     nl_lo, nl_hi, l_lo, l_hi = clamp[0], clamp[1], clamp[2], clamp[3]
-    has_nl = not (np.isnan(nl_lo) and np.isnan(nl_hi))
-    has_l = not (np.isnan(l_lo) and np.isnan(l_hi))
-    for ki in prange(nb * F):
-        k = ki // F
-        i = ki % F
+    no_nl_lo, no_nl_hi = np.isnan(nl_lo), np.isnan(nl_hi)
+    no_l_lo, no_l_hi = np.isnan(l_lo), np.isnan(l_hi)
+    has_nl = not (no_nl_lo and no_nl_hi)
+    has_l = not (no_l_lo and no_l_hi)
+    n_it = (F + _TILE - 1) // _TILE
+    # one item: _TILE rows i of one block; the rows of dgu_rows are written from the finished
+    # tile (a transposed copy that stays in cache)
+    for item in prange(nb * n_it):
+        k = item // n_it
+        i0 = (item % n_it) * _TILE
+        i1 = min(F, i0 + _TILE)
         blk = blocks[k]
-        hi_half = 1 if i >= half else 0
-        pr = prod[hi_half, k, i - hi_half * half]
+        alk = al[k]
+        for i in range(i0, i1):
+            hi_half = 1 if i >= half else 0
+            pr = prod[hi_half, k, i - hi_half * half]
+            gr, ur, sr, dr, dsr = g[k, i], u[k, i], sig[k, i], d[k, i], ds[k, i]
+            dgr, dur, p4r = dgu_t[k, i], dgu_t[k, F + i], p4_t[k, i]
+            for j in range(B):
+                gv = gr[j]
+                uv = ur[j]
+                s = sr[j]
+                if has_act:
+                    act = act_src[blk, i, perm[j]]
+                else:
+                    act = _round_bf16(gv * s, nan_bits)
+                dphi = one - s  # σ(1 + g(1 − σ)), left to right as torch evaluates it
+                dphi = dphi * gv
+                dphi = dphi + one
+                dphi = dphi * s
+                dga = _round_bf16(_f(_round_bf16(dphi, nan_bits)) * uv, nan_bits)
+                if has_h:
+                    hm = h_src[blk, i, perm[j]]
+                else:
+                    hm = _round_bf16(_f(act) * uv, nan_bits)
+                dv = dr[j]
+                pr[j] = dv * _f(hm)
+                a = alk[j]
+                dsv = dv * a if on_i else dsr[j]
+                dg = _round_bf16(dsv * _f(dga), nan_bits)
+                du = _round_bf16(dsv * _f(act), nan_bits)
+                if has_nl:  # strict inequalities on the checkpoint value (spec §4.2)
+                    m = (no_nl_hi | (gv < nl_hi)) & (no_nl_lo | (gv > nl_lo))
+                    dg = _round_bf16(_f(dg) * (one if m else zero), nan_bits)
+                if has_l:
+                    m = (no_l_hi | (uv < l_hi)) & (no_l_lo | (uv > l_lo))
+                    du = _round_bf16(_f(du) * (one if m else zero), nan_bits)
+                dgr[j] = dg
+                dur[j] = du
+                if not on_i:
+                    p4r[j] = hm
+                elif has_s:
+                    p4r[j] = s_src[blk, i, perm[j]]
+                else:
+                    p4r[j] = _round_bf16(_f(hm) * a, nan_bits)
         for j in range(B):
-            gv = g[k, i, j]
-            uv = u[k, i, j]
-            s = sig[k, i, j]
-            if has_act:
-                act = act_src[blk, i, perm[j]]
-            else:
-                act = _round_bf16(gv * s, nan_bits)
-            dphi = one - s  # σ(1 + g(1 − σ)), left to right as torch evaluates it
-            dphi = dphi * gv
-            dphi = dphi + one
-            dphi = dphi * s
-            dga = _round_bf16(_f(_round_bf16(dphi, nan_bits)) * uv, nan_bits)
-            if has_h:
-                hm = h_src[blk, i, perm[j]]
-            else:
-                hm = _round_bf16(_f(act) * uv, nan_bits)
-            dv = d[k, i, j]
-            pr[j] = dv * _f(hm)
-            a = al[k, j]
-            dsv = dv * a if on_i else ds[k, i, j]
-            dg = _round_bf16(dsv * _f(dga), nan_bits)
-            du = _round_bf16(dsv * _f(act), nan_bits)
-            if has_nl:  # strict inequalities on the checkpoint value (spec §4.2)
-                m = (np.isnan(nl_hi) or gv < nl_hi) and (np.isnan(nl_lo) or gv > nl_lo)
-                dg = _round_bf16(_f(dg) * (one if m else zero), nan_bits)
-            if has_l:
-                m = (np.isnan(l_hi) or uv < l_hi) and (np.isnan(l_lo) or uv > l_lo)
-                du = _round_bf16(_f(du) * (one if m else zero), nan_bits)
-            dgu_t[k, i, j] = dg
-            dgu_t[k, F + i, j] = du
-            dgu_rows[k * B + j, i] = dg
-            dgu_rows[k * B + j, F + i] = du
-            if not on_i:
-                p4_t[k, i, j] = hm
-            elif has_s:
-                p4_t[k, i, j] = s_src[blk, i, perm[j]]
-            else:
-                p4_t[k, i, j] = _round_bf16(_f(hm) * a, nan_bits)
+            row = dgu_rows[k * B + j]
+            for i in range(i0, i1):
+                row[i] = dgu_t[k, i, j]
+                row[F + i] = dgu_t[k, F + i, j]
 
 
 @njit(parallel=True, cache=True)
@@ -207,24 +225,37 @@ def round_rows(src, sel, dest, out, nan_bits):  # type: ignore[no-untyped-def]
 
 @njit(parallel=True, cache=True)
 def ordered_scatter(out, ids, vals, accumulate, nan_bits):  # type: ignore[no-untyped-def]
-    """Rows ``vals[j]`` into zero-initialised ``out[ids[j]]`` in the order of j: the first write to
-    a row is a store, later ones ``bf16(out + v)`` (`accumulate`) or a store (last wins)."""
-    H = out.shape[1]
-    n_tiles = (H + _TILE - 1) // _TILE
-    for tile in prange(n_tiles):
-        h0 = tile * _TILE
-        h1 = min(H, h0 + _TILE)
-        seen = np.zeros(out.shape[0], dtype=np.bool_)
-        for j in range(ids.shape[0]):
-            t = ids[j]
-            o = out[t]
-            v = vals[j]
-            if accumulate and seen[t]:
-                for h in range(h0, h1):
+    """Rows ``vals[j]`` into ``out[ids[j]]`` in the order of j, onto zeros: the first write to
+    a row is a store, later ones ``bf16(out + v)`` (`accumulate`) or a store (the last wins).
+    Rows no id names are zeroed (`out` may come uninitialised)."""
+    n = ids.shape[0]
+    T = out.shape[0]
+    # stable counting sort of the writes by row: each row's writes keep their order
+    start = np.zeros(T + 1, dtype=np.int64)
+    for j in range(n):
+        start[ids[j] + 1] += 1
+    for t in range(T):
+        start[t + 1] += start[t]
+    fill = start[:T].copy()
+    order = np.empty(n, dtype=np.int64)
+    for j in range(n):
+        t = ids[j]
+        order[fill[t]] = j
+        fill[t] += 1
+    for t in prange(T):
+        a = start[t]
+        b = start[t + 1]
+        o = out[t]
+        if a == b:
+            o[:] = np.uint16(0)
+        elif not accumulate:
+            o[:] = vals[order[b - 1]]
+        else:
+            o[:] = vals[order[a]]
+            for m in range(a + 1, b):
+                v = vals[order[m]]
+                for h in range(o.shape[0]):
                     o[h] = _round_bf16(_f(o[h]) + _f(v[h]), nan_bits)
-            else:
-                o[h0:h1] = v[h0:h1]
-            seen[t] = True
 
 
 # ---- torch-facing helpers ------------------------------------------------------------------

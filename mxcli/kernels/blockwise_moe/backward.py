@@ -363,11 +363,11 @@ class _FusedChunk:
     def ordered_scatter(
         self, out: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, accumulate: bool
     ) -> None:
-        """`numerics.ordered_scatter` for bf16 `out` and `vals`."""
-        if ids.numel():
-            self.fz.ordered_scatter(
-                self.fz.u16(out), ids.numpy(), self.fz.u16(vals), accumulate, self.nan
-            )
+        """`numerics.ordered_scatter` for bf16 `out` and `vals`; `out` may be uninitialised (rows
+        no id names are zeroed)."""
+        self.fz.ordered_scatter(
+            self.fz.u16(out), ids.numpy(), self.fz.u16(vals), accumulate, self.nan
+        )
 
 
 def blockwise_mm_bwd_mxfp8_reference(
@@ -458,8 +458,11 @@ def blockwise_mm_bwd_mxfp8_reference(
     dy_ext = dy if fz is not None and dy.dtype == sd else ck.with_zero_row(dy, sd)
     ea_ext = ck.with_zero_row(ea.reshape(T, E).to(device=dev), torch.float32)  # [T+1, E]
     dea = torch.zeros(T * E, dtype=torch.float32, device=dev)
-    dwgu = torch.zeros(E, 2 * I, H, dtype=sd, device=dev)  # [E, 2I, H], transposed at the end
-    dwd = torch.zeros(E, I, H, dtype=sd, device=dev)
+    # the fused path overwrites each expert's weight grads with its first block (zeroing only
+    # experts without blocks) and writes every row of the hidden grad
+    new_out = torch.empty if fz is not None else torch.zeros
+    dwgu = new_out(E, 2 * I, H, dtype=sd, device=dev)  # [E, 2I, H], transposed at the end
+    dwd = new_out(E, I, H, dtype=sd, device=dev)
     dbgu = torch.zeros(E, 2 * I, dtype=sd, device=dev) if cfg.bias else None
     dbd = torch.zeros(E, H, dtype=sd, device=dev) if cfg.bias else None
     valid_flat = plan.valid.reshape(-1)
@@ -472,6 +475,9 @@ def blockwise_mm_bwd_mxfp8_reference(
     for e in range(E):
         chunks = plan.chunks(e, skip_empty=True)  # all-padding blocks contribute exactly 0
         if not chunks:
+            if fused is not None:
+                dwgu[e].zero_()
+                dwd[e].zero_()
             continue
         wd_q = W.down(e)  # [I, H]
         wcat_q = W.gate_up_cat(e)  # [H, 2I]
@@ -592,7 +598,7 @@ def blockwise_mm_bwd_mxfp8_reference(
             dbd[e] = acc_bd
 
     # P2 results into the hidden-state grad, in block order (spec §6 P2)
-    hsg = torch.zeros(T, H, dtype=sd, device=dev)
+    hsg = new_out(T, H, dtype=sd, device=dev)
     hs_ids = plan.idx.reshape(-1).index_select(0, vpos)
     if fused is not None:
         fused.ordered_scatter(hsg, hs_ids, r_valid, cfg.accumulate_hidden_states_grad)
