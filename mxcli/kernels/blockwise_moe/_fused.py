@@ -14,6 +14,8 @@ pattern torch's cast produces on this CPU (0xFFFF with ATen's AVX2/AVX-512 kerne
 with ``ATEN_CPU_CAPABILITY=default``), measured once (`_torch_bf16_nan`).
 
 bf16 tensors cross as their uint16 patterns; compiled lazily on first use, cached on disk.
+Callers pass C-contiguous arrays: numba compiles a strided ("A" layout) array's loops without
+SIMD, several times slower.
 """
 
 from __future__ import annotations
@@ -116,13 +118,13 @@ def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[
 
 @njit(parallel=True, cache=True)
 def swiglu_bwd(  # type: ignore[no-untyped-def]
-    g, u, sig, d, ds, al, on_i,
+    gu, sig, d, ds, al, on_i,
     act_src, has_act, h_src, has_h, s_src, has_s, blocks, perm,
     clamp, nan_bits, dgu_t, dgu_rows, p4_t, prod,
 ):  # fmt: skip
     """The P1 elementwise chain of `backward.py` (spec §6 P1.3-P1.6) for ``[nb, I, B]`` blocks.
 
-    Inputs fp32 ``g, u, sig = σ(g), d`` (un-scaled P1 product), ``ds`` (ON_H: the scaled P1
+    Inputs fp32 ``gu [nb, 2, I, B]`` (G, U), ``sig = σ(G)``, ``d`` (un-scaled P1 product), ``ds`` (ON_H: the scaled P1
     product; ON_I: unused, ``Ds = D·α``), ``al [nb, B]``; optional bf16 checkpoints
     ``act_src / h_src / s_src [N, I, B]`` read at ``[blocks[k], i, perm[j]]``. ``clamp``: 4
     fp32 bounds (nl_lo, nl_hi, l_lo, l_hi), NaN where unset, a mask applied only where a bound
@@ -130,7 +132,7 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
     ``dgu_rows [nb*B, 2I]``, the P4 operand ``p4_t [nb, I, B]``; fp32 ``prod [2, nb, I/2, B]``:
     ``D·Hm`` in the two LNC2 halves over I (summed by the caller, as torch sums them).
     """
-    nb, F, B = g.shape
+    nb, F, B = d.shape
     half = F // 2
     one = np.float32(1.0)
     zero = np.float32(0.0)
@@ -140,56 +142,71 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
     has_nl = not (no_nl_lo and no_nl_hi)
     has_l = not (no_l_lo and no_l_hi)
     n_it = (F + _TILE - 1) // _TILE
-    # one item: _TILE rows i of one block; the rows of dgu_rows are written from the finished
-    # tile (a transposed copy that stays in cache)
+    # one item: _TILE rows i of one block, each row a few branch-free (vectorizable) loops over
+    # the tokens; then the tile's rows of dgu_rows, a transposed copy that stays in cache
     for item in prange(nb * n_it):
         k = item // n_it
         i0 = (item % n_it) * _TILE
         i1 = min(F, i0 + _TILE)
         blk = blocks[k]
         alk = al[k]
+        act = np.empty(B, dtype=np.uint16)
+        hm = np.empty(B, dtype=np.uint16)
+        dsv = np.empty(B, dtype=np.float32)
         for i in range(i0, i1):
             hi_half = 1 if i >= half else 0
             pr = prod[hi_half, k, i - hi_half * half]
-            gr, ur, sr, dr, dsr = g[k, i], u[k, i], sig[k, i], d[k, i], ds[k, i]
+            # rows by integer indexing keep numba's contiguous layout (vectorized loops)
+            gr, ur, sr, dr = gu[k, 0, i], gu[k, 1, i], sig[k, i], d[k, i]
             dgr, dur, p4r = dgu_t[k, i], dgu_t[k, F + i], p4_t[k, i]
+            if has_act:
+                ar = act_src[blk, i]
+                for j in range(B):
+                    act[j] = ar[perm[j]]
+            else:
+                for j in range(B):
+                    act[j] = _round_bf16(gr[j] * sr[j], nan_bits)
+            if has_h:
+                hr = h_src[blk, i]
+                for j in range(B):
+                    hm[j] = hr[perm[j]]
+            else:
+                for j in range(B):
+                    hm[j] = _round_bf16(_f(act[j]) * ur[j], nan_bits)
+            if on_i:
+                for j in range(B):
+                    dsv[j] = dr[j] * alk[j]
+            else:
+                dsv[:] = ds[k, i]
             for j in range(B):
-                gv = gr[j]
-                uv = ur[j]
                 s = sr[j]
-                if has_act:
-                    act = act_src[blk, i, perm[j]]
-                else:
-                    act = _round_bf16(gv * s, nan_bits)
                 dphi = one - s  # σ(1 + g(1 − σ)), left to right as torch evaluates it
-                dphi = dphi * gv
+                dphi = dphi * gr[j]
                 dphi = dphi + one
                 dphi = dphi * s
-                dga = _round_bf16(_f(_round_bf16(dphi, nan_bits)) * uv, nan_bits)
-                if has_h:
-                    hm = h_src[blk, i, perm[j]]
-                else:
-                    hm = _round_bf16(_f(act) * uv, nan_bits)
-                dv = dr[j]
-                pr[j] = dv * _f(hm)
-                a = alk[j]
-                dsv = dv * a if on_i else dsr[j]
-                dg = _round_bf16(dsv * _f(dga), nan_bits)
-                du = _round_bf16(dsv * _f(act), nan_bits)
-                if has_nl:  # strict inequalities on the checkpoint value (spec §4.2)
+                dga = _round_bf16(_f(_round_bf16(dphi, nan_bits)) * ur[j], nan_bits)
+                pr[j] = dr[j] * _f(hm[j])
+                dgr[j] = _round_bf16(dsv[j] * _f(dga), nan_bits)
+                dur[j] = _round_bf16(dsv[j] * _f(act[j]), nan_bits)
+            if has_nl:  # strict inequalities on the checkpoint value (spec §4.2)
+                for j in range(B):
+                    gv = gr[j]
                     m = (no_nl_hi | (gv < nl_hi)) & (no_nl_lo | (gv > nl_lo))
-                    dg = _round_bf16(_f(dg) * (one if m else zero), nan_bits)
-                if has_l:
+                    dgr[j] = _round_bf16(_f(dgr[j]) * (one if m else zero), nan_bits)
+            if has_l:
+                for j in range(B):
+                    uv = ur[j]
                     m = (no_l_hi | (uv < l_hi)) & (no_l_lo | (uv > l_lo))
-                    du = _round_bf16(_f(du) * (one if m else zero), nan_bits)
-                dgr[j] = dg
-                dur[j] = du
-                if not on_i:
-                    p4r[j] = hm
-                elif has_s:
-                    p4r[j] = s_src[blk, i, perm[j]]
-                else:
-                    p4r[j] = _round_bf16(_f(hm) * a, nan_bits)
+                    dur[j] = _round_bf16(_f(dur[j]) * (one if m else zero), nan_bits)
+            if not on_i:
+                p4r[:] = hm
+            elif has_s:
+                sr2 = s_src[blk, i]
+                for j in range(B):
+                    p4r[j] = sr2[perm[j]]
+            else:
+                for j in range(B):
+                    p4r[j] = _round_bf16(_f(hm[j]) * alk[j], nan_bits)
         for j in range(B):
             row = dgu_rows[k * B + j]
             for i in range(i0, i1):

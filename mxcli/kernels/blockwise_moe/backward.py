@@ -291,10 +291,11 @@ class _FusedChunk:
         self.B, self.H, self.I = order.perm.numel(), H, I
         none = np.zeros((1, 1, 1), dtype=np.uint16)  # stands for an absent checkpoint
         self.ckpts = [
-            (none, False) if t is None else (fz.u16(t), True) for t in (ckpt_act, ckpt_h, ckpt_s)
+            (none, False) if t is None else (fz.u16(t.contiguous()), True)
+            for t in (ckpt_act, ckpt_h, ckpt_s)
         ]
         self.no_rows = np.zeros((1, 1), dtype=np.uint16)
-        # P3/P4 block products land here (one [max(2I, H)... ] fp32 buffer reused per block)
+        # every P3 [2I, H] and P4 [I, H] block product lands in this one fp32 buffer
         self.mm_buf = torch.empty(2 * I * H, dtype=torch.float32)
 
     def gather(
@@ -312,25 +313,23 @@ class _FusedChunk:
         )  # fmt: skip
         return out_rows, out_t
 
-    def gate_up_cols(
-        self, ckpt_gu: torch.Tensor, bl: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_gate_up_cols` (same layout: fp32 views of one ``[nb, 2, I, B]`` tensor)."""
+    def gate_up_cols(self, ckpt_gu: torch.Tensor, bl: torch.Tensor) -> torch.Tensor:
+        """The tensor `_gate_up_cols` views: ``[nb, 2, I, B]`` fp32, tokens in block row order."""
         c = torch.empty(bl.numel(), 2, self.I, self.B, dtype=torch.float32)
-        self.fz.gather_gate_up(self.fz.u16(ckpt_gu), bl.numpy(), self.perm, c.numpy())
-        return c[:, 0], c[:, 1]
+        self.fz.gather_gate_up(self.fz.u16(ckpt_gu.contiguous()), bl.numpy(), self.perm, c.numpy())
+        return c
 
     def swiglu_bwd(
         self,
-        g: torch.Tensor,
-        u: torch.Tensor,
+        gu: torch.Tensor,
         sig: torch.Tensor,
         d_t: torch.Tensor,
         ds_t: torch.Tensor | None,
         al_t: torch.Tensor,
         bl: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`_swiglu_bwd` in one pass: ``(dGU^T, its rows [R, 2I], P4 operand, D·Hm halves)``."""
+        """`_swiglu_bwd` in one pass, from ``gu [nb, 2, I, B]`` (G, U): ``(dGU^T, its rows
+        [R, 2I], P4 operand, D·Hm in two halves over I)``."""
         nb, I, B = d_t.shape  # noqa: E741 (spec notation I = I_TP)
         dgu_t = torch.empty(nb, 2 * I, B, dtype=torch.bfloat16)
         dgu_rows = torch.empty(nb * B, 2 * I, dtype=torch.bfloat16)
@@ -338,10 +337,10 @@ class _FusedChunk:
         prod = torch.empty(2, nb, I // 2, B, dtype=torch.float32)
         (act, has_act), (h, has_h), (s, has_s) = self.ckpts
         u16 = self.fz.u16
+        ds = d_t if ds_t is None else ds_t
         self.fz.swiglu_bwd(
-            g.numpy(), u.numpy(), sig.numpy(), d_t.numpy(),
-            d_t.numpy() if ds_t is None else ds_t.numpy(),
-            al_t.reshape(nb, B).numpy(), ds_t is None,
+            gu.contiguous().numpy(), sig.contiguous().numpy(), d_t.contiguous().numpy(),
+            ds.contiguous().numpy(), al_t.reshape(nb, B).contiguous().numpy(), ds_t is None,
             act, has_act, h, has_h, s, has_s, bl.numpy(), self.perm,
             self.clamp, self.nan, u16(dgu_t), u16(dgu_rows), u16(p4_t), prod.numpy(),
         )  # fmt: skip
@@ -454,8 +453,8 @@ def blockwise_mm_bwd_mxfp8_reference(
     fz = _fused_kernels(nm, dev, ckpt_gu, ckpt_act, ckpt_h, ckpt_s)
     # Token rows are gathered from [T+1, F] copies whose last row is zero (the padding target);
     # the fused gathers read bf16 inputs in place and write the zeros of padding themselves.
-    x_ext = x if fz is not None and x.dtype == sd else ck.with_zero_row(x, sd)
-    dy_ext = dy if fz is not None and dy.dtype == sd else ck.with_zero_row(dy, sd)
+    x_ext = x.contiguous() if fz is not None and x.dtype == sd else ck.with_zero_row(x, sd)
+    dy_ext = dy.contiguous() if fz is not None and dy.dtype == sd else ck.with_zero_row(dy, sd)
     ea_ext = ck.with_zero_row(ea.reshape(T, E).to(device=dev), torch.float32)  # [T+1, E]
     dea = torch.zeros(T * E, dtype=torch.float32, device=dev)
     # the fused path overwrites each expert's weight grads with its first block (zeroing only
@@ -509,16 +508,18 @@ def blockwise_mm_bwd_mxfp8_reference(
 
             # Elementwise P1 math runs token-last, [nb, I, B] (the checkpoints' own layout), so
             # that the P3/P4 operands dGU^T and S^T come out ready for their token-axis groups.
+            gu: torch.Tensor | None = None  # fused path: [nb, 2, I, B] holding G and U
             if ckpt_gu is not None:
                 if fused is not None:
-                    g, u = fused.gate_up_cols(ckpt_gu, bl)
+                    gu = fused.gate_up_cols(ckpt_gu, bl)
+                    g, u = gu[:, 0], gu[:, 1]  # the torch path's views, see _gate_up_cols
                 else:
                     g, u = _gate_up_cols(ckpt_gu, bl, order)  # [nb, I, B] each, fp32
             else:  # the forward's projection recomputed from hidden_states (API reference)
                 assert wfwd_q is not None and xg is not None
                 g, u = project_gate_up(nm.q(xg, -1, g_fwd), wfwd_q, None, cfg.clamp_limits, nm)
                 g, u = (t.view(nb, B, I).transpose(1, 2) for t in (g, u))
-            sig = torch.sigmoid(g)
+            sig = torch.sigmoid(g)  # on the same layout in both paths
 
             # P1 matmul: contraction over H (dY per token row, W_d per row i), fp32, per block
             # D^T [I, B] = W_d[e] dY_b^T
@@ -538,14 +539,16 @@ def blockwise_mm_bwd_mxfp8_reference(
             # P1 elementwise (spec §6 P1.3-P1.6) -> dGU^T [nb, 2I, B] and its rows [R, 2I], the
             # P4 operand [nb, I, B] and the affinity grad (un-scaled D; LNC2: two fp32 halves)
             if fused is not None:
-                dgu_t, dgu_rows, p4_t, prod = fused.swiglu_bwd(g, u, sig, d_t, ds_t, al_t, bl)
+                if gu is None:
+                    gu = torch.stack((g, u), 1)
+                dgu_t, dgu_rows, p4_t, prod = fused.swiglu_bwd(gu, sig, d_t, ds_t, al_t, bl)
                 da = prod[0].sum(1) + prod[1].sum(1)
             else:
                 dgu_t, p4_t, da = _swiglu_bwd(
                     g, u, sig, d_t, ds_t, al_t, bl, order, ckpt_act, ckpt_h, ckpt_s, cfg, nm
                 )
                 dgu_rows = dgu_t.transpose(1, 2).reshape(R, 2 * I)  # [R, 2I]
-            del g, u, sig, d_t, ds_t
+            del g, u, gu, sig, d_t, ds_t
             da = da.reshape(R)
             dea.index_copy_(0, flat.index_select(0, vsel) * E + e, nm.bf(da.index_select(0, vsel)))
 
