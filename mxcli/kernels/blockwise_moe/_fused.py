@@ -29,7 +29,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
-# Tile edge of the transposing gathers and of the ordered scatter's column split.
+# Tile edge of the SwiGLU pass (rows of I per item) and of the ordered scatter's column split.
 _TILE = 32
 
 
@@ -81,46 +81,67 @@ def gather_gate_up(src, blocks, perm, out):  # type: ignore[no-untyped-def]
             o[j] = _f(s[perm[j]])
 
 
+_M16 = np.uint64(0x0000FFFF0000FFFF)
+_M32 = np.uint64(0x00000000FFFFFFFF)
+
+
+@njit(inline="always")
+def _transpose32(src, sr, sc, dst, dr, dc):  # type: ignore[no-untyped-def]
+    """Transpose a 32 x 32 tile of uint16, rows held as 8 uint64 words each (4 lanes a word):
+    lane ``4w + l`` of ``src[sr + r, sc + w]`` goes to lane ``r % 4`` of
+    ``dst[dr + 4w + l, dc + r // 4]``. 4 x 4 sub-tiles are transposed in registers with shifts
+    and masks (two 2 x 2 steps), 16 elements per 8 word loads/stores."""
+    s16 = np.uint64(16)
+    s32 = np.uint64(32)
+    for rg in range(8):
+        for w in range(8):
+            r0 = src[sr + 4 * rg, sc + w]
+            r1 = src[sr + 4 * rg + 1, sc + w]
+            r2 = src[sr + 4 * rg + 2, sc + w]
+            r3 = src[sr + 4 * rg + 3, sc + w]
+            t0 = (r0 & _M16) | ((r1 & _M16) << s16)  # lanes (r0[0], r1[0], r0[2], r1[2])
+            t1 = ((r0 >> s16) & _M16) | (r1 & ~_M16)  # (r0[1], r1[1], r0[3], r1[3])
+            t2 = (r2 & _M16) | ((r3 & _M16) << s16)
+            t3 = ((r2 >> s16) & _M16) | (r3 & ~_M16)
+            dst[dr + 4 * w, dc + rg] = (t0 & _M32) | (t2 << s32)
+            dst[dr + 4 * w + 1, dc + rg] = (t1 & _M32) | (t3 << s32)
+            dst[dr + 4 * w + 2, dc + rg] = (t0 >> s32) | (t2 & ~_M32)
+            dst[dr + 4 * w + 3, dc + rg] = (t1 >> s32) | (t3 & ~_M32)
+
+
 @njit(parallel=True, cache=True)
 def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[no-untyped-def]
-    """Token rows ``src[ids[r]]`` (zero where ``ids[r] >= n_src``, the padding id), bf16 patterns:
-    ``rows [R, H]`` (if `want_rows`) and per block of B rows, transposed, ``rows_t [R/B, H, B]``.
+    """Token rows ``src[ids[r]]`` (zero where ``ids[r] >= n_src``, the padding id) of bf16
+    patterns, all arrays as uint64 words (4 values each): ``rows [R, H/4]`` (if `want_rows`)
+    and per block of B rows, transposed, ``rows_t [R/B, H, B/4]``. Needs H, B multiples of 32.
     """
     R = ids.shape[0]
-    H = src.shape[1]
+    W = src.shape[1]
     nb = R // B
-    zero = np.uint16(0)
-    n_jt = (B + _TILE - 1) // _TILE
-    n_ht = (H + _TILE - 1) // _TILE
-    # one item: a tile of _TILE tokens x _TILE columns, copied row-wise into a local buffer,
-    # then written out column-wise (a direct strided gather is several times slower)
-    for item in prange(nb * n_jt * n_ht):
-        k = item // (n_jt * n_ht)
-        j0 = ((item // n_ht) % n_jt) * _TILE
-        h0 = (item % n_ht) * _TILE
-        nj = min(B, j0 + _TILE) - j0
-        nh = min(H, h0 + _TILE) - h0
-        buf = np.empty((_TILE, _TILE), dtype=np.uint16)
-        for jj in range(nj):
+    n_jt = B // 32
+    zero = np.uint64(0)
+    # one item: 32 tokens of a block, copied into a buffer, then transposed tile by tile
+    for item in prange(nb * n_jt):
+        k = item // n_jt
+        j0 = (item % n_jt) * 32
+        buf = np.empty((32, W), dtype=np.uint64)
+        for jj in range(32):
             tid = ids[k * B + j0 + jj]
             if tid < n_src:
-                buf[jj, :nh] = src[tid, h0 : h0 + nh]
+                buf[jj, :] = src[tid]
             else:
-                buf[jj, :nh] = zero
+                buf[jj, :] = zero
             if want_rows:
-                rows[k * B + j0 + jj, h0 : h0 + nh] = buf[jj, :nh]
-        t = rows_t[k]
-        for hh in range(nh):
-            th = t[h0 + hh, j0 : j0 + nj]
-            for jj in range(nj):
-                th[jj] = buf[jj, hh]
+                rows[k * B + j0 + jj] = buf[jj]
+        for w0 in range(0, W, 8):
+            _transpose32(buf, 0, w0, rows_t[k], 4 * w0, j0 // 4)
 
 
 @njit(parallel=True, cache=True)
 def swiglu_bwd(  # type: ignore[no-untyped-def]
     gu, sig, d, ds, al, on_i,
     act_src, has_act, h_src, has_h, s_src, has_s, blocks, perm,
-    clamp, nan_bits, dgu_t, dgu_rows, p4_t, prod,
+    clamp, nan_bits, dgu_t, dgu_t64, dgu_rows, p4_t, prod,
 ):  # fmt: skip
     """The P1 elementwise chain of `backward.py` (spec §6 P1.3-P1.6) for ``[nb, I, B]`` blocks.
 
@@ -128,8 +149,8 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
     product; ON_I: unused, ``Ds = D·α``), ``al [nb, B]``; optional bf16 checkpoints
     ``act_src / h_src / s_src [N, I, B]`` read at ``[blocks[k], i, perm[j]]``. ``clamp``: 4
     fp32 bounds (nl_lo, nl_hi, l_lo, l_hi), NaN where unset, a mask applied only where a bound
-    of its pair is set. Outputs (bf16 patterns): ``dgu_t [nb, 2I, B]``, its rows
-    ``dgu_rows [nb*B, 2I]``, the P4 operand ``p4_t [nb, I, B]``; fp32 ``prod [2, nb, I/2, B]``:
+    of its pair is set. Outputs (bf16 patterns): ``dgu_t [nb, 2I, B]`` (``dgu_t64``: the same
+    memory as uint64 words), its rows ``dgu_rows [nb*B, 2I/4]`` (uint64 words), the P4 operand ``p4_t [nb, I, B]``; fp32 ``prod [2, nb, I/2, B]``:
     ``D·Hm`` in the two LNC2 halves over I (summed by the caller, as torch sums them).
     """
     nb, F, B = d.shape
@@ -207,11 +228,10 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
             else:
                 for j in range(B):
                     p4r[j] = _round_bf16(_f(hm[j]) * alk[j], nan_bits)
-        for j in range(B):
-            row = dgu_rows[k * B + j]
-            for i in range(i0, i1):
-                row[i] = dgu_t[k, i, j]
-                row[F + i] = dgu_t[k, F + i, j]
+        for j0 in range(0, B, 32):
+            for c0 in range(i0, i1, 32):  # the dG and the dU halves
+                _transpose32(dgu_t64[k], c0, j0 // 4, dgu_rows, k * B + j0, c0 // 4)
+                _transpose32(dgu_t64[k], F + c0, j0 // 4, dgu_rows, k * B + j0, (F + c0) // 4)
 
 
 @njit(parallel=True, cache=True)
@@ -307,3 +327,8 @@ def torch_bf16_nan() -> np.uint16:
 def u16(t: torch.Tensor) -> Any:
     """The uint16 patterns of a bf16 tensor as a numpy view (shares memory)."""
     return t.view(torch.int16).numpy().view(np.uint16)
+
+
+def u64(t: torch.Tensor) -> Any:
+    """A contiguous bf16 tensor's patterns as uint64 words (4 values each; last dim % 4 == 0)."""
+    return u16(t).view(np.uint64)

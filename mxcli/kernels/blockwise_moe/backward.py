@@ -294,7 +294,7 @@ class _FusedChunk:
             (none, False) if t is None else (fz.u16(t.contiguous()), True)
             for t in (ckpt_act, ckpt_h, ckpt_s)
         ]
-        self.no_rows = np.zeros((1, 1), dtype=np.uint16)
+        self.no_rows = np.zeros((1, 1), dtype=np.uint64)
         # every P3 [2I, H] and P4 [I, H] block product lands in this one fp32 buffer
         self.mm_buf = torch.empty(2 * I * H, dtype=torch.float32)
 
@@ -306,10 +306,10 @@ class _FusedChunk:
         R, B, H = flat.numel(), self.B, self.H
         out_rows = torch.empty(R, H, dtype=torch.bfloat16) if rows else None
         out_t = torch.empty(R // B, H, B, dtype=torch.bfloat16)
+        u64 = self.fz.u64
         self.fz.gather_rows_t(
-            self.fz.u16(src), flat.numpy(), T, B,
-            self.no_rows if out_rows is None else self.fz.u16(out_rows), self.fz.u16(out_t),
-            rows,
+            u64(src), flat.numpy(), T, B, self.no_rows if out_rows is None else u64(out_rows),
+            u64(out_t), rows,
         )  # fmt: skip
         return out_rows, out_t
 
@@ -336,13 +336,13 @@ class _FusedChunk:
         p4_t = torch.empty(nb, I, B, dtype=torch.bfloat16)
         prod = torch.empty(2, nb, I // 2, B, dtype=torch.float32)
         (act, has_act), (h, has_h), (s, has_s) = self.ckpts
-        u16 = self.fz.u16
+        u16, u64 = self.fz.u16, self.fz.u64
         ds = d_t if ds_t is None else ds_t
         self.fz.swiglu_bwd(
             gu.contiguous().numpy(), sig.contiguous().numpy(), d_t.contiguous().numpy(),
             ds.contiguous().numpy(), al_t.reshape(nb, B).contiguous().numpy(), ds_t is None,
             act, has_act, h, has_h, s, has_s, bl.numpy(), self.perm,
-            self.clamp, self.nan, u16(dgu_t), u16(dgu_rows), u16(p4_t), prod.numpy(),
+            self.clamp, self.nan, u16(dgu_t), u64(dgu_t), u64(dgu_rows), u16(p4_t), prod.numpy(),
         )  # fmt: skip
         return dgu_t, dgu_rows, p4_t, prod
 
