@@ -9,6 +9,11 @@ This is numerically the device's block loop: the only cross-block order dependen
 read-add-write accumulation of the weight/bias grads and of the hidden-state grad) are replayed
 in block order. Inside a block, rows are held in the MX group order of the token axis (see
 `_TokenOrder`), which only the token-axis quantization can see.
+
+With numba installed (and ``MXCLI_FUSED`` not 0), the gathers, the SwiGLU backward chain, the
+bf16 roundings/accumulations and the hidden-grad scatter run as fused passes (`_fused`,
+`_FusedPasses`) with the same bytes as the torch expressions kept here; matmuls and MX
+quantization are the same calls on both paths.
 """
 
 from __future__ import annotations
@@ -256,7 +261,7 @@ def _fused_kernels(
 _FUSED: Any = None
 
 
-class _FusedChunk:
+class _FusedPasses:
     """The fused (numba) passes of one call, bound to its settings; see `_fused`."""
 
     def __init__(
@@ -273,7 +278,6 @@ class _FusedChunk:
         fz.sync_threads()
         self.fz = fz
         self.nan = fz.torch_bf16_nan()
-        self.on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
         lim = cfg.clamp_limits
         bounds = (
             (None,) * 4
@@ -469,7 +473,7 @@ def blockwise_mm_bwd_mxfp8_reference(
     compact = torch.cumsum(valid_flat, 0) - 1  # position -> row of r_valid
     r_valid = torch.empty(vpos.numel(), H, dtype=sd, device=dev)  # P2 rows of valid positions
     order = _TokenOrder(B, g3, nm, dev)
-    fused = _FusedChunk(fz, cfg, order, H, I, ckpt_act, ckpt_h, ckpt_s) if fz else None
+    fused = _FusedPasses(fz, cfg, order, H, I, ckpt_act, ckpt_h, ckpt_s) if fz else None
 
     for e in range(E):
         chunks = plan.chunks(e, skip_empty=True)  # all-padding blocks contribute exactly 0
@@ -541,8 +545,8 @@ def blockwise_mm_bwd_mxfp8_reference(
             if fused is not None:
                 if gu is None:
                     gu = torch.stack((g, u), 1)
-                dgu_t, dgu_rows, p4_t, prod = fused.swiglu_bwd(gu, sig, d_t, ds_t, al_t, bl)
-                da = prod[0].sum(1) + prod[1].sum(1)
+                dgu_t, dgu_rows, p4_t, d_hm = fused.swiglu_bwd(gu, sig, d_t, ds_t, al_t, bl)
+                da = d_hm[0].sum(1) + d_hm[1].sum(1)  # the torch path's sums (same tensors)
             else:
                 dgu_t, p4_t, da = _swiglu_bwd(
                     g, u, sig, d_t, ds_t, al_t, bl, order, ckpt_act, ckpt_h, ckpt_s, cfg, nm
