@@ -81,6 +81,10 @@ def gather_gate_up(src, blocks, perm, out):  # type: ignore[no-untyped-def]
             o[j] = _f(s[perm[j]])
 
 
+# Gather work item: tokens x uint64 words (4 columns each), a 64 KiB buffer. Wide enough that
+# each transposed output row gets whole cache lines (rows B/4 words apart alias in L1 otherwise).
+_GATHER_TOKENS = 128
+_GATHER_WORDS = 64
 _M16 = np.uint64(0x0000FFFF0000FFFF)
 _M32 = np.uint64(0x00000000FFFFFFFF)
 
@@ -118,23 +122,29 @@ def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[
     R = ids.shape[0]
     W = src.shape[1]
     nb = R // B
-    n_jt = B // 32
+    n_jt = (B + _GATHER_TOKENS - 1) // _GATHER_TOKENS
+    n_wc = (W + _GATHER_WORDS - 1) // _GATHER_WORDS
     zero = np.uint64(0)
-    # one item: 32 tokens of a block, copied into a buffer, then transposed tile by tile
-    for item in prange(nb * n_jt):
-        k = item // n_jt
-        j0 = (item % n_jt) * 32
-        buf = np.empty((32, W), dtype=np.uint64)
-        for jj in range(32):
+    # one item: up to _GATHER_TOKENS tokens x _GATHER_WORDS words, copied into a buffer, then
+    # written out as 32 x 32 transposed tiles
+    for item in prange(nb * n_jt * n_wc):
+        k = item // (n_jt * n_wc)
+        j0 = ((item // n_wc) % n_jt) * _GATHER_TOKENS
+        c0 = (item % n_wc) * _GATHER_WORDS
+        nj = min(B, j0 + _GATHER_TOKENS) - j0
+        nc = min(W, c0 + _GATHER_WORDS) - c0
+        buf = np.empty((_GATHER_TOKENS, _GATHER_WORDS), dtype=np.uint64)
+        for jj in range(nj):
             tid = ids[k * B + j0 + jj]
             if tid < n_src:
-                buf[jj, :] = src[tid]
+                buf[jj, :nc] = src[tid, c0 : c0 + nc]
             else:
-                buf[jj, :] = zero
+                buf[jj, :nc] = zero
             if want_rows:
-                rows[k * B + j0 + jj] = buf[jj]
-        for w0 in range(0, W, 8):
-            _transpose32(buf, 0, w0, rows_t[k], 4 * w0, j0 // 4)
+                rows[k * B + j0 + jj, c0 : c0 + nc] = buf[jj, :nc]
+        for w0 in range(0, nc, 8):
+            for r0 in range(0, nj, 32):
+                _transpose32(buf, r0, w0, rows_t[k], 4 * (c0 + w0), (j0 + r0) // 4)
 
 
 @njit(parallel=True, cache=True)
