@@ -336,7 +336,7 @@ def torch_bf16_nan() -> np.uint16:
 
 def u16(t: torch.Tensor) -> Any:
     """The uint16 patterns of a bf16 tensor as a numpy view (shares memory)."""
-    return t.view(torch.int16).numpy().view(np.uint16)
+    return t.detach().view(torch.int16).numpy().view(np.uint16)
 
 
 def u64(t: torch.Tensor) -> Any:
