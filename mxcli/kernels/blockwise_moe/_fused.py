@@ -1,6 +1,6 @@
 """Fused elementwise passes of the backward reference (numba), bit-identical to its torch ops.
 
-Optional (numba, extra ``fast``): `backward.py` uses these kernels through `kernels()` and runs
+Optional (numba, extra ``fast``): `backward.py` uses these kernels (`_fused_kernels` there) and runs
 its pure-torch path when numba is missing or ``MXCLI_FUSED=0``; both give the same bytes
 (tests/kernels/test_blockwise_bwd_fused.py). They replace chains of torch passes (gathers,
 transposes, fp32 -> bf16 round trips, the SwiGLU backward, bf16 read-add-write accumulations)
@@ -11,9 +11,10 @@ replaces (numba without ``fastmath`` neither reassociates nor contracts into FMA
 store to bf16 is `_round_bf16`: round to nearest even on the bit pattern, which is torch's CPU
 cast for all non-NaN inputs (overflow to ±Inf and subnormals included). NaN becomes the one
 pattern torch's cast produces on this CPU (0xFFFF with ATen's AVX2/AVX-512 kernels, 0x7FC0
-with ``ATEN_CPU_CAPABILITY=default``), measured once (`_torch_bf16_nan`).
+with ``ATEN_CPU_CAPABILITY=default``), measured once (`torch_bf16_nan`).
 
-bf16 tensors cross as their uint16 patterns; compiled lazily on first use, cached on disk.
+bf16 tensors cross as their uint16 patterns (or uint64 words of 4); integer math stays in
+uint32 lanes (checked in the generated code). Compiled lazily on first use, cached on disk.
 Callers pass C-contiguous arrays: numba compiles a strided ("A" layout) array's loops without
 SIMD, several times slower.
 """
