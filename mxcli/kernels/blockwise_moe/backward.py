@@ -9,13 +9,20 @@ This is numerically the device's block loop: the only cross-block order dependen
 read-add-write accumulation of the weight/bias grads and of the hidden-state grad) are replayed
 in block order. Inside a block, rows are held in the MX group order of the token axis (see
 `_TokenOrder`), which only the token-axis quantization can see.
+
+With numba installed (and ``MXCLI_FUSED`` not 0), the gathers, the SwiGLU backward chain, the
+bf16 roundings/accumulations and the hidden-grad scatter run as fused passes (`_fused`,
+`_FusedPasses`) with the same bytes as the torch expressions kept here; matmuls and MX
+quantization are the same calls on both paths.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from mxcli.kernels import backends
@@ -179,6 +186,193 @@ def _tile_bias_sum(v: torch.Tensor, order: _TokenOrder, nm: Numerics) -> torch.T
     return nm.bf(acc)
 
 
+def _swiglu_bwd(
+    g: torch.Tensor,
+    u: torch.Tensor,
+    sig: torch.Tensor,
+    d_t: torch.Tensor,
+    ds_t: torch.Tensor | None,
+    al_t: torch.Tensor,
+    bl: torch.Tensor,
+    order: _TokenOrder,
+    ckpt_act: torch.Tensor | None,
+    ckpt_h: torch.Tensor | None,
+    ckpt_s: torch.Tensor | None,
+    cfg: MXFP8MOEBwdConfig,
+    nm: Numerics,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """P1 elementwise chain (spec §6 P1.3-P1.6) in torch, token-last ``[nb, I, B]``.
+
+    `d_t`: the un-scaled P1 product (ON_I: scaled in place into ``Ds = D·α``); `ds_t`: the ON_H
+    P1 product of ``dYs``, else None. Returns ``(dGU^T [nb, 2I, B], P4 operand [nb, I, B],
+    affinity grad [nb, B] fp32)``. `_fused.swiglu_bwd` is the same chain in one pass.
+    """
+    nb, I, B = d_t.shape  # noqa: E741 (spec notation I = I_TP)
+    half = I // 2
+    on_i = ds_t is None
+    # act = bf16(φ(G)), dphi = φ'(G), dga = bf16(dphi·U), Hm = bf16(act·U)
+    act = _cols(ckpt_act, bl, order) if ckpt_act is not None else nm.rb(g * sig)
+    dphi = torch.rsub(sig, 1.0).mul_(g).add_(1.0).mul_(sig)  # σ(1 + g(1 − σ)), fp32
+    dga = nm.rb(nm.rb(dphi) * u)
+    del dphi
+    hm = _cols(ckpt_h, bl, order) if ckpt_h is not None else nm.rb(act * u)
+    # affinity grad from the un-scaled D; LNC2: two fp32 halves over I, then added
+    da = (d_t[:, :half] * hm[:, :half]).sum(1) + (d_t[:, half:] * hm[:, half:]).sum(1)
+    if ds_t is None:
+        ds_t = d_t.mul_(al_t)  # Ds = D·α in fp32 (spec §6 P1.6)
+    dgu_t = torch.empty(nb, 2 * I, B, dtype=nm.store_dtype, device=d_t.device)
+    torch.mul(ds_t, dga, out=dgu_t[:, :I])  # fp32 product, rounded once on the store
+    torch.mul(ds_t, act, out=dgu_t[:, I:])
+    del ds_t, dga
+    mask_nl, mask_l = clamp_masks(g, u, cfg.clamp_limits)
+    if mask_nl is not None:
+        dgu_t[:, :I] *= mask_nl
+    if mask_l is not None:
+        dgu_t[:, I:] *= mask_l
+    if on_i:  # P4 operand S = bf16(Hm·α), or the checkpoint
+        p4_t = _cols(ckpt_s, bl, order) if ckpt_s is not None else nm.rb(hm * al_t)
+    else:
+        p4_t = hm
+    return dgu_t, p4_t, da
+
+
+def _fused_kernels(
+    nm: Numerics, device: torch.device, *ckpts: torch.Tensor | None
+) -> ModuleType | None:
+    """`_fused` when it applies (numba installed, ``MXCLI_FUSED`` not 0, kernel emulation on CPU,
+    bf16 checkpoints), else None: then the torch path runs (same bytes)."""
+    global _FUSED
+    if nm.exact or device.type != "cpu":
+        return None
+    if any(t is not None and t.dtype != torch.bfloat16 for t in ckpts):
+        return None
+    if _FUSED is None:
+        try:
+            from mxcli.kernels.blockwise_moe import _fused
+
+            _FUSED = _fused
+        except Exception:  # numba missing or broken: the torch path gives the same bytes
+            _FUSED = False
+    if _FUSED is False or not _FUSED.enabled():
+        return None
+    return _FUSED
+
+
+_FUSED: Any = None
+
+
+class _FusedPasses:
+    """The fused (numba) passes of one call, bound to its settings; see `_fused`."""
+
+    def __init__(
+        self,
+        fz: ModuleType,
+        cfg: MXFP8MOEBwdConfig,
+        order: _TokenOrder,
+        H: int,
+        I: int,  # noqa: E741 (spec notation I = I_TP)
+        ckpt_act: torch.Tensor | None,
+        ckpt_h: torch.Tensor | None,
+        ckpt_s: torch.Tensor | None,
+    ) -> None:
+        fz.sync_threads()
+        self.fz = fz
+        self.nan = fz.torch_bf16_nan()
+        lim = cfg.clamp_limits
+        bounds = (
+            (None,) * 4
+            if lim is None
+            else (
+                lim.non_linear_clamp_lower_limit,
+                lim.non_linear_clamp_upper_limit,
+                lim.linear_clamp_lower_limit,
+                lim.linear_clamp_upper_limit,
+            )
+        )
+        # fp32 like torch's comparison of an fp32 tensor with a Python float; NaN = unset
+        self.clamp = np.array([np.nan if b is None else b for b in bounds], dtype=np.float32)
+        self.perm = order.perm.numpy()
+        self.B, self.H, self.I = order.perm.numel(), H, I
+        none = np.zeros((1, 1, 1), dtype=np.uint16)  # stands for an absent checkpoint
+        self.ckpts = [
+            (none, False) if t is None else (fz.u16(t.contiguous()), True)
+            for t in (ckpt_act, ckpt_h, ckpt_s)
+        ]
+        self.no_rows = np.zeros((1, 1), dtype=np.uint64)
+        # every P3 [2I, H] and P4 [I, H] block product lands in this one fp32 buffer
+        self.mm_buf = torch.empty(2 * I * H, dtype=torch.float32)
+
+    def gather(
+        self, src: torch.Tensor, flat: torch.Tensor, T: int, rows: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``(rows [R, H] or None, token-last [nb, H, B])`` of token rows ``src[flat]`` (zero for
+        the padding id T)."""
+        R, B, H = flat.numel(), self.B, self.H
+        out_rows = torch.empty(R, H, dtype=torch.bfloat16) if rows else None
+        out_t = torch.empty(R // B, H, B, dtype=torch.bfloat16)
+        u64 = self.fz.u64
+        self.fz.gather_rows_t(
+            u64(src), flat.numpy(), T, B, self.no_rows if out_rows is None else u64(out_rows),
+            u64(out_t), rows,
+        )  # fmt: skip
+        return out_rows, out_t
+
+    def gate_up_cols(self, ckpt_gu: torch.Tensor, bl: torch.Tensor) -> torch.Tensor:
+        """The tensor `_gate_up_cols` views: ``[nb, 2, I, B]`` fp32, tokens in block row order."""
+        c = torch.empty(bl.numel(), 2, self.I, self.B, dtype=torch.float32)
+        self.fz.gather_gate_up(self.fz.u16(ckpt_gu.contiguous()), bl.numpy(), self.perm, c.numpy())
+        return c
+
+    def swiglu_bwd(
+        self,
+        gu: torch.Tensor,
+        sig: torch.Tensor,
+        d_t: torch.Tensor,
+        ds_t: torch.Tensor | None,
+        al_t: torch.Tensor,
+        bl: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`_swiglu_bwd` in one pass, from ``gu [nb, 2, I, B]`` (G, U): ``(dGU^T, its rows
+        [R, 2I], P4 operand, D·Hm in two halves over I)``."""
+        nb, I, B = d_t.shape  # noqa: E741 (spec notation I = I_TP)
+        dgu_t = torch.empty(nb, 2 * I, B, dtype=torch.bfloat16)
+        dgu_rows = torch.empty(nb * B, 2 * I, dtype=torch.bfloat16)
+        p4_t = torch.empty(nb, I, B, dtype=torch.bfloat16)
+        prod = torch.empty(2, nb, I // 2, B, dtype=torch.float32)
+        (act, has_act), (h, has_h), (s, has_s) = self.ckpts
+        u16, u64 = self.fz.u16, self.fz.u64
+        ds = d_t if ds_t is None else ds_t
+        self.fz.swiglu_bwd(
+            gu.contiguous().numpy(), sig.contiguous().numpy(), d_t.contiguous().numpy(),
+            ds.contiguous().numpy(), al_t.reshape(nb, B).contiguous().numpy(), ds_t is None,
+            act, has_act, h, has_h, s, has_s, bl.numpy(), self.perm,
+            self.clamp, self.nan, u16(dgu_t), u64(dgu_t), u64(dgu_rows), u16(p4_t), prod.numpy(),
+        )  # fmt: skip
+        return dgu_t, dgu_rows, p4_t, prod
+
+    def round_rows(
+        self, r: torch.Tensor, sel: torch.Tensor, dest: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """``out[dest] = bf16(r[sel])``."""
+        self.fz.round_rows(r.numpy(), sel.numpy(), dest.numpy(), self.fz.u16(out), self.nan)
+
+    def acc_block(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+        """`_acc_block` of the block product ``a b^T`` into the bf16 `acc` in place."""
+        M, N = a.shape[0], b.shape[0]
+        c = self.mm_buf[: M * N].view(M, N)
+        torch.mm(a, b.t(), out=c)
+        self.fz.acc_block(self.fz.u16(acc), c.numpy(), first, self.nan)
+
+    def ordered_scatter(
+        self, out: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, accumulate: bool
+    ) -> None:
+        """`numerics.ordered_scatter` for bf16 `out` and `vals`; `out` may be uninitialised (rows
+        no id names are zeroed)."""
+        self.fz.ordered_scatter(
+            self.fz.u16(out), ids.numpy(), self.fz.u16(vals), accumulate, self.nan
+        )
+
+
 def blockwise_mm_bwd_mxfp8_reference(
     hidden_states: Any,
     expert_affinities_masked: Any,
@@ -260,12 +454,18 @@ def blockwise_mm_bwd_mxfp8_reference(
 
     # ---- outputs (spec §4.3: zero-initialised; dense writes every entry it defines) --------
     sd = nm.store_dtype
-    x_ext = ck.with_zero_row(x, sd)  # [T+1, H]; fp16 inputs become bf16 copies (spec §14.5)
-    dy_ext = ck.with_zero_row(dy, sd)
+    fz = _fused_kernels(nm, dev, ckpt_gu, ckpt_act, ckpt_h, ckpt_s)
+    # Token rows are gathered from [T+1, F] copies whose last row is zero (the padding target);
+    # the fused gathers read bf16 inputs in place and write the zeros of padding themselves.
+    x_ext = x.contiguous() if fz is not None and x.dtype == sd else ck.with_zero_row(x, sd)
+    dy_ext = dy.contiguous() if fz is not None and dy.dtype == sd else ck.with_zero_row(dy, sd)
     ea_ext = ck.with_zero_row(ea.reshape(T, E).to(device=dev), torch.float32)  # [T+1, E]
     dea = torch.zeros(T * E, dtype=torch.float32, device=dev)
-    dwgu = torch.zeros(E, 2 * I, H, dtype=sd, device=dev)  # [E, 2I, H], transposed at the end
-    dwd = torch.zeros(E, I, H, dtype=sd, device=dev)
+    # the fused path overwrites each expert's weight grads with its first block (zeroing only
+    # experts without blocks) and writes every row of the hidden grad
+    new_out = torch.empty if fz is not None else torch.zeros
+    dwgu = new_out(E, 2 * I, H, dtype=sd, device=dev)  # [E, 2I, H], transposed at the end
+    dwd = new_out(E, I, H, dtype=sd, device=dev)
     dbgu = torch.zeros(E, 2 * I, dtype=sd, device=dev) if cfg.bias else None
     dbd = torch.zeros(E, H, dtype=sd, device=dev) if cfg.bias else None
     valid_flat = plan.valid.reshape(-1)
@@ -273,11 +473,14 @@ def blockwise_mm_bwd_mxfp8_reference(
     compact = torch.cumsum(valid_flat, 0) - 1  # position -> row of r_valid
     r_valid = torch.empty(vpos.numel(), H, dtype=sd, device=dev)  # P2 rows of valid positions
     order = _TokenOrder(B, g3, nm, dev)
-    half = I // 2
+    fused = _FusedPasses(fz, cfg, order, H, I, ckpt_act, ckpt_h, ckpt_s) if fz else None
 
     for e in range(E):
         chunks = plan.chunks(e, skip_empty=True)  # all-padding blocks contribute exactly 0
         if not chunks:
+            if fused is not None:
+                dwgu[e].zero_()
+                dwd[e].zero_()
             continue
         wd_q = W.down(e)  # [I, H]
         wcat_q = W.gate_up_cat(e)  # [H, 2I]
@@ -294,36 +497,39 @@ def blockwise_mm_bwd_mxfp8_reference(
             vrow = plan.valid.index_select(0, bl).index_select(1, order.perm).reshape(-1)
             pos = (bl[:, None] * B + order.perm[None, :]).reshape(-1)  # [R] natural positions
             vsel = vrow.nonzero().squeeze(1)
-            xg = x_ext.index_select(0, flat)  # [R, H]
-            dyg = dy_ext.index_select(0, flat)  # [R, H]
             al = ea_ext[:, e].index_select(0, flat)[:, None]  # [R, 1] fp32, 0 for padding
+            al_t = al.view(nb, 1, B)
+            if fused is not None:  # rows and token-last copies of X and dY, one pass each
+                xg, x_tok = fused.gather(x_ext, flat, T, rows=ckpt_gu is None)
+                dyg_rows, dy_tok = fused.gather(dy_ext, flat, T, rows=True)
+                assert dyg_rows is not None
+                dyg = dyg_rows
+            else:
+                xg = x_ext.index_select(0, flat)  # [R, H]
+                dyg = dy_ext.index_select(0, flat)  # [R, H]
+                x_tok = xg.view(nb, B, H).transpose(1, 2)  # [nb, H, B]
+                dy_tok = dyg.view(nb, B, H).transpose(1, 2)
 
             # Elementwise P1 math runs token-last, [nb, I, B] (the checkpoints' own layout), so
             # that the P3/P4 operands dGU^T and S^T come out ready for their token-axis groups.
+            gu: torch.Tensor | None = None  # fused path: [nb, 2, I, B] holding G and U
             if ckpt_gu is not None:
-                g, u = _gate_up_cols(ckpt_gu, bl, order)  # [nb, I, B] each, fp32
+                if fused is not None:
+                    gu = fused.gate_up_cols(ckpt_gu, bl)
+                    g, u = gu[:, 0], gu[:, 1]  # the torch path's views, see _gate_up_cols
+                else:
+                    g, u = _gate_up_cols(ckpt_gu, bl, order)  # [nb, I, B] each, fp32
             else:  # the forward's projection recomputed from hidden_states (API reference)
-                assert wfwd_q is not None
+                assert wfwd_q is not None and xg is not None
                 g, u = project_gate_up(nm.q(xg, -1, g_fwd), wfwd_q, None, cfg.clamp_limits, nm)
                 g, u = (t.view(nb, B, I).transpose(1, 2) for t in (g, u))
-            al_t = al.view(nb, 1, B)
-            # P1 elementwise (spec §6 P1.3): act, dphi, dga = bf16(dphi·U), Hm = bf16(act·U)
-            sig = torch.sigmoid(g)
-            act = _cols(ckpt_act, bl, order) if ckpt_act is not None else nm.rb(g * sig)
-            dphi = torch.rsub(sig, 1.0).mul_(g).add_(1.0).mul_(sig)  # σ(1 + g(1 − σ)), fp32
-            dga = nm.rb(nm.rb(dphi) * u)
-            del sig, dphi
-            hm = _cols(ckpt_h, bl, order) if ckpt_h is not None else nm.rb(act * u)
+            sig = torch.sigmoid(g)  # on the same layout in both paths
 
             # P1 matmul: contraction over H (dY per token row, W_d per row i), fp32, per block
             # D^T [I, B] = W_d[e] dY_b^T
             d_t = _p1(nm.q(dyg, -1, g1), wd_q, nb, B)  # [nb, I, B], un-scaled
-            # affinity grad from the un-scaled D; LNC2: two fp32 halves over I, then added
-            da = (d_t[:, :half] * hm[:, :half]).sum(1) + (d_t[:, half:] * hm[:, half:]).sum(1)
-            da = da.reshape(R)
-            dea.index_copy_(0, flat.index_select(0, vsel) * E + e, nm.bf(da.index_select(0, vsel)))
+            ds_t: torch.Tensor | None = None
             if on_i:
-                ds_t = d_t.mul_(al_t)  # Ds = D·α in fp32 (spec §6 P1.6)
                 dys = dyg
             else:  # ON_H: the P1 operand is output_grad·α (API reference)
                 if ckpt_dys is not None:
@@ -331,46 +537,54 @@ def blockwise_mm_bwd_mxfp8_reference(
                     dys = dys * vrow[:, None].to(dys.dtype)  # padding rows contribute zero
                 else:
                     dys = nm.rb(dyg.to(torch.float32) * al)
+                dy_tok = dys.view(nb, B, H).transpose(1, 2)
                 ds_t = _p1(nm.q(dys, -1, g1), wd_q, nb, B)
-            del d_t
-            dgu_t = torch.empty(nb, 2 * I, B, dtype=sd, device=dev)  # [dG | dU]^T per block
-            torch.mul(ds_t, dga, out=dgu_t[:, :I])  # fp32 product, rounded once on the store
-            torch.mul(ds_t, act, out=dgu_t[:, I:])
-            del ds_t, dga
-            mask_nl, mask_l = clamp_masks(g, u, cfg.clamp_limits)
-            if mask_nl is not None:
-                dgu_t[:, :I] *= mask_nl
-            if mask_l is not None:
-                dgu_t[:, I:] *= mask_l
-            del g, u, act
-            if on_i:  # P4 operand S = bf16(Hm·α), or the checkpoint
-                p4_t = _cols(ckpt_s, bl, order) if ckpt_s is not None else nm.rb(hm * al_t)
+
+            # P1 elementwise (spec §6 P1.3-P1.6) -> dGU^T [nb, 2I, B] and its rows [R, 2I], the
+            # P4 operand [nb, I, B] and the affinity grad (un-scaled D; LNC2: two fp32 halves)
+            if fused is not None:
+                if gu is None:
+                    gu = torch.stack((g, u), 1)
+                dgu_t, dgu_rows, p4_t, d_hm = fused.swiglu_bwd(gu, sig, d_t, ds_t, al_t, bl)
+                da = d_hm[0].sum(1) + d_hm[1].sum(1)  # the torch path's sums (same tensors)
             else:
-                p4_t = hm
-            del hm
+                dgu_t, p4_t, da = _swiglu_bwd(
+                    g, u, sig, d_t, ds_t, al_t, bl, order, ckpt_act, ckpt_h, ckpt_s, cfg, nm
+                )
+                dgu_rows = dgu_t.transpose(1, 2).reshape(R, 2 * I)  # [R, 2I]
+            del g, u, gu, sig, d_t, ds_t
+            da = da.reshape(R)
+            dea.index_copy_(0, flat.index_select(0, vsel) * E + e, nm.bf(da.index_select(0, vsel)))
 
             # P2: contraction over 2I (dGU per token row); rows kept for the ordered scatter
-            dgu_rows = dgu_t.transpose(1, 2).reshape(R, 2 * I)  # [R, 2I]
             r = nm.q(dgu_rows, -1, g2) @ wcat_q.t()  # [R, H] fp32
-            r_valid.index_copy_(
-                0,
-                compact.index_select(0, pos.index_select(0, vsel)),
-                nm.rb(r.index_select(0, vsel)),
-            )
+            dest = compact.index_select(0, pos.index_select(0, vsel))
+            if fused is not None:
+                fused.round_rows(r, vsel, dest, r_valid)
+            else:
+                r_valid.index_copy_(0, dest, nm.rb(r.index_select(0, vsel)))
             del r, dgu_rows
 
             # P3: dW_gu[e] += X^T dGU and P4: dW_d[e] += S^T dY (ON_H: Hm^T dYs), one matmul
             # per block with the MX groups along the block's tokens (operands token-last)
             dgu_q = order.q(dgu_t, g3)  # [nb, 2I, B]
-            x_t = order.q(xg.view(nb, B, H).transpose(1, 2), g3)  # [nb, H, B]
+            x_t = order.q(x_tok, g3)  # [nb, H, B]
             for k in range(nb):  # block order: bf16 read-add-write of the accumulator
-                acc_gu = _acc_block(acc_gu, torch.mm(dgu_q[k], x_t[k].t()), nm)  # [2I, H]
-            del dgu_q, x_t
+                if fused is not None:
+                    fused.acc_block(dwgu[e], dgu_q[k], x_t[k], acc_gu is None)
+                    acc_gu = dwgu[e]
+                else:
+                    acc_gu = _acc_block(acc_gu, torch.mm(dgu_q[k], x_t[k].t()), nm)  # [2I, H]
+            del dgu_q, x_t, x_tok
             s_q = order.q(p4_t, g4)  # [nb, I, B]
-            dy_t = order.q(dys.view(nb, B, H).transpose(1, 2), g4)  # [nb, H, B]
+            dy_t = order.q(dy_tok, g4)  # [nb, H, B]
             for k in range(nb):
-                acc_d = _acc_block(acc_d, torch.mm(s_q[k], dy_t[k].t()), nm)  # [I, H]
-            del s_q, dy_t, p4_t
+                if fused is not None:
+                    fused.acc_block(dwd[e], s_q[k], dy_t[k], acc_d is None)
+                    acc_d = dwd[e]
+                else:
+                    acc_d = _acc_block(acc_d, torch.mm(s_q[k], dy_t[k].t()), nm)  # [I, H]
+            del s_q, dy_t, dy_tok, p4_t
 
             if cfg.bias:  # spec §6 "Bias": per 128-token tile fp32 sums, bf16 running sums
                 prod = nm.rb(dyg * nm.rb(al))  # bf16(dY·bf16(α)), [R, H]
@@ -381,8 +595,9 @@ def blockwise_mm_bwd_mxfp8_reference(
                     acc_bgu = _acc_block(acc_bgu, bgu_blocks[k], nm)
             del dgu_t, xg, dyg, dys
         assert acc_gu is not None and acc_d is not None
-        dwgu[e] = acc_gu
-        dwd[e] = acc_d
+        if fused is None:
+            dwgu[e] = acc_gu
+            dwd[e] = acc_d
         if cfg.bias:
             assert dbgu is not None and dbd is not None
             assert acc_bgu is not None and acc_bd is not None
@@ -390,14 +605,12 @@ def blockwise_mm_bwd_mxfp8_reference(
             dbd[e] = acc_bd
 
     # P2 results into the hidden-state grad, in block order (spec §6 P2)
-    hsg = torch.zeros(T, H, dtype=sd, device=dev)
-    ordered_scatter(
-        hsg,
-        plan.idx.reshape(-1).index_select(0, vpos),
-        r_valid,
-        cfg.accumulate_hidden_states_grad,
-        nm,
-    )
+    hsg = new_out(T, H, dtype=sd, device=dev)
+    hs_ids = plan.idx.reshape(-1).index_select(0, vpos)
+    if fused is not None:
+        fused.ordered_scatter(hsg, hs_ids, r_valid, cfg.accumulate_hidden_states_grad)
+    else:
+        ordered_scatter(hsg, hs_ids, r_valid, cfg.accumulate_hidden_states_grad, nm)
 
     ea_dtype = ea.dtype
     outputs: list[torch.Tensor] = [
