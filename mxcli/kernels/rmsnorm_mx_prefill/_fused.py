@@ -98,11 +98,12 @@ def _squares_rows(x, out):  # type: ignore[no-untyped-def]
 
 
 @njit(parallel=True, cache=True)
-def _chain_rows(x, gamma, r, nan_bits, offset, e5m2, maxval, scale_pos, rows, a_out, want_a):  # type: ignore[no-untyped-def]
+def _chain_rows(x, gamma, r, nan_bits, offset, e5m2, maxval, scale_pos, tail, rows, a_out, want_a):  # type: ignore[no-untyped-def]
     n, H = x.shape
     for t in prange(n):
         xr = x[t]
         row = rows[t]
+        row[H : H + tail.shape[0]] = tail
         ar = a_out[t] if want_a else a_out[0]
         rt = r[t]
         for g in range(H // GROUP):
@@ -156,6 +157,7 @@ def rms_chain(
     fp8: torch.dtype,
     maxval: float,
     scale_pos: torch.Tensor,
+    tail: torch.Tensor,
     rows: torch.Tensor,
     a_out: torch.Tensor | None,
 ) -> None:
@@ -179,6 +181,7 @@ def rms_chain(
         fp8 == torch.float8_e5m2,
         np.float32(maxval),
         scale_pos.numpy(),
+        tail.numpy(),
         rows.numpy(),
         a_np,
         a_out is not None,

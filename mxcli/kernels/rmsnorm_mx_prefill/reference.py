@@ -266,7 +266,6 @@ def _run(
                 torch.mul(xf, inv_col, out=tmp)
                 out_norm[t0:t1] = tmp.mul_(g)
             rows = packed[t0:t1]
-            rows[:, H:] = tail_fill
             r = inv_rms.to(cd).to(f32).contiguous()
             fused.rms_chain(
                 x,
@@ -276,6 +275,7 @@ def _run(
                 fmt.torch_dtype,
                 fmt.max_finite,
                 offsets,
+                tail_fill,
                 rows,
                 af if w_mat is not None else None,
             )
@@ -317,7 +317,7 @@ def _run(
             assert logits is not None
             # §5.1: logits from the gamma-only activations; inv_rms applied after the matmul
             lg = logits[t0:t1]
-            lg.copy_(router_raw_logits(af, w_mat, acc))
+            router_raw_logits(af, w_mat, acc, out=lg)
             lg.mul_(inv_col)
 
     if logits is not None:

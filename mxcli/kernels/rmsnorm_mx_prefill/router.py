@@ -53,11 +53,17 @@ def prepare_router_matrix(
 
 
 def router_raw_logits(
-    a: torch.Tensor, w_prepared: torch.Tensor, accumulation: LogitAccumulation
+    a: torch.Tensor,
+    w_prepared: torch.Tensor,
+    accumulation: LogitAccumulation,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``raw [T, E] = a [T, H] @ W`` in fp32 (§5.1); `a` holds the cd-rounded ``R_cd(x*gamma)``."""
+    """``raw [T, E] = a [T, H] @ W`` in fp32 (§5.1); `a` holds the cd-rounded ``R_cd(x*gamma)``.
+
+    With `out` (contiguous ``[T, E]`` fp32) the result is written there and returned."""
     if accumulation is LogitAccumulation.FLAT:
-        return a @ w_prepared
+        # the same BLAS call either way; out= only saves the copy
+        return torch.matmul(a, w_prepared) if out is None else torch.matmul(a, w_prepared, out=out)
     nb = w_prepared.shape[0]
     T = a.shape[0]
     # a: [T, h512, p, q] -> [h512, q, T, p]; partials [h512, q, T, E]
@@ -66,7 +72,7 @@ def router_raw_logits(
     raw = partial[0].clone()
     for i in range(1, nb * 4):  # PSUM accumulation chain, kernel order (56 adds for H=7168)
         raw += partial[i]
-    return raw
+    return raw if out is None else out.copy_(raw)
 
 
 def first_occurrence_topk(
