@@ -126,3 +126,47 @@ def test_fused_chain_same_bytes(case: str, monkeypatch: pytest.MonkeyPatch) -> N
     fused = _run(monkeypatch, True, *args, **kw)
     plain = _run(monkeypatch, False, *args, **kw)
     _same(fused, plain)
+
+
+@pytest.mark.parametrize(
+    ("E", "n_group", "topk_group", "top_k"),
+    [(256, 8, 4, 8), (64, 8, 3, 6), (16, 8, 2, 4), (8, 1, 1, 8), (32, 4, 4, 1), (16, 16, 5, 3)],
+)
+@pytest.mark.parametrize("bias_bug", [False, True])
+def test_fused_noaux_tc_same_bytes(
+    E: int,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    bias_bug: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NOAUX_TC routing, fused vs torch. Logits from a handful of values give exact ties in
+    the scores, in the group scores and in the masked scores (first-occurrence indices,
+    duplicate selections); ±0, huge logits (sigmoid 0 or 1), tiny scores, and rows with
+    NaN/±Inf (which the fused path hands to the torch path) are mixed in."""
+    from mxcli.kernels.rmsnorm_mx_prefill.router import noaux_tc_affinities
+
+    g = torch.Generator().manual_seed(E + n_group + top_k)
+    T = 300
+    levels = torch.tensor([-3.0, -0.5, -0.0, 0.0, 0.25, 0.25, 1.0, 4.0, 200.0, -200.0])
+    pick = torch.randint(0, levels.numel(), (T, E), generator=g)
+    logits = levels[pick]
+    logits[: T // 3] = torch.randn(T // 3, E, generator=g)  # distinct values
+    logits[T // 3 : T // 3 + 5] = 0.5  # a whole row tied
+    logits[T // 3 + 5 : T // 3 + 8] = -87.0  # scores ~1.6e-38: the epsilon decides the weights
+    logits[-1, 3] = float("nan")
+    logits[-2, 0] = float("inf")
+    logits[-3, E - 1] = float("-inf")
+    bias = torch.randint(-2, 3, (E,), generator=g).float() * 0.125
+    kw = dict(emulate_upstream_ref_bias_bug=bias_bug)
+    args = (logits, bias, n_group, topk_group, top_k, 2.5)
+    fused = _run_fn(monkeypatch, True, noaux_tc_affinities, *args, **kw)
+    plain = _run_fn(monkeypatch, False, noaux_tc_affinities, *args, **kw)
+    assert torch.equal(fused.view(torch.int32), plain.view(torch.int32))
+    assert (plain[:-3] != 0).sum(dim=1).le(top_k).all()  # the comparison saw real selections
+
+
+def _run_fn(monkeypatch: pytest.MonkeyPatch, fused: bool, fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("MXCLI_FUSED", "1" if fused else "0")
+    return fn(*args, **kwargs)

@@ -186,3 +186,142 @@ def rms_chain(
         a_np,
         a_out is not None,
     )
+
+
+# --------------------------------------------------------------------------- NOAUX_TC routing
+
+
+@njit(inline="always")
+def _top_k_first(x, n, k, pad, pad_count, vals, cols, idx):  # type: ignore[no-untyped-def]
+    """``max8`` + ``nc_find_index8`` (§5.2) on ``x[:n]`` followed by `pad_count` pad columns of
+    value `pad`: the `k` largest values (with multiplicity) into ``vals`` in descending order and
+    ``idx[j]`` = the first column holding ``vals[j]`` (duplicates on exact ties). Finite inputs.
+
+    One pass keeps the k best in order, equal values in column order, so the first column of
+    every value still in the list is in it: when it came, nothing equal was ahead of it, and an
+    eviction drops the latest of equal tail entries first.
+    """
+    count = 0
+    for c in range(n + pad_count):
+        v = x[c] if c < n else pad
+        if count < k:
+            p = count
+            count += 1
+        elif v > vals[k - 1]:
+            p = k - 1
+        else:
+            continue
+        while p > 0 and vals[p - 1] < v:
+            vals[p] = vals[p - 1]
+            cols[p] = cols[p - 1]
+            p -= 1
+        vals[p] = v
+        cols[p] = c
+    for j in range(k):
+        first = cols[j]
+        for i in range(k):
+            if vals[i] == vals[j] and cols[i] < first:
+                first = cols[i]
+        idx[j] = first
+
+
+_ROUTE_ROWS = 64  # tokens per parallel work item (its scratch buffers are allocated once)
+
+
+@njit(parallel=True, cache=True)
+def _noaux_rows(score, bias, n_group, topk_group, top_k, scale, sentinel, lowest, eps, out, bad):  # type: ignore[no-untyped-def]
+    T, E = score.shape
+    epg = E // n_group
+    for item in prange((T + _ROUTE_ROWS - 1) // _ROUTE_ROWS):
+        sfc = np.empty(E, dtype=np.float32)
+        masked = np.empty(E, dtype=np.float32)
+        onehot = np.empty(E, dtype=np.float32)
+        gs = np.empty(n_group, dtype=np.float32)
+        gcount = np.empty(n_group, dtype=np.float32)
+        vals = np.empty(8, dtype=np.float32)
+        cols = np.empty(8, dtype=np.int64)
+        kept = np.empty(8, dtype=np.int64)
+        sel = np.empty(8, dtype=np.int64)
+        for t in range(item * _ROUTE_ROWS, min(T, (item + 1) * _ROUTE_ROWS)):
+            s = score[t]
+            o = out[t]
+            finite = True
+            for e in range(E):
+                finite = finite and np.isfinite(s[e])
+                sfc[e] = s[e] + bias[e]
+            bad[t] = not finite
+            if not finite:
+                continue  # the caller routes this row on the torch path
+            # group score = top1 + top2 of the group padded with -sentinel to 8 (max8)
+            for g in range(n_group):
+                m1 = np.float32(-np.inf)
+                m2 = np.float32(-np.inf)
+                for i in range(epg + min(2, max(0, 8 - epg))):
+                    v = sfc[g * epg + i] if i < epg else -sentinel
+                    if v > m1:
+                        m2 = m1
+                        m1 = v
+                    elif v > m2:
+                        m2 = v
+                gs[g] = m1 + m2
+            _top_k_first(gs, n_group, topk_group, -sentinel, max(0, 8 - n_group), vals, cols, kept)
+            gcount[:] = 0.0
+            for j in range(topk_group):
+                if kept[j] < n_group:
+                    gcount[kept[j]] += np.float32(1.0)
+            # kept: sfc; dropped: sfc - sentinel (errata 4: both adds in fp32)
+            for e in range(E):
+                masked[e] = sfc[e] + (gcount[e // epg] - np.float32(1.0)) * sentinel
+            _top_k_first(masked, E, top_k, lowest, max(0, 8 - E), vals, cols, sel)
+            onehot[:] = 0.0
+            for j in range(top_k):
+                if sel[j] < E:
+                    onehot[sel[j]] += np.float32(1.0)
+            for e in range(E):
+                o[e] = s[e] * onehot[e]  # w, scaled in place below
+            # den: the selected columns in ascending order, each once (errata 4), from 0
+            order = np.sort(sel[:top_k])
+            den = np.float32(0.0)
+            for j in range(top_k):
+                if j == 0 or order[j] != order[j - 1]:
+                    den += o[order[j]]
+                else:
+                    den += np.float32(0.0)
+            den += eps
+            c = scale * (np.float32(1.0) / den)
+            for e in range(E):
+                o[e] = o[e] * c
+
+
+def noaux_tc(
+    score: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    routed_scaling_factor: float,
+    sentinel: float,
+    lowest: float,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NOAUX_TC selection and weights (§5.3, errata 4) from the sigmoid scores ``[T, E]`` fp32
+    and the finite fp32 bias ``[E]``: the dense fp32 affinities ``[T, E]`` and the tokens whose
+    scores are not all finite (their rows are left for the torch path)."""
+    match_torch_threads()
+    T, E = score.shape
+    out = torch.empty((T, E), dtype=torch.float32)
+    bad = torch.empty(T, dtype=torch.bool)
+    _noaux_rows(
+        score.contiguous().numpy(),
+        bias.contiguous().numpy(),
+        n_group,
+        topk_group,
+        top_k,
+        np.float32(routed_scaling_factor),
+        np.float32(sentinel),
+        np.float32(lowest),
+        np.float32(eps),
+        out.numpy(),
+        bad.numpy(),
+    )
+    return out, bad.nonzero().squeeze(1)

@@ -8,10 +8,12 @@ of its *first* occurrence in the row (exact ties give duplicate indices, §5.2).
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
 from mxcli.kernels.rmsnorm_mx_prefill.contract import MAX_TOP_K, RouterActFnType
+from mxcli.mx.quantize import uses_fused_kernels
 
 # §5.2: pad columns of a short row never win against a real logit.
 FP32_LOWEST = -3.4028234663852886e38
@@ -145,6 +147,20 @@ def topk_affinities(
     return idx.to(torch.int32), aff[:, :E].to(torch.bfloat16)
 
 
+def _fused_routing(score: torch.Tensor, bias: torch.Tensor) -> Any:
+    """`_fused` when its NOAUX_TC routing applies: numba available and on (see
+    `mxcli.mx.quantize.uses_fused_kernels`), CPU fp32 scores, a finite bias; else None."""
+    if score.dtype != torch.float32 or not uses_fused_kernels(score):
+        return None
+    if not bool(torch.isfinite(bias).all()):
+        return None
+    try:
+        from mxcli.kernels.rmsnorm_mx_prefill import _fused
+    except Exception:  # numba broken: the torch path gives the same bytes
+        return None
+    return _fused
+
+
 def noaux_tc_affinities(
     scaled_logits: torch.Tensor,
     bias: torch.Tensor,
@@ -161,11 +177,32 @@ def noaux_tc_affinities(
     With `emulate_upstream_ref_bias_bug` the bias is also added before the sigmoid, as the
     upstream golden does (its affinities then use the biased scores); off by default.
     """
-    T, E = scaled_logits.shape
-    dev = scaled_logits.device
-    epg = E // n_group
     pre = scaled_logits + bias if emulate_upstream_ref_bias_bug else scaled_logits
     score = torch.sigmoid(pre)  # [T, E]; the kernel fuses the inv_rms scale, no bias here
+    args = (bias, n_group, topk_group, top_k, routed_scaling_factor)
+    fused = _fused_routing(score, bias)
+    if fused is None:
+        return _noaux_tc_from_scores(score, *args)
+    # same arithmetic as `_noaux_tc_from_scores`, one pass per token; rows holding a non-finite
+    # score take the torch path, which carries the NaN semantics (routing is per row)
+    out, bad = fused.noaux_tc(score, *args, NOAUX_SENTINEL, FP32_LOWEST, NOAUX_DEN_EPS)
+    if bad.numel():
+        out[bad] = _noaux_tc_from_scores(score[bad], *args)
+    return out
+
+
+def _noaux_tc_from_scores(
+    score: torch.Tensor,
+    bias: torch.Tensor,
+    n_group: int,
+    topk_group: int,
+    top_k: int,
+    routed_scaling_factor: float,
+) -> torch.Tensor:
+    """`noaux_tc_affinities` after the sigmoid: ``score [T, E]`` fp32."""
+    T, E = score.shape
+    dev = score.device
+    epg = E // n_group
     sfc = score + bias  # "scores for choice": selection only
     # group score = top1 + top2 of each group (max8 over the group padded with -SENT to 8)
     grouped = sfc.view(T, n_group, epg)
