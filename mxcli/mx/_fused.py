@@ -194,6 +194,27 @@ def match_torch_threads() -> None:
         numba.set_num_threads(n)
 
 
+_BF16_NAN: dict[str, int] = {}
+
+
+def torch_bf16_nan_bits() -> int | None:
+    """The bf16 pattern torch's CPU fp32 -> bf16 copy writes for every NaN (0xFFFF with ATen's
+    AVX2/AVX-512 kernels, 0x7FC0 with ``ATEN_CPU_CAPABILITY=default``), probed once per CPU
+    capability; None when it keeps information (a sign or payload, or differs with the length):
+    then no fused kernel that rounds to bf16 applies."""
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in _BF16_NAN:
+        nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF], dtype=torch.int32)
+        patterns = set()
+        for length in (1, 7, 64, 1000):
+            src = nans.repeat(length).view(torch.float32)
+            dst = torch.empty(src.shape, dtype=torch.bfloat16)
+            dst.copy_(src)
+            patterns.update((dst.view(torch.int16).to(torch.int32) & 0xFFFF).tolist())
+        _BF16_NAN[cap] = patterns.pop() if len(patterns) == 1 else -1
+    return None if _BF16_NAN[cap] < 0 else _BF16_NAN[cap]
+
+
 def quantize_2d(
     x: torch.Tensor,
     segments: list[tuple[int, int, bool]],

@@ -21,7 +21,6 @@ SIMD, several times slower.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import numpy as np
@@ -29,6 +28,11 @@ import torch
 from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
+
+# shared with mxcli.mx (re-exported for backward.py)
+from mxcli.mx._fused import enabled as enabled
+from mxcli.mx._fused import match_torch_threads as match_torch_threads
+from mxcli.mx._fused import torch_bf16_nan_bits as torch_bf16_nan_bits
 
 # Tile edge of the SwiGLU pass (rows of I per item) and of the ordered scatter's column split.
 _TILE = 32
@@ -309,30 +313,12 @@ def ordered_scatter(out, ids, vals, accumulate, nan_bits):  # type: ignore[no-un
 # ---- torch-facing helpers ------------------------------------------------------------------
 
 
-def enabled() -> bool:
-    """Whether `backward.py` should use these kernels (``MXCLI_FUSED=0`` turns them off)."""
-    return os.environ.get("MXCLI_FUSED", "1") != "0"
-
-
-def sync_threads() -> None:
-    """Run numba's parallel loops on as many threads as torch uses."""
-    import numba
-
-    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)  # type: ignore[attr-defined]
-    if numba.get_num_threads() != n:
-        numba.set_num_threads(n)
-
-
-_NAN_BITS: dict[str, int] = {}
-
-
 def torch_bf16_nan() -> np.uint16:
-    """The bf16 pattern torch's CPU fp32 -> bf16 cast gives NaN (depends on ATen's kernels)."""
-    cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in _NAN_BITS:
-        probe = torch.full((64,), float("nan")).to(torch.bfloat16)
-        _NAN_BITS[cap] = int(probe.view(torch.int16)[0]) & 0xFFFF
-    return np.uint16(_NAN_BITS[cap])
+    """The bf16 pattern torch's CPU fp32 -> bf16 cast gives NaN (`torch_bf16_nan_bits`; callers
+    check first that there is one pattern)."""
+    bits = torch_bf16_nan_bits()
+    assert bits is not None, "torch's bf16 cast keeps NaN payloads: the fused passes do not apply"
+    return np.uint16(bits)
 
 
 def u16(t: torch.Tensor) -> Any:

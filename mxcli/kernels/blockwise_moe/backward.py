@@ -253,7 +253,7 @@ def _fused_kernels(
             _FUSED = _fused
         except Exception:  # numba missing or broken: the torch path gives the same bytes
             _FUSED = False
-    if _FUSED is False or not _FUSED.enabled():
+    if _FUSED is False or not _FUSED.enabled() or _FUSED.torch_bf16_nan_bits() is None:
         return None
     return _FUSED
 
@@ -275,7 +275,7 @@ class _FusedPasses:
         ckpt_h: torch.Tensor | None,
         ckpt_s: torch.Tensor | None,
     ) -> None:
-        fz.sync_threads()
+        fz.match_torch_threads()
         self.fz = fz
         self.nan = fz.torch_bf16_nan()
         lim = cfg.clamp_limits

@@ -9,7 +9,8 @@ torch's, and the reference's bytes must not change.
 
 Optional like `mxcli.mx._fused` (numba; ``MXCLI_FUSED=0`` turns it off). Bit-identical to the
 torch chain (tests/kernels/prefill/test_fused_chain.py), including the NaN pattern torch's
-fp32 -> bf16 cast writes, which depends on its CPU kernel and is probed once (`bf16_nan_bits`).
+fp32 -> bf16 cast writes, which depends on its CPU kernel and is probed once
+(`mxcli.mx._fused.torch_bf16_nan_bits`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from numba.extending import intrinsic
 
 from mxcli.mx import _simd as simd
 from mxcli.mx._fused import match_torch_threads
+from mxcli.mx._fused import torch_bf16_nan_bits as bf16_nan_bits
 
 GROUP = simd.GROUP
 
@@ -128,25 +130,6 @@ def squares(x: torch.Tensor, out: torch.Tensor) -> None:
     """``out = x.float() ** 2`` for contiguous CPU ``x [n, H]`` bf16 into fp32 ``out [n, H]``."""
     match_torch_threads()
     _squares_rows(_u16(x), out.numpy())
-
-
-_NAN_BITS: int | None = None
-
-
-def bf16_nan_bits() -> int | None:
-    """The bf16 pattern torch's CPU fp32 -> bf16 copy writes for every NaN, or None when it
-    keeps information (a sign or payload): then the fused chain does not apply."""
-    global _NAN_BITS
-    if _NAN_BITS is None:
-        nans = torch.tensor([0x7FC00000, -0x400000, 0x7F800001, -0x7FFFFF], dtype=torch.int32)
-        patterns = set()
-        for length in (1, 7, 64, 1000):
-            src = nans.repeat(length).view(torch.float32)
-            dst = torch.empty(src.shape, dtype=torch.bfloat16)
-            dst.copy_(src)
-            patterns.update((dst.view(torch.int16).to(torch.int32) & 0xFFFF).tolist())
-        _NAN_BITS = patterns.pop() if len(patterns) == 1 else -1
-    return None if _NAN_BITS < 0 else _NAN_BITS
 
 
 def rms_chain(
