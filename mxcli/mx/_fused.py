@@ -247,3 +247,59 @@ def quantize_2d(
         dummy_f32 if deq is None else deq.numpy(),
         deq is not None,
     )
+
+
+@njit(nogil=True, cache=True)
+def _x4_rows(codes, order, out):  # type: ignore[no-untyped-def]
+    """``out[e, w, f]`` = the x4 word of bytes ``codes[e, f, order[4w + j]]``, j = 0..3 (byte j
+    of a little-endian word, bwd spec §5.1), in 64 x 64 tiles of (w, f)."""
+    E, F, K = codes.shape
+    W = K // 4
+    for e in range(E):
+        for f0 in range(0, F, 64):
+            f1 = min(F, f0 + 64)
+            for w0 in range(0, W, 64):
+                for w in range(w0, min(W, w0 + 64)):
+                    k0 = order[4 * w]
+                    k1 = order[4 * w + 1]
+                    k2 = order[4 * w + 2]
+                    k3 = order[4 * w + 3]
+                    for f in range(f0, f1):
+                        out[e, w, f] = (
+                            np.uint32(codes[e, f, k0])
+                            | (np.uint32(codes[e, f, k1]) << 8)
+                            | (np.uint32(codes[e, f, k2]) << 16)
+                            | (np.uint32(codes[e, f, k3]) << 24)
+                        )
+
+
+@njit(nogil=True, cache=True)
+def _scale_rows(compact, rows, out):  # type: ignore[no-untyped-def]
+    """``out[e, rows[g], f] = compact[e, f, g]`` (rows not named stay as they are)."""
+    E, F, G = compact.shape
+    for e in range(E):
+        for f0 in range(0, F, 256):
+            f1 = min(F, f0 + 256)
+            for g in range(G):
+                r = rows[g]
+                for f in range(f0, f1):
+                    out[e, r, f] = compact[e, f, g]
+
+
+def x4_transposed(
+    codes: torch.Tensor, order: torch.Tensor, compact: torch.Tensor, rows: torch.Tensor, n_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[E, F, K]`` (natural K order) -> x4 words ``[E, K/4, F]`` in the physical order
+    `order` (`group_order`), and compact scales ``[E, F, K/32]`` -> ``[E, n_rows, F]`` with group g
+    at row ``rows[g]`` (zeros elsewhere): one pass each, where the torch path permutes, packs
+    and transposes in three (`mxcli.kernels.blockwise_moe.prequant.quantize_weight_x4`)."""
+    E, F, K = codes.shape
+    x4 = torch.empty(E, K // 4, F, dtype=torch.uint32)
+    _x4_rows(
+        codes.contiguous().numpy(),
+        order.to(torch.int64).numpy(),
+        x4.view(torch.int32).numpy().view(np.uint32),
+    )
+    scales = torch.zeros(E, n_rows, F, dtype=torch.uint8)
+    _scale_rows(compact.contiguous().numpy(), rows.to(torch.int64).numpy(), scales.numpy())
+    return x4, scales
