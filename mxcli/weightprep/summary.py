@@ -69,6 +69,11 @@ def format_plan(plan: dict[str, Any]) -> str:
 
 
 def format_result(res: dict[str, Any]) -> str:
+    if res.get("finalized") is True and "layers_written" not in res:  # --finalize
+        return (
+            f"finalized {res['output']}: {len(res['layers'])} layer(s) x {res['ranks']} rank(s) "
+            f"from {res['shards']} shard(s)\nmanifest {res['manifest']}"
+        )
     lines = [
         f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
         + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
@@ -95,5 +100,15 @@ def format_result(res: dict[str, Any]) -> str:
             f"{rc['max_weight_error']:.4f} ({'pass' if rc['passed'] else 'FAIL'}; "
             f"{rc['tokens']} seeded tokens vs the family's fp32 routing)"
         )
+    sh = res.get("shard")
+    if sh:
+        from mxcli.weightprep.shards import describe
+
+        lines.append(
+            f"shard {sh['index']}/{sh['count']} (from {sh['from']}): layers {describe(sh['layers'])}; "
+            + ("all shards done, indexes written" if sh["finalized"] else "waiting for shards "
+               + ", ".join(m["shard"] for m in sh["missing_shards"]) + " (the last one, or "
+               "--finalize, writes the indexes)")
+        )  # fmt: skip
     lines.append(f"manifest {res['manifest']}")
     return "\n".join(lines)
