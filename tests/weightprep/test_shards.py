@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 from mxcli.errors import InputError
+from mxcli.weightprep.plan import PrepOptions
+from mxcli.weightprep.runner import prepare_weights
 from mxcli.weightprep.shards import Shard, describe, from_env, parse_shard, partition
 from mxcli.weightprep.synthetic import build_checkpoint
 from tests import procs
@@ -146,8 +148,7 @@ def six_layers(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("shards")
     src = build_checkpoint("qwen3_moe", root / "src", num_layers=6, intermediate_size=256).path
     single = root / "single"
-    r = _mxcli("prep-weights", src, single, "--tp", "2", "--quiet")
-    assert r.returncode == 0, r.stderr
+    prepare_weights(src, single, PrepOptions(tp=2))
     return src, single
 
 
@@ -168,6 +169,47 @@ def _start(src: Path, out: Path, env: dict[str, str], mode: str = "plain") -> su
                 os.environ[k] = v
 
 
+def test_shards_in_one_folder_then_finalize(six_layers: tuple[Path, Path], tmp_path: Path) -> None:
+    """Three shards one after the other (in process): no index until the last; --finalize
+    before it refuses naming the missing shard; the result equals the single-process run."""
+    src, single = six_layers
+    out, opts = tmp_path / "out", PrepOptions(tp=2)
+    r2 = prepare_weights(src, out, opts, shard=Shard(2, 3))
+    r0 = prepare_weights(src, out, opts, shard=Shard(0, 3))
+    assert (r2["layers_written"], r0["layers_written"]) == ([4, 5], [0, 1])
+    assert r0["shard"]["missing_shards"] == [{"shard": "1/3", "layers": [2, 3]}]
+    assert not r0["shard"]["finalized"] and not list(out.glob("rank*/*.index.json"))
+    assert json.loads((out / "manifest.json").read_text())["shards"]["complete"] is False
+    with pytest.raises(
+        InputError, match=r"cannot finalize, shards not finished: 1/3 \(layers 2-3\)"
+    ):
+        prepare_weights(src, out, opts, finalize=True)
+    r1 = prepare_weights(src, out, opts, shard=Shard(1, 3))
+    assert r1["shard"]["finalized"] and r1["shard"]["missing_shards"] == []
+    assert _hashes(out) == _hashes(single)
+    assert prepare_weights(src, out, opts, finalize=True)["finalized"] is True
+    assert _hashes(out) == _hashes(single)
+    # a resumed shard skips its finished layers
+    again = prepare_weights(src, out, opts, shard=Shard(1, 3))
+    assert again["layers_written"] == [] and again["layers_skipped"] == [2, 3]
+
+
+def test_shard_refusals(six_layers: tuple[Path, Path], tmp_path: Path) -> None:
+    src, _ = six_layers
+    out, opts = tmp_path / "out", PrepOptions(tp=2, layers="0-1")
+    with pytest.raises(InputError, match="--force with shard 0/2"):
+        prepare_weights(src, out, opts, shard=Shard(0, 2), force=True)
+    with pytest.raises(InputError, match="no manifest.json to finalize"):
+        prepare_weights(src, out, opts, finalize=True)
+    res = prepare_weights(src, out, opts, shard=Shard(2, 3))
+    assert res["layers_written"] == [1]  # shard 2/3 of 2 layers: layer 1 (1/3 is empty)
+    with pytest.raises(InputError, match="prepared in 3 shards, this run asks 2"):
+        prepare_weights(src, out, opts, shard=Shard(0, 2))
+    with pytest.raises(InputError, match="the output was written with tp=2, this run asks tp=1"):
+        prepare_weights(src, out, PrepOptions(layers="0-1"), finalize=True)
+
+
+@pytest.mark.slow
 def test_three_processes_share_one_folder(six_layers: tuple[Path, Path], tmp_path: Path) -> None:
     """Three concurrent processes, given their shard by --shard, torchrun's and Slurm's
     variables: the last one writes the indexes; the folder equals the single-process one."""
@@ -223,6 +265,9 @@ def test_killed_shard_rerun_with_resume(six_layers: tuple[Path, Path], tmp_path:
     assert fin.stderr.strip().count("\n") == 0 and "1/2 (layers 3-5)" in fin.stderr
     assert "Traceback" not in fin.stderr
 
+    bad = _mxcli("prep-weights", src, out, "--tp", "2", "--shard", "2/2")
+    assert bad.returncode == 2 and "--shard: expected a shard I/N" in bad.stderr
+
     again = _mxcli("prep-weights", src, out, "--tp", "2", "--shard", "1/2", "--resume", "--json")
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout)["shard"]["finalized"] is True
@@ -231,18 +276,3 @@ def test_killed_shard_rerun_with_resume(six_layers: tuple[Path, Path], tmp_path:
     fin = _mxcli("prep-weights", src, out, "--tp", "2", "--finalize")  # idempotent
     assert fin.returncode == 0 and "finalized" in fin.stdout and "from 2 shard(s)" in fin.stdout
     assert _hashes(out) == _hashes(single)
-
-
-def test_shard_refusals(six_layers: tuple[Path, Path], tmp_path: Path) -> None:
-    src, _ = six_layers
-    out = tmp_path / "out"
-    r = _mxcli("prep-weights", src, out, "--shard", "0/2", "--force")
-    assert r.returncode == 2 and "--force with shard 0/2" in r.stderr
-    r = _mxcli("prep-weights", src, out, "--finalize")
-    assert r.returncode == 2 and "no manifest.json to finalize" in r.stderr
-    r = _mxcli("prep-weights", src, out, "--shard", "2/3", "--layers", "0-1", "--quiet")
-    assert r.returncode == 0, r.stderr  # shard 2/3 of 2 layers: layer 1 (1/3 is empty)
-    r = _mxcli("prep-weights", src, out, "--shard", "0/2", "--layers", "0-1")
-    assert r.returncode == 2 and "prepared in 3 shards, this run asks 2" in r.stderr
-    r = _mxcli("prep-weights", src, out, "--shard", "2/2")
-    assert r.returncode == 2 and "--shard: expected a shard I/N" in r.stderr
