@@ -59,6 +59,7 @@ def _root(
 
 # Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
 from mxcli.commands import demo as _demo  # noqa: E402
+from mxcli.commands._shared import PlainCommand  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
 from mxcli.commands import make_inputs as _make_inputs  # noqa: E402
 from mxcli.commands import prep_weights  # noqa: E402
@@ -66,20 +67,26 @@ from mxcli.commands import profile as _profile  # noqa: E402
 from mxcli.commands import run as _run  # noqa: E402
 from mxcli.commands import verify as _verify  # noqa: E402
 
-app.command("make-inputs")(_make_inputs.make_inputs)
-app.command("run-prefill")(_run.run_prefill)
-app.command("run-bwd")(_run.run_bwd)
-app.command("verify")(_verify.verify)
-app.command("inspect")(_inspect.inspect)
-app.command("demo")(_demo.demo)
-app.command("prep-weights")(prep_weights.main)
+# In journey order: `mxcli --help` lists them so.
+app.command("prep-weights", cls=PlainCommand)(prep_weights.main)
+app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_inputs)
+app.command("run-prefill", cls=PlainCommand)(_run.run_prefill)
+app.command("run-bwd", cls=PlainCommand)(_run.run_bwd)
+app.command("verify", cls=PlainCommand)(_verify.verify)
+app.command("inspect", cls=PlainCommand)(_inspect.inspect)
 app.add_typer(_profile.app, name="profile")
+app.command("demo", cls=PlainCommand)(_demo.demo)
 
 
 def _usage_message(exc: Any) -> str:
-    """A usage error as one line, with the command's --help as the hint."""
+    """A usage error as one line, with the failing command's --help as the hint (the whole
+    command path: ``mxcli profile prefill --help``)."""
     ctx = getattr(exc, "ctx", None)
-    hint = f" (see 'mxcli {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
+    names = []
+    while ctx is not None:
+        names.append(ctx.info_name if ctx.parent is not None else "mxcli")
+        ctx = ctx.parent
+    hint = f" (see '{' '.join(reversed(names))} --help')" if names else ""
     return " ".join(exc.format_message().split()) + hint
 
 
