@@ -59,13 +59,13 @@ def _root(
 
 # Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
 from mxcli.commands import demo as _demo  # noqa: E402
-from mxcli.commands._shared import PlainCommand  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
 from mxcli.commands import make_inputs as _make_inputs  # noqa: E402
 from mxcli.commands import prep_weights  # noqa: E402
 from mxcli.commands import profile as _profile  # noqa: E402
 from mxcli.commands import run as _run  # noqa: E402
 from mxcli.commands import verify as _verify  # noqa: E402
+from mxcli.commands._shared import PlainCommand  # noqa: E402
 
 # In journey order: `mxcli --help` lists them so.
 app.command("prep-weights", cls=PlainCommand)(prep_weights.main)

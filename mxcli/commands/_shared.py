@@ -157,7 +157,9 @@ def _plain_argument_name(param: Any) -> str:
     if param.metavar:
         return str(param.metavar)
     desc = getattr(param, "type_descriptor", None)
-    choices = getattr(desc, "choices", None) or getattr(getattr(param, "type", None), "choices", None)
+    choices = getattr(desc, "choices", None) or getattr(
+        getattr(param, "type", None), "choices", None
+    )
     if choices:
         return "{" + "|".join(str(getattr(c, "value", c)) for c in choices) + "}"
     return str(param.name).upper()
@@ -202,6 +204,25 @@ class PlainCommand(TyperCommand):
 
 
 # ---- output layout: lines that fit the terminal, never cut inside a name or a number ----
+# the dtype names of the safetensors format (as the README's I/O contract writes them)
+_ST_DTYPE = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
+}  # fmt: skip
+HASH_DIGITS = 12  # hex digits of a sha256 shown on screen (--json has all 64)
+
+
+def st_dtype(name: str) -> str:
+    """A torch dtype name (``bfloat16``) as safetensors names it (``BF16``), for the screen."""
+    return _ST_DTYPE.get(name.removeprefix("torch."), name)
+
+
+def shape_text(shape: Any) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
 def wrap_items(head: str, items: list[str], width: int, indent: int = 4) -> list[str]:
     """``head`` then the items separated by ", ", wrapped only between items; continuation
     lines are indented by `indent`."""
@@ -225,7 +246,8 @@ def aligned_rows(rows: list[list[str]], right: frozenset[int] = frozenset()) -> 
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(
-            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ).rstrip()
         for r in rows
     ]
@@ -242,12 +264,12 @@ def print_rows(
 ) -> None:
     """A table as aligned columns when it fits the console; otherwise each row as its first
     cell on a line of its own and the other cells (``header value``) wrapped below it. No cell
-    is ever cut or wrapped inside."""
+    is ever cut or wrapped inside. The rows are indented by `indent`, the title is not."""
     from rich.text import Text
 
     pad = " " * indent
     if title:
-        con.print(Text(pad + title, style="bold"), soft_wrap=True)
+        con.print(Text(title, style="bold"), soft_wrap=True)
     lines = aligned_rows([header, *rows], right)
     if all(len(pad) + len(line) <= con.width for line in lines):
         con.print(Text(pad + lines[0], style="bold"), soft_wrap=True)
@@ -256,6 +278,6 @@ def print_rows(
         return
     for row in rows:
         con.print(Text(pad + row[0]), soft_wrap=True)
-        items = [f"{h} {v}" for h, v in zip(header[1:], row[1:])]
+        items = [f"{h} {v}" for h, v in zip(header[1:], row[1:], strict=True)]
         for line in wrap_items(pad + "   ", items, con.width, indent=len(pad) + 4):
             con.print(Text(line), soft_wrap=True)

@@ -16,7 +16,11 @@ from mxcli.commands._shared import (
     Steps,
     guarded,
     print_json,
+    print_rows,
+    shape_text,
+    st_dtype,
     stdout_console,
+    wrap_items,
 )
 
 
@@ -212,18 +216,15 @@ def _parse_clamp(text: str | None) -> tuple[float | None, ...] | None:
 
 
 def _print(s: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     con = stdout_console()
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("tensor", "dtype", "shape"):
-        table.add_column(col)
-    for name, info in s["tensors"].items():
-        table.add_row(name, info["dtype"], str(info["shape"]))
-    con.print(
-        f"[bold]{s['kernel']}[/] inputs ({s['generator'].get('source', '?')}, "
-        f"seed {s['generator'].get('seed', '-')})"
-    )
-    con.print(table)
-    con.print("kwargs: " + ", ".join(f"{k}={v}" for k, v in s["kwargs"].items() if k != "config"))
-    con.print(f"wrote {s['output']}")
+    con.print(Text(f"{s['kernel']} inputs ({s['generator'].get('source', '?')}, "
+                   f"seed {s['generator'].get('seed', '-')})", style="bold"), soft_wrap=True)  # fmt: skip
+    rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"])]
+            for name, info in s["tensors"].items()]  # fmt: skip
+    print_rows(con, ["tensor", "dtype", "shape"], rows, indent=2)
+    kwargs = [f"{k}={v}" for k, v in s["kwargs"].items() if k != "config"]
+    for line in wrap_items("kwargs:", kwargs, con.width):
+        con.print(Text(line), soft_wrap=True)
+    con.print(Text(f"wrote {s['output']}"), soft_wrap=True)

@@ -136,7 +136,7 @@ def print_report(s: dict[str, Any]) -> None:
         rows = [[f"{r['busy_us']:.1f} us", f"{100 * r['share']:.1f}%", str(r["track"]),
                  str(r["op"]), f"x{r['count']}",
                  os.path.relpath(src, folder) if folder else src]
-                for r, src in zip(lines, sources)]  # fmt: skip
+                for r, src in zip(lines, sources, strict=True)]  # fmt: skip
         for line in aligned_rows(rows, right=frozenset({0, 1})):
             if len(line) + 4 <= con.width:
                 out("    " + line)

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
+    HASH_DIGITS,
     Debug,
     Force,
     Json,
@@ -16,7 +17,11 @@ from mxcli.commands._shared import (
     complete_backend,
     guarded,
     print_json,
+    print_rows,
+    shape_text,
+    st_dtype,
     stdout_console,
+    wrap_items,
 )
 
 # ---- options shared by both run commands ----
@@ -116,21 +121,19 @@ def _check_nonfinite(counts: dict[str, int], strict: bool) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     con = stdout_console()
     t = s["timing_s"]
-    con.print(
-        f"[bold]{s['kernel']}[/] on [cyan]{s['backend']}[/] ({s['device']}): "
-        f"ran in {t['run']:.3f} s (read {t['read']:.3f} s, write {t['write']:.3f} s)"
-    )
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("output", "dtype", "shape", "sha256"):
-        table.add_column(col)
-    for name, info in s["outputs"].items():
-        table.add_row(name, info["dtype"], str(info["shape"]), info["sha256"][:16])
-    con.print(table)
-    con.print(f"wrote {s['output']}")
+    con.print(Text(f"{s['kernel']} on {s['backend']} ({s['device']})", style="bold"),
+              soft_wrap=True)  # fmt: skip
+    for line in wrap_items("  ran in", [f"{t['run']:.3f} s; read {t['read']:.3f} s",
+                           f"write {t['write']:.3f} s"], con.width):  # fmt: skip
+        con.print(Text(line), soft_wrap=True)
+    rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"]),
+             info["sha256"][:HASH_DIGITS]] for name, info in s["outputs"].items()]  # fmt: skip
+    print_rows(con, ["output", "dtype", "shape", "sha256"], rows, indent=2)
+    con.print(Text(f"wrote {s['output']}"), soft_wrap=True)
 
 
 def run_prefill(
