@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from mxcli import __version__
+from mxcli.commands._shared import journey_group
 
 
 def _exception_classes(name: str) -> tuple[type[BaseException], ...]:
@@ -30,9 +31,16 @@ _NO_ARGS_IS_HELP = _exception_classes("NoArgsIsHelpError")
 _USAGE_ERRORS = _exception_classes("UsageError")
 _ABORTS: tuple[type[BaseException], ...] = (typer.Abort, *_exception_classes("Abort"))
 
+# The commands in the order of the user's journey: `mxcli --help` lists them so.
+JOURNEY = ("prep-weights", "make-inputs", "run-prefill", "run-bwd", "verify", "inspect",
+           "profile", "demo")  # fmt: skip
+
 app = typer.Typer(
     name="mxcli",
-    help="MXFP8 MoE kernels for AWS Trainium: prepare weights, run kernels, verify outputs.",
+    cls=journey_group(JOURNEY),
+    help="MXFP8 MoE kernels for AWS Trainium: prepare weights, run kernels, verify outputs.\n\n"
+    "In journey order: prep-weights, make-inputs, run-prefill / run-bwd, verify; inspect and "
+    "profile look inside; demo runs it all on tiny models.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -67,7 +75,6 @@ from mxcli.commands import run as _run  # noqa: E402
 from mxcli.commands import verify as _verify  # noqa: E402
 from mxcli.commands._shared import PlainCommand  # noqa: E402
 
-# In journey order: `mxcli --help` lists them so.
 app.command("prep-weights", cls=PlainCommand)(prep_weights.main)
 app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_inputs)
 app.command("run-prefill", cls=PlainCommand)(_run.run_prefill)

@@ -11,7 +11,8 @@ from collections.abc import Callable, Iterator
 from typing import Annotated, Any, TypeVar
 
 import typer
-from typer.core import TyperCommand
+from typer._click.formatting import HelpFormatter
+from typer.core import TyperCommand, TyperGroup
 
 from mxcli.errors import report_user_errors
 
@@ -165,9 +166,36 @@ def _plain_argument_name(param: Any) -> str:
     return str(param.name).upper()
 
 
+_NB_HYPHEN = "\u2011"  # stands in for "-" while click wraps help text
+
+
+class _HelpFormatter(HelpFormatter):
+    """click's formatter, except that lines never break at a hyphen: ``run-prefill`` and
+    ``--weights`` stay whole (the wrapper breaks only at spaces)."""
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        super().write_usage(prog.replace("-", _NB_HYPHEN), args.replace("-", _NB_HYPHEN), prefix)
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _NB_HYPHEN))
+
+    def write_dl(self, rows: Any, *args: Any, **kwargs: Any) -> None:
+        rows = [(a.replace("-", _NB_HYPHEN), b.replace("-", _NB_HYPHEN)) for a, b in rows]
+        super().write_dl(rows, *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_NB_HYPHEN, "-")
+
+
+class _Context(typer.Context):
+    formatter_class = _HelpFormatter
+
+
 class PlainCommand(TyperCommand):
     """click's conventional help: ``Usage: mxcli prep-weights [OPTIONS] SOURCE [OUTPUT]``,
     and the Arguments rows named as in the usage line."""
+
+    context_class = _Context
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -281,3 +309,17 @@ def print_rows(
         items = [f"{h} {v}" for h, v in zip(header[1:], row[1:], strict=True)]
         for line in wrap_items(pad + "   ", items, con.width, indent=len(pad) + 4):
             con.print(Text(line), soft_wrap=True)
+
+
+def journey_group(order: tuple[str, ...]) -> type:
+    """A command group that lists its commands in `order` (the user's journey) in --help,
+    whether they are commands or sub-groups (typer lists the groups last)."""
+
+    class JourneyGroup(TyperGroup):
+        context_class = _Context
+
+        def list_commands(self, ctx: Any) -> list[str]:
+            names = super().list_commands(ctx)
+            return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
+
+    return JourneyGroup

@@ -67,9 +67,9 @@ def demo(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run the whole journey on tiny built-in checkpoints and list every file written.
+    """Run the whole journey on tiny built-in models.
 
-    prep-weights -> make-inputs -> run-prefill -> run-bwd -> verify, for a Qwen3-style (softmax)
+    It lists every file written: prep-weights -> make-inputs -> run-prefill -> run-bwd -> verify, for a Qwen3-style (softmax)
     and a DeepSeek-V3-style (noaux_tc) model. Without --out it works in a temporary folder and
     removes it at the end (--keep keeps it); the summary says where it was.
     """

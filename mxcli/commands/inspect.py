@@ -46,10 +46,11 @@ def inspect(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Show what a safetensors file or a prep-weights folder holds; MX tensors decoded.
+    """Show what a safetensors file or prep-weights folder holds.
 
     Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
-    prefill rows and x4 weights become scale histograms and dequantized statistics.
+    prefill rows and x4 weights become scale histograms and dequantized statistics. Hashes show
+    their first 12 hex digits (--json gives all of them and every value in full).
     """
 
     def body() -> None:

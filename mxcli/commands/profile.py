@@ -22,6 +22,7 @@ from mxcli.commands._shared import (
     Steps,
     aligned_rows,
     guarded,
+    journey_group,
     print_json,
     stdout_console,
     wrap_items,
@@ -30,6 +31,7 @@ from mxcli.errors import InputError
 
 app = typer.Typer(
     name="profile",
+    cls=journey_group(("prefill", "bwd")),
     help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
     "interpreter's check-only mode; its instructions are costed from the documented engine "
     "figures and list-scheduled. Shape defaults are DeepSeek-V3's (top-k 8, noaux_tc, 8 "
