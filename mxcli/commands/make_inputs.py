@@ -177,12 +177,13 @@ def make_inputs(
     """
 
     def body() -> None:
-        from mxcli import inputs as mk
+        given = {n for n in ctx.params if _from_command_line(ctx, n)}
+        _check_flags(kind, given, locals_=dict(ctx.params), weights=weights, layer=layer)
+
+        from mxcli import inputs as mk  # torch: after the flags are known to be good
         from mxcli.errors import InputError
         from mxcli.fsutil import check_output_path, refuse_inputs
 
-        given = {n for n in ctx.params if _from_command_line(ctx, n)}
-        _check_flags(kind, given, locals_=dict(ctx.params), weights=weights, layer=layer)
         check_output_path(output, force)
         refuse_inputs(output, folders=[("--weights folder", weights)])
         for flag, value in (("tokens", tokens), ("batch", batch)):

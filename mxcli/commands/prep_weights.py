@@ -69,9 +69,6 @@ def main(
     Writes, per layer and rank, what the prefill and backward kernels read, and a manifest
     that the other commands take their kwargs from (--weights DIR --layer L).
     """
-    from mxcli.weightprep.plan import PrepOptions, parse_formats
-    from mxcli.weightprep.runner import prepare_weights
-    from mxcli.weightprep.summary import format_plan, format_result
 
     def body() -> None:
         from mxcli.errors import InputError
@@ -81,6 +78,10 @@ def main(
                 "check: --check re-reads the written outputs and --dry-run writes none; "
                 "give one of them"
             )
+        from mxcli.weightprep.plan import PrepOptions, parse_formats
+        from mxcli.weightprep.runner import prepare_weights
+        from mxcli.weightprep.summary import format_plan, format_result
+
         opts = PrepOptions(
             tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
             scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers,
