@@ -91,8 +91,8 @@ def _too_wide(lines: list[str], columns: int = 80) -> list[str]:
     can be wider than 80 columns, and a path is never broken)."""
 
     def width(line: str) -> int:
-        paths = [w for w in re.split(r"[\s()]+", line) if "/" in w]
-        return len(line) - max((len(p) - 8 for p in paths), default=0)
+        paths = [w for w in re.split(r"[\s()]+", line) if w.startswith(("/", "."))]
+        return len(line) - max([0, *(len(p) - 8 for p in paths)])
 
     return [line for line in lines if width(line) > columns]
 
