@@ -177,15 +177,18 @@ def make_inputs(
     """
 
     def body() -> None:
+        from mxcli.fsutil import check_output_path, refuse_inputs
+
         given = {n for n in ctx.params if _from_command_line(ctx, n)}
-        _check_flags(kind, given, locals_=dict(ctx.params), weights=weights, layer=layer)
+        _check_flags(kind, given, locals_=dict(ctx.params), weights=weights)
+        check_output_path(output, force)
+        refuse_inputs(output, folders=[("--weights folder", weights)])
+        if weights is not None and layer is not None:
+            _check_weight_flags(given, dict(ctx.params), weights, layer)
 
         from mxcli import inputs as mk  # torch: after the flags are known to be good
         from mxcli.errors import InputError
-        from mxcli.fsutil import check_output_path, refuse_inputs
 
-        check_output_path(output, force)
-        refuse_inputs(output, folders=[("--weights folder", weights)])
         for flag, value in (("tokens", tokens), ("batch", batch)):
             if value < 1:
                 raise InputError(f"{flag}: expected a positive integer, got {value}")
@@ -246,11 +249,10 @@ def _from_command_line(ctx: typer.Context, name: str) -> bool:
 
 
 def _check_flags(
-    kind: Kind, given: set[str], locals_: dict[str, Any], weights: Path | None, layer: int | None
+    kind: Kind, given: set[str], locals_: dict[str, Any], weights: Path | None
 ) -> None:
     """Refuse a flag that does nothing here: one of the other kind's, ``--scale-layout``
-    without ``--prequantize``, and with ``--weights`` one the layer makes meaningless or
-    contradicts (`mxcli.inputs.layer_facts`)."""
+    without ``--prequantize``, and with ``--weights`` one the layer makes meaningless."""
     from mxcli.errors import InputError
 
     other = _BWD_ONLY if kind is Kind.prefill else _PREFILL_ONLY
@@ -262,13 +264,20 @@ def _check_flags(
             )
     if "scale_layout" in given and not locals_["prequantize"]:
         raise InputError("scale_layout: --scale-layout applies only with --prequantize")
-    if weights is None or layer is None:
+    if weights is None:
         return
     for name in _NOT_WITH_WEIGHTS:
         if name in given:
             raise InputError(
                 f"{name}: {_flag(name)} does not apply with --weights (the layer's own is used)"
             )
+
+
+def _check_weight_flags(
+    given: set[str], locals_: dict[str, Any], weights: Path, layer: int
+) -> None:
+    """Refuse a flag that contradicts what the layer fixes (`mxcli.inputs.layer_facts`)."""
+    from mxcli.errors import InputError
     from mxcli.inputs import layer_facts
 
     facts = layer_facts(weights, layer)
