@@ -12,8 +12,8 @@ explained by a non-finite value in its own ``hidden_states`` / ``residual`` row,
 by a non-finite ``gamma``, ``router_weights`` or ``router_bias``. This holds on the NKI kernel
 too: its only cross-token step, the inv_rms broadcast, is a PE transpose, i.e. a "Bit-exact copy
 of elements" (api spec §7.4), not a matmul against the identity (whose NaN * 0 would reach the
-whole 128-token tile); see step 4 of `mxcli.kernels.rmsnorm_mx_prefill.nki_kernel`. The backward mixes all tokens
-and experts, so any non-finite input explains every output.
+whole 128-token tile); see step 4 of `mxcli.kernels.rmsnorm_mx_prefill.nki_kernel`. The backward
+mixes all tokens and experts, so any non-finite input explains every output.
 """
 
 from __future__ import annotations

@@ -21,8 +21,9 @@ from mxcli.tensorio import read_file
 from mxcli.weightprep.synthetic import build_checkpoint
 
 
-@pytest.mark.slow  # ~10 s: prep-weights --check and the bwd forward; fast cases: tests/kernels/
-# test_prefill_router_ties.py, tests/weightprep/test_families.py::test_route_fp32_breaks_exact_ties_as_the_kernel
+# ~10 s (prep-weights --check, the bwd forward); the fast cases of the same rule are
+# tests/kernels/test_prefill_router_ties.py and test_families.py::test_route_fp32_breaks_exact_ties*
+@pytest.mark.slow
 def test_zero_router_checkpoint_checks_and_routes(tmp_path: Path) -> None:
     def cli(*args: object):  # type: ignore[no-untyped-def]
         return CliRunner().invoke(app, [str(a) for a in args])
