@@ -619,6 +619,24 @@ def bwd_output_names(n_returned: int) -> list[str]:
     return list(BWD_IO.outputs[:n_returned])
 
 
+def required_output_names(
+    kernel: str, kwargs: Mapping[str, Any], input_names: Any = None
+) -> list[str]:
+    """The outputs a run of `kernel` with `kwargs` must have written (what `verify` requires).
+
+    prefill: :func:`prefill_output_names`, the router and residual read from `input_names`
+    (the names of the run's input tensors; when unknown, only those the kwargs alone decide);
+    bwd: the four gradients, and the two bias gradients with ``config.bias``.
+    """
+    if kernel == PREFILL:
+        names = set(input_names or ())
+        return prefill_output_names(
+            kwargs, has_router="router_weights" in names, has_residual="residual" in names
+        )
+    config = kwargs.get("config")
+    return bwd_output_names(6 if getattr(config, "bias", False) else 4)
+
+
 def name_outputs(
     kernel: str,
     result: Any,
