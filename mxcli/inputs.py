@@ -43,7 +43,14 @@ class KernelInputs:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+# the seeded bwd router draws from numpy's legacy RNG, which takes 32-bit seeds; one range for
+# every kind keeps a seed valid whatever it is used for
+SEED_MAX = 2**32 - 1
+
+
 def _gen(seed: int) -> torch.Generator:
+    if not 0 <= int(seed) <= SEED_MAX:
+        raise InputError(f"seed (--seed): expected an integer in [0, {SEED_MAX}], got {seed}")
     return torch.Generator().manual_seed(int(seed))
 
 
@@ -397,7 +404,7 @@ def _prefill_routing(
         top_k=K,
         router_act_fn="SOFTMAX",
         emit_norm_bf16=True,
-        seed=seed + 1,
+        seed=(seed + 1) % (SEED_MAX + 1),
     )
     kwargs = resolve_kwargs(kernel_io(PREFILL), pre.kwargs)
     out = run_kernel(PREFILL, pre.tensors, kwargs, backend="reference").outputs
