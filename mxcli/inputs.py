@@ -64,6 +64,26 @@ def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float
     return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
 
 
+def _check_memory(what: str, need: int) -> None:
+    """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
+    from mxcli.memory import check_fits
+
+    check_fits(f"tokens: {what}", need)
+
+
+def _prefill_bytes(T: int, H: int, residual: bool) -> int:
+    """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
+    and kept in bf16 (6 bytes an element)."""
+    return 6 * T * H * (2 if residual else 1)
+
+
+def _bwd_bytes(T: int, H: int, I: int, E: int, K: int) -> int:  # noqa: E741 (spec notation)
+    """A lower bound of make-inputs' peak for bwd (all held at once): the fp32 affinities and
+    their bf16 [T*E] mask, hidden states and output gradient in bf16, both weight stacks drawn
+    in fp32 and kept in bf16, and the bf16 gate/up checkpoint of the T*K routed pairs."""
+    return 6 * T * E + 4 * T * H + 6 * E * H * 3 * I + 4 * T * K * I
+
+
 def _check_positive(**values: int | None) -> None:
     for name, v in values.items():
         if v is not None and int(v) < 1:
@@ -112,6 +132,8 @@ def make_prefill_inputs(
     N = H if unpadded_hidden_size is None else int(unpadded_hidden_size)
     if not 0 < N <= H:
         raise InputError(f"unpadded_hidden_size: expected a value in (0, {H}], got {N}")
+    T = int(batch) * int(seq)
+    _check_memory(f"{T} tokens x hidden {H}", _prefill_bytes(T, H, residual))
     g = _gen(seed)
     shape = (int(batch), int(seq), H)
     hs = _normal(g, shape, 0.5)
@@ -279,6 +301,10 @@ def make_bwd_inputs(
     if router not in ("seeded", "prefill"):
         raise InputError(f"router: expected seeded or prefill, got {router!r}")
     limits = _clamp_limits(clamp)
+    _check_memory(
+        f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
+        _bwd_bytes(T, H, I, E, 1 if dense else K),
+    )
     g = _gen(seed)
     # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY
     if weights is None:
@@ -475,6 +501,7 @@ def inputs_from_weights(
     w_tensors, kw = load_prefill_inputs(m, layer)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
+    _check_memory(f"{tokens} tokens x hidden {Hp}", _prefill_bytes(tokens, Hp, residual))
     g = _gen(seed)
     hs = _normal(g, (batch, tokens // batch, Hp), 0.5)
     hs[..., N:] = 0.0
