@@ -443,7 +443,7 @@ def _prefill_routing(
 
 
 def layer_run_inputs(
-    kernel: str, weights: str | os.PathLike[str], layer: int
+    kernel: str, weights: str | os.PathLike[str], layer: int, *, verify_hashes: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and kwargs a prepared layer supplies to a run command (``--weights --layer``).
 
@@ -453,7 +453,7 @@ def layer_run_inputs(
     """
     from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
 
-    m = load_manifest(Path(weights))
+    m = load_manifest(Path(weights), verify_hashes=verify_hashes)
     if kernel == PREFILL:
         tensors, pre_kwargs = load_prefill_inputs(m, layer)
         return dict(tensors), dict(pre_kwargs)
@@ -481,6 +481,7 @@ def inputs_from_weights(
     seed: int = 0,
     residual: bool = False,
     prequantize: bool = False,
+    verify_hashes: bool = True,
 ) -> KernelInputs:
     """Inputs for one layer of a prepared checkpoint, with seeded ``0.5*N(0,1)`` hidden states.
 
@@ -496,7 +497,7 @@ def inputs_from_weights(
     _check_positive(tokens=tokens, batch=batch)
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
-    m = load_manifest(Path(weights))
+    m = load_manifest(Path(weights), verify_hashes=verify_hashes)  # checked against its files
     padding = m.padding()
     w_tensors, kw = load_prefill_inputs(m, layer)
     Hp = int(w_tensors["gamma"].shape[-1])

@@ -910,8 +910,12 @@ def run_file(
     allow_nonfinite: bool = False,
     force: bool = False,
     step: Callable[[str], Any] | None = None,
+    verify_hashes: bool = True,
 ) -> dict[str, Any]:
     """``run-prefill`` / ``run-bwd``: read, check, run, write; returns a JSON-ready summary.
+
+    The ``--weights`` layer is checked against its manifest (shapes, zero padding and, unless
+    not `verify_hashes`, sha256: `mxcli.weightprep.manifest`).
 
     Kwargs: kernel defaults < the ``--weights`` manifest < the input file's metadata <
     ``overrides`` (the flags). Every check runs before the kernel, and the output is written
@@ -934,13 +938,15 @@ def run_file(
             raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
         tensors = dict(f.tensors)
         layers: list[dict[str, Any]] = []
-        pad = _recorded_padding(f, weights)
+        pad = _recorded_padding(kernel, f, weights)
         if weights is not None:
             from mxcli.inputs import layer_run_inputs
 
             if layer is None:
                 raise InputError("layer: --weights needs --layer L")
-            w_tensors, w_kwargs = layer_run_inputs(kernel, weights, layer)
+            w_tensors, w_kwargs = layer_run_inputs(
+                kernel, weights, layer, verify_hashes=verify_hashes
+            )
             both = sorted(set(w_tensors) & set(tensors))
             if both:
                 raise InputError(
@@ -999,10 +1005,13 @@ def run_file(
     }
 
 
-def _recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> Any:
+def _recorded_padding(
+    kernel: str, f: TensorFile, weights: str | os.PathLike[str] | None
+) -> Any:
     """The zero padding of prepared weights (`mxcli.weightprep.padding.Padding`): from the
     ``--weights`` manifest, else as recorded by ``make-inputs --weights``; None when nothing is
-    padded."""
+    padded. The hidden states must have the true or the padded H it gives (outputs are cut to
+    the true sizes: a padding that does not describe the file would cut real values)."""
     from mxcli.weightprep.padding import Padding
 
     pad = None
@@ -1017,4 +1026,14 @@ def _recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> 
                 pad = Padding.from_dict(gen["padding"])
             except (KeyError, TypeError, ValueError):
                 raise InputError(f"{f.path}: __metadata__ generator.padding is malformed") from None
-    return pad if pad is not None and pad.any else None
+    if pad is None or not pad.any:
+        return None
+    hs = f.tensors.get("hidden_states")
+    padded = pad.prefill_hidden_size if kernel == PREFILL else pad.backward_hidden_size
+    if hs is not None and hs.dim() and int(hs.shape[-1]) not in (pad.hidden_size, padded):
+        where = f"the --weights manifest {weights}" if weights else f"{f.path}'s generator.padding"
+        raise InputError(
+            f"hidden_states: expected H {pad.hidden_size} (padded {padded}) as "
+            f"{where} says, got {int(hs.shape[-1])}"
+        )
+    return pad
