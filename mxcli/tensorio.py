@@ -1028,12 +1028,23 @@ def _recorded_padding(
                 raise InputError(f"{f.path}: __metadata__ generator.padding is malformed") from None
     if pad is None or not pad.any:
         return None
+    from mxcli.weightprep.manifest import padding_problem
+
+    where = f"the --weights manifest {weights}" if weights else f"{f.path}'s generator.padding"
+    problem = padding_problem(pad, "padding")
+    if problem is not None:
+        raise InputError(f"{f.path}: {problem}, in {where}")
     hs = f.tensors.get("hidden_states")
+    H = pad.hidden_size
     padded = pad.prefill_hidden_size if kernel == PREFILL else pad.backward_hidden_size
-    if hs is not None and hs.dim() and int(hs.shape[-1]) not in (pad.hidden_size, padded):
-        where = f"the --weights manifest {weights}" if weights else f"{f.path}'s generator.padding"
-        raise InputError(
-            f"hidden_states: expected H {pad.hidden_size} (padded {padded}) as "
-            f"{where} says, got {int(hs.shape[-1])}"
-        )
+    if hs is not None and hs.dim():
+        if int(hs.shape[-1]) not in (H, padded):
+            raise InputError(
+                f"hidden_states: expected H {H} (padded {padded}) as {where} says, "
+                f"got {int(hs.shape[-1])}"
+            )
+        if int(hs.shape[-1]) > H and bool(hs[..., H:].any()):
+            raise InputError(
+                f"hidden_states: not zero past column {H}, where {where} says it is padding"
+            )
     return pad

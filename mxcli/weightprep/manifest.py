@@ -191,8 +191,6 @@ def _wrong(m: Manifest, what: str) -> ManifestError:
 
 def check_manifest(m: Manifest) -> None:
     """The padding against itself, `model`, each layer's prefill kwargs and tensor shapes."""
-    from mxcli.weightprep.padding import BWD_MULTIPLE, PREFILL_H_MULTIPLE, round_up
-
     try:
         pad = m.padding()
     except (KeyError, TypeError, ValueError, IndexError):
@@ -201,22 +199,15 @@ def check_manifest(m: Manifest) -> None:
     I, Ip = pad.intermediate_size, pad.padded_intermediate_size  # noqa: E741
     Is, Isp = pad.shared_intermediate_size, pad.padded_shared_intermediate_size
     model = m.data.get("model") or {}
-    expect: list[tuple[str, Any, Any]] = []
     if m.data.get("padding") is not None:  # (older folders: nothing padded, sizes as stored)
-        expect += [
-            ("padding.prefill_hidden_size", Hp, round_up(H, PREFILL_H_MULTIPLE)),
-            ("padding.backward_hidden_size", Hb, round_up(H, BWD_MULTIPLE)),
-            ("padding.padded_intermediate_size_per_rank", Ip, round_up(I, BWD_MULTIPLE)),
-            ("model.hidden_size", model.get("hidden_size"), H),
-        ]
-        if Is:
-            expect.append(("padding.padded_shared_intermediate_size_per_rank", Isp,
-                           round_up(Is, BWD_MULTIPLE)))  # fmt: skip
-        if model.get("padded_hidden_size") is not None:
-            expect.append(("model.padded_hidden_size", model.get("padded_hidden_size"), Hp))
-    for name, got, want in expect:
-        if got != want:
-            raise _wrong(m, f"{name} is {got}, expected {want} (padding.hidden_size {H})")
+        problem = padding_problem(pad, "padding")
+        if problem is None and model.get("hidden_size") != H:
+            problem = f"model.hidden_size is {model.get('hidden_size')}, padding.hidden_size {H}"
+        padded = model.get("padded_hidden_size")
+        if problem is None and padded is not None and padded != Hp:
+            problem = f"model.padded_hidden_size is {padded}, padding.prefill_hidden_size {Hp}"
+        if problem is not None:
+            raise _wrong(m, problem)
     E = model.get("num_experts")
     for L, entry in m.data["layers"].items():
         u = (entry.get("prefill_kwargs") or {}).get("unpadded_hidden_size") or Hp
@@ -237,6 +228,28 @@ def check_manifest(m: Manifest) -> None:
             rw = shapes.get("router_weights")
             if rw is not None and E and math.prod(rw) != Hp * int(E):
                 raise _wrong(m, f"layer {L} rank {r}: router_weights {rw} is not [{Hp}, {E}]")
+
+
+def padding_problem(pad: Padding, where: str) -> str | None:
+    """What makes a recorded `Padding` impossible (each padded size is its true size rounded
+    up to the kernel's multiple, `mxcli.weightprep.padding`), or None; `where` names it."""
+    from mxcli.weightprep.padding import BWD_MULTIPLE, PREFILL_H_MULTIPLE, round_up
+
+    H = pad.hidden_size
+    rules = [
+        ("prefill_hidden_size", pad.prefill_hidden_size, round_up(H, PREFILL_H_MULTIPLE)),
+        ("backward_hidden_size", pad.backward_hidden_size, round_up(H, BWD_MULTIPLE)),
+        ("padded_intermediate_size_per_rank", pad.padded_intermediate_size,
+         round_up(pad.intermediate_size, BWD_MULTIPLE)),
+    ]  # fmt: skip
+    if pad.shared_intermediate_size:
+        rules.append(("padded_shared_intermediate_size_per_rank",
+                      pad.padded_shared_intermediate_size,
+                      round_up(pad.shared_intermediate_size, BWD_MULTIPLE)))  # fmt: skip
+    for name, got, want in rules:
+        if got != want:
+            return f"{where}.{name} is {got}, expected {want} ({where}.hidden_size {H})"
+    return None
 
 
 def _padded_dims(Hp: int, Hb: int, Ip: int, Isp: int | None) -> dict[str, dict[int, int]]:  # noqa: N803
