@@ -97,11 +97,11 @@ def _require_format(f: TensorFile, expected: str) -> None:
     """Refuse an input file given as an output, or the reverse (a usage error, exit 2)."""
     fmt = f.metadata.get("format")
     if fmt is not None and fmt != expected:
-        what = {INPUTS_FORMAT: "an input file", OUTPUTS_FORMAT: "an output file"}.get(
-            fmt, f"format {fmt!r}"
+        what = {INPUTS_FORMAT: "an input file: ", OUTPUTS_FORMAT: "an output file: "}.get(fmt, "")
+        wanted = "an output" if expected == OUTPUTS_FORMAT else "an input"
+        raise InputError(
+            f"{f.path}: not {wanted} file ({what}format {fmt!r}, expected {expected})"
         )
-        wanted = "an output file" if expected == OUTPUTS_FORMAT else "an input file"
-        raise InputError(f"{f.path}: {what}, expected {wanted} ({expected})")
 
 
 def padding_reports(meta: Any, check: str) -> list[Any]:
