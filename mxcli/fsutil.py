@@ -135,7 +135,13 @@ def _renameat2_noreplace(src: Path, dst: Path) -> bool:
         renameat2 = libc.renameat2
     except (OSError, AttributeError):  # not glibc >= 2.28 (musl has it too; macOS does not)
         return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
     if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
         return True
     err = ctypes.get_errno()

@@ -1005,9 +1005,7 @@ def run_file(
     }
 
 
-def _recorded_padding(
-    kernel: str, f: TensorFile, weights: str | os.PathLike[str] | None
-) -> Any:
+def _recorded_padding(kernel: str, f: TensorFile, weights: str | os.PathLike[str] | None) -> Any:
     """The zero padding of prepared weights (`mxcli.weightprep.padding.Padding`): from the
     ``--weights`` manifest, else as recorded by ``make-inputs --weights``; None when nothing is
     padded. The hidden states must have the true or the padded H it gives (outputs are cut to

@@ -84,8 +84,15 @@ def compare_files(
     result.reports += [
         r
         for r in compare_outputs(
-            kernel or "", out.tensors, gold.tensors, kwargs, profile=profile,
-            overrides=overrides, exact=exact, check=CHECK, **geometry,
+            kernel or "",
+            out.tensors,
+            gold.tensors,
+            kwargs,
+            profile=profile,
+            overrides=overrides,
+            exact=exact,
+            check=CHECK,
+            **geometry,
         )  # fmt: skip
         if r.name not in missing  # reported once, as missing in the golden
     ]
@@ -99,9 +106,7 @@ def _require_format(f: TensorFile, expected: str) -> None:
     if fmt is not None and fmt != expected:
         what = {INPUTS_FORMAT: "an input file: ", OUTPUTS_FORMAT: "an output file: "}.get(fmt, "")
         wanted = "an output" if expected == OUTPUTS_FORMAT else "an input"
-        raise InputError(
-            f"{f.path}: not {wanted} file ({what}format {fmt!r}, expected {expected})"
-        )
+        raise InputError(f"{f.path}: not {wanted} file ({what}format {fmt!r}, expected {expected})")
 
 
 def padding_reports(meta: Any, check: str) -> list[Any]:

@@ -196,8 +196,7 @@ def check_manifest(m: Manifest) -> None:
     except (KeyError, TypeError, ValueError, IndexError):
         raise _wrong(m, "malformed padding") from None
     H, Hp, Hb = pad.hidden_size, pad.prefill_hidden_size, pad.backward_hidden_size
-    I, Ip = pad.intermediate_size, pad.padded_intermediate_size  # noqa: E741
-    Is, Isp = pad.shared_intermediate_size, pad.padded_shared_intermediate_size
+    Ip, Isp = pad.padded_intermediate_size, pad.padded_shared_intermediate_size
     model = m.data.get("model") or {}
     if m.data.get("padding") is not None:  # (older folders: nothing padded, sizes as stored)
         problem = padding_problem(pad, "padding")
@@ -236,7 +235,7 @@ def padding_problem(pad: Padding, where: str) -> str | None:
     from mxcli.weightprep.padding import BWD_MULTIPLE, PREFILL_H_MULTIPLE, round_up
 
     H = pad.hidden_size
-    rules = [
+    rules: list[tuple[str, int | None, int]] = [
         ("prefill_hidden_size", pad.prefill_hidden_size, round_up(H, PREFILL_H_MULTIPLE)),
         ("backward_hidden_size", pad.backward_hidden_size, round_up(H, BWD_MULTIPLE)),
         ("padded_intermediate_size_per_rank", pad.padded_intermediate_size,

@@ -183,9 +183,25 @@ def _race_make_inputs(tmp_path: Path, rnd: int) -> None:
     seeds = (11, 22)
     ps = [
         subprocess.Popen(
-            [sys.executable, "-c", _BARRIER_SCRIPT, str(barrier), "make-inputs", "prefill",
-             "-o", str(out), "--seed", str(seed), "--tokens", "64", "-q"],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-c",
+                _BARRIER_SCRIPT,
+                str(barrier),
+                "make-inputs",
+                "prefill",
+                "-o",
+                str(out),
+                "--seed",
+                str(seed),
+                "--tokens",
+                "64",
+                "-q",
+            ],
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
             preexec_fn=_preexec(None),
         )  # fmt: skip
         for seed in seeds
