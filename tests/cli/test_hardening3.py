@@ -519,9 +519,7 @@ def test_memory_check_figures(monkeypatch) -> None:
     memory.check_fits("tokens: unknown", 10**18)  # nothing known: nothing refused
 
 
-@pytest.mark.parametrize(
-    "kind,seed", [("prefill", "99999999999999999999"), ("bwd", "-1"), ("prefill", "4294967296")]
-)
+@pytest.mark.parametrize("kind,seed", [("prefill", "99999999999999999999"), ("bwd", "4294967296")])
 def test_make_inputs_seed_out_of_range_names_the_flag(tmp_path: Path, kind, seed) -> None:
     r = _mxcli("make-inputs", kind, "-o", "in.safetensors", "--seed", seed, cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
