@@ -77,11 +77,14 @@ def _prefill_bytes(T: int, H: int, residual: bool) -> int:
     return 6 * T * H * (2 if residual else 1)
 
 
-def _bwd_bytes(T: int, H: int, I: int, E: int, K: int) -> int:  # noqa: E741 (spec notation)
-    """A lower bound of make-inputs' peak for bwd (all held at once): the fp32 affinities and
-    their bf16 [T*E] mask, hidden states and output gradient in bf16, both weight stacks drawn
-    in fp32 and kept in bf16, and the bf16 gate/up checkpoint of the T*K routed pairs."""
-    return 6 * T * E + 4 * T * H + 6 * E * H * 3 * I + 4 * T * K * I
+def _bwd_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
+    """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
+    bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
+    hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
+    for `drawn` weights, the moment the gate/up stack exists in fp32 and bf16 beside the bf16
+    down stack."""
+    held = 6 * E * H * I + 6 * T * E + 4 * T * H + 4 * T * K * I
+    return max(held, 14 * E * H * I if drawn else 0)
 
 
 def _check_positive(**values: int | None) -> None:
@@ -303,7 +306,7 @@ def make_bwd_inputs(
     limits = _clamp_limits(clamp)
     _check_memory(
         f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
-        _bwd_bytes(T, H, I, E, 1 if dense else K),
+        _bwd_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
     )
     g = _gen(seed)
     # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY

@@ -16,27 +16,32 @@ from mxcli.errors import InputError
 
 
 def _meminfo_available() -> int | None:
+    """MemAvailable (free memory plus what the kernel can reclaim, page cache included) plus
+    the free swap."""
     with contextlib.suppress(OSError, ValueError, IndexError):
+        info = {}
         for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+            key, _, rest = line.partition(":")
+            info[key] = int(rest.split()[0]) * 1024
+        if "MemAvailable" in info:
+            return info["MemAvailable"] + info.get("SwapFree", 0)
     return None
 
 
-def _cgroup_available() -> int | None:
-    """What the cgroup v2 memory limit still allows (None without a limit)."""
+def _cgroup_limit() -> int | None:
+    """The cgroup v2 memory limit (None without one). Not less what the cgroup holds now: that
+    counts reclaimable page cache, and a refusal must never be wrong."""
     with contextlib.suppress(OSError, ValueError):
-        root = Path("/sys/fs/cgroup")
-        limit = (root / "memory.max").read_text().strip()
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
         if limit != "max":
-            return max(0, int(limit) - int((root / "memory.current").read_text().strip()))
+            return int(limit)
     return None
 
 
 def available_bytes() -> int | None:
-    """Memory this process may still allocate: the least of MemAvailable and what the cgroup
-    limit leaves; the physical memory where neither is known; None when nothing is known."""
-    known = [v for v in (_meminfo_available(), _cgroup_available()) if v is not None]
+    """Memory this process may allocate at most: the lesser of MemAvailable + free swap and the
+    cgroup limit; the physical memory where neither is known; None when nothing is known."""
+    known = [v for v in (_meminfo_available(), _cgroup_limit()) if v is not None]
     if known:
         return min(known)
     with contextlib.suppress(OSError, ValueError, AttributeError):
