@@ -525,6 +525,11 @@ def check_tensors(
     missing = [f"{t.name} {t.shape}" for t in io.tensors if t.required and t.name not in tensors]
     if missing:
         raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {io.kernel}")
+    hs = tensors.get("hidden_states")
+    if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
+        # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate [0, ...]
+        # tiles, and a run of no token is never what a file meant
+        raise InputError(f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}")
     for arg in io.tensors:
         t = tensors.get(arg.name)
         if t is None:

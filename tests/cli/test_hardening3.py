@@ -495,6 +495,21 @@ def test_run_prefill_without_tokens_is_one_line(files, tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_run_bwd_without_tokens_is_one_line(files, tmp_path: Path) -> None:
+    with safe_open(str(files["bwd"]), framework="pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    for name in ("hidden_states", "output_hidden_states_grad", "expert_affinities_masked"):
+        tensors[name] = tensors[name][:0]
+    inp = tmp_path / "empty.safetensors"
+    save_file(tensors, str(inp), metadata=meta)
+    out = tmp_path / "out.safetensors"
+    r = _mxcli("run-bwd", inp, "-o", out, "-b", "reference")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "at least one token" in _one_error_line(r.stderr)
+    assert not out.exists()
+
+
 def test_make_inputs_refuses_what_cannot_fit_in_memory(tmp_path: Path) -> None:
     t0 = time.monotonic()
     r = _mxcli("make-inputs", "prefill", "--tokens", "100000000000", "-o", "in.safetensors",
