@@ -318,13 +318,21 @@ def _descriptors(size: int, runs: list[int]) -> int:
     return math.ceil(size / a) + math.ceil(size / b) - size // math.lcm(a, b)
 
 
+def _is_offset(o: Operand) -> bool:
+    """An index operand of a DMA (a gather/scatter's ``vector_offset``, or the 1-element tensor
+    read for a ``scalar_offset``): it addresses the transfer and moves no data."""
+    return o.name.endswith("vector_offset") or o.name == "offset tensor"
+
+
 def _dma_cost(ins: Instr, hw: Hardware) -> Cost:
     ops = ins.operands
     queue = _queue(ins, ops)
     if ins.op == "core_barrier":
         return Cost("sync", 0.0, "control", {})
     dst = ins.get("dst")
-    srcs = [o for o in ins.reads() if not o.name.endswith("vector_offset")]
+    # (a scalar-offset tensor read as a source made a 128 x 512 weight-gradient read-modify-
+    # write cost 2 bytes on one DMA engine)
+    srcs = [o for o in ins.reads() if not _is_offset(o)]
     if dst is None or not srcs:
         return Cost(queue, 0.0, "dma", {})
     moved = dst.rows * dst.per_part if dst.rows < dst.parts else min(o.size for o in srcs)

@@ -98,9 +98,10 @@ QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadra
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
-# SBUF bytes per partition a phase-3/4 stationary operand (X or S, quantized along the block's
-# tokens) may take to be loaded once per block instead of once per output tile.
-STATIONARY_BUDGET = 40 * 1024
+# SBUF bytes per partition the phase-3/4 stationary operands (X and S, quantized along the
+# block's tokens, scales packed) may take together to stay on chip for the block instead of
+# going through HBM scratch and being loaded again for every output tile.
+STATIONARY_BUDGET = 120 * 1024
 
 
 @dataclass
@@ -199,6 +200,8 @@ class Geometry(nl.NKIObject):
     d_cols: int
     res_gu: bool
     res_d: bool
+    res_x: bool
+    res_s: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -213,6 +216,22 @@ def _split(n: int, parts: int, idx: int) -> tuple[int, int]:
     lo = idx * base + min(idx, extra)
     count = base + 1 if idx < extra else base
     return lo, count
+
+
+def _load(dst: Any, src: Any) -> None:
+    """A plain (same-dtype, no vector offset) load on the sync engine's hardware-DGE queue.
+
+    The kernel spreads its DMAs over the queues (nki-dge.rst: the queue follows the trigger
+    engine and the descriptor-generation method): loads here, write-backs on the scalar
+    engine's queue (`_store`), indirect gathers and scatters on the software-DGE queue, output
+    zeroing on static descriptors. A queue starts its transfers in order, so a write-back
+    waiting for its compute would otherwise hold back every later load behind it."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+
+
+def _store(dst: Any, src: Any) -> None:
+    """A plain write-back on the scalar engine's hardware-DGE queue (see `_load`)."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
 
 
 def _ktiles(pairs: tuple[tuple[int, int], ...]) -> tuple[Any, ...]:
@@ -234,8 +253,15 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     res_gu = wgu_bytes > 0 and wgu_bytes <= RESIDENT_BUDGET
     budget_d = RESIDENT_BUDGET - wgu_bytes if res_gu else RESIDENT_BUDGET
     res_d = wd_bytes > 0 and wd_bytes <= budget_d
+    # The phase-3/4 stationary operands X [tok lanes, Hc] and S [tok lanes, I] are quantized
+    # straight into SBUF when they fit `STATIONARY_BUDGET` (X first: it has more output tiles),
+    # else spilled to HBM scratch and loaded back per output tile.
+    x_bytes = _packed_bytes(len(cfg.k3), Hc)
+    s_bytes = _packed_bytes(len(cfg.k4), cfg.I)
+    res_x = Hc > 0 and x_bytes <= STATIONARY_BUDGET
+    res_s = Hc > 0 and s_bytes <= STATIONARY_BUDGET - (x_bytes if res_x else 0)
     return Geometry(
-        pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d,
+        pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -310,14 +336,14 @@ def _load_q(op: dict[str, Any], c0: int, n: int, name: str) -> tuple[Any, list[A
     for i0, m in lay.runs:
         v = lay.tiles[i0].v
         src = _run_src(op["data"], lay, op["expert"], i0, m, c0, n)
-        nisa.dma_copy(dst=q[0:v, i0 : i0 + m, :], src=src)
+        _load(q[0:v, i0 : i0 + m, :], src)
     if len(lay.place):
         return q, _load_packed_scales(op, c0, n, name)
     s = nl.ndarray((P, nk, n), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
     for i0, m in lay.runs:
         v = lay.tiles[i0].v
         src = _run_src(op["scales"], lay, op["expert"], i0, m, c0, n)
-        nisa.dma_copy(dst=s[0:v, i0 : i0 + m, :], src=src)
+        _load(s[0:v, i0 : i0 + m, :], src)
     views = []
     for i in range(nk):
         views.append(s[0 : lay.tiles[i].v, i, :])
@@ -334,6 +360,8 @@ def _stationary(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, A
     """A phase-3/4 stationary operand's columns ``[c_lo, c_lo+n)``: loaded once (whole-row DMA
     runs) when its x4 data and scales fit `STATIONARY_BUDGET`, else left in HBM and loaded per
     128-column tile (short runs, and once per output tile of the other operand)."""
+    if op["layout"] is None:
+        return op
     if n and len(op["layout"].tiles) * n * 5 <= STATIONARY_BUDGET:
         return _resident(op, c_lo, n, name)
     return op
@@ -347,14 +375,46 @@ def _quantize_tile(ilv: Any, kt: KTile, n: int, q_dst: Any, s_dst: Any) -> None:
 def _spill(op: dict[str, Any], kt: KTile, c0: int, n: int, q: Any, s: Any) -> None:
     """Write one quantized chunk (x4 data [v, n], unpacked scales [v, n]) to HBM scratch."""
     r = kt.row0
-    nisa.dma_copy(dst=op["data"][r : r + kt.v, c0 : c0 + n], src=q)
-    nisa.dma_copy(dst=op["scales"][r : r + kt.v, c0 : c0 + n], src=s)
+    _store(op["data"][r : r + kt.v, c0 : c0 + n], q)
+    _store(op["scales"][r : r + kt.v, c0 : c0 + n], s)
+
+
+def _packed_bytes(nk: int, F: int) -> int:
+    """SBUF bytes per partition of an on-chip operand of `nk` chunks x `F` columns: x4 data plus
+    scales packed four chunks to a tile (quadrant offsets 0/4/8/12, api spec §7.3)."""
+    return nk * F * 4 + ((nk + 3) // 4) * F
+
+
+def _onchip_operand(tiles: tuple[Any, ...], c_lo: int, F: int, name: str) -> dict[str, Any]:
+    """An SBUF operand ``[lanes, chunk, F]`` that `_quantize_chunk_to` fills in place: chunk `i`'s
+    scales at partition offset ``4 * (i % 4)`` of scale slot ``i // 4`` (one scale byte per
+    column for four chunks instead of one; the rows quantize_mx writes and nc_matmul_mx reads
+    are ``start + 32 q + g``, bwd spec §5.5)."""
+    nk = len(tiles)
+    q = nl.ndarray((P, nk, F), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_q")
+    s = nl.ndarray((P, (nk + 3) // 4, F), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
+    views = []
+    for i in range(nk):
+        views.append(s[4 * (i % 4) : P, i // 4, :])
+    return {"layout": None, "q": q, "views": views, "c_lo": c_lo, "tiles": tiles}
+
+
+def _op_tiles(op: dict[str, Any]) -> tuple[Any, ...]:
+    if op["layout"] is None:
+        return op["tiles"]
+    return op["layout"].tiles
 
 
 def _quantize_chunk_to(
-    ilv: Any, kt: KTile, n: int, name: str, dst: dict[str, Any], c0: int
+    ilv: Any, kt: KTile, n: int, name: str, dst: dict[str, Any], c0: int, ci: int = 0
 ) -> None:
-    """Quantize ``ilv [v, n, 4]`` and spill it to the HBM scratch operand `dst` at `c0`."""
+    """Quantize ``ilv [v, n, 4]`` (chunk `ci` of `dst`) into columns ``[c0, c0+n)`` of `dst`: in
+    place when `dst` is on chip, else through a staging tile spilled to its HBM scratch."""
+    if dst["layout"] is None:
+        o = c0 - dst["c_lo"]
+        sv = dst["views"][ci]
+        _quantize_tile(ilv, kt, n, dst["q"][0 : kt.v, ci, o : o + n], sv[:, o : o + n])
+        return
     q = nl.ndarray((P, n), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_q")
     s = nl.ndarray((P, n), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
     nisa.memset(dst=s[0 : kt.v, :], value=0)
@@ -409,10 +469,15 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     t["alpha_s"] = nl.ndarray((cfg.B,), dtype=nl.float32, buffer=nl.private_hbm, name="alpha_s")
     # quantized phase-3/4 operands, token lanes (rows = B/4), unpacked scales
     rows = cfg.B // 4
-    t["xq"] = _scratch_operand(rows, cfg.H, geo.k3, cfg.runs3, "xq")
+    # (X and S when they stay on chip are allocated per block, see `_block`)
+    t["xq_hbm"] = None
+    t["sq_hbm"] = None
+    if not geo.res_x:
+        t["xq_hbm"] = _scratch_operand(rows, cfg.H, geo.k3, cfg.runs3, "xq")
     t["gq"] = _scratch_operand(rows, 2 * cfg.I, geo.k3, cfg.runs3, "dguq")
     t["yq"] = _scratch_operand(rows, cfg.H, geo.k4, cfg.runs4, "dyq")
-    t["sq"] = _scratch_operand(rows, cfg.I, geo.k4, cfg.runs4, "sq")
+    if not geo.res_s:
+        t["sq_hbm"] = _scratch_operand(rows, cfg.I, geo.k4, cfg.runs4, "sq")
     # quantized weights of the current expert when they are streamed (not resident)
     t["wdq_s"] = None
     t["wguq_s"] = None
@@ -707,11 +772,6 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         )
         nisa.memset(dst=acc_bgu, value=0.0)
         blk["acc_bgu"] = acc_bgu
-    for win in range(cfg.B // cfg.W):
-        _phase1(cfg, geo, t, blk, w, b, win)
-    # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
-    _hand_over(geo, t)
-    _write_affinity_grad(cfg, geo, t, blk, b)
     blk["acc_bd"] = None
     if cfg.bias:
         acc_bd = nl.ndarray(
@@ -720,8 +780,19 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         nisa.memset(dst=acc_bd, value=0.0)
         blk["acc_bd"] = acc_bd
     for win in range(cfg.B // cfg.W):
-        _phase2(cfg, geo, t, blk, w, b, win)
-        _phase34_operands(cfg, geo, t, blk, b, win)
+        _phase1(cfg, geo, t, blk, w, b, win)
+    # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
+    _hand_over(geo, t)
+    _write_affinity_grad(cfg, geo, t, blk, b)
+    t["xq"] = t["xq_hbm"]
+    if geo.res_x:
+        t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
+    t["sq"] = t["sq_hbm"]
+    if geo.res_s:
+        t["sq"] = _onchip_operand(geo.k4, 0, cfg.I, "p4_sres")
+    for win in range(cfg.B // cfg.W):
+        rows = _phase2(cfg, geo, t, blk, w, b, win)
+        _phase34_operands(cfg, geo, t, blk, b, win, rows)
     _phase3(cfg, geo, t, blk, b)
     _phase4(cfg, geo, t, blk, b)
     if cfg.bias:
@@ -770,7 +841,7 @@ def _phase1(
         _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
     nisa.dma_copy(dst=alpha, src=t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
-    da_ps = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.psum, name="da_ps")
+    prods: list[Any] = []
     for n_it in range(geo.n_i):
         it = geo.i_lo + n_it
         wq, wsv = _load_q(w["d"], it * P, P, "p1_w")
@@ -781,7 +852,18 @@ def _phase1(
                 dst=d, stationary=wq[0:v, ci, :], moving=yq[0:v, ci, :],
                 stationary_scale=wsv[ci], moving_scale=ys[0:v, ci, :], accumulate=ci > 0,
             )  # fmt: skip
-        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, da_ps)
+        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, prods)
+    # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM), in
+    # I-tile order; issued after the window's MX matmuls so that the Tensor engine's in-order
+    # queue does not wait on each tile's VectorE product between them
+    da_ps = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.psum, name="da_ps")
+    for n_it in range(geo.n_i):
+        prod = prods[n_it]
+        for tt in range(nTw):
+            nisa.nc_matmul(
+                dst=da_ps[:, tt : tt + 1], stationary=prod[:, tt * P : (tt + 1) * P],
+                moving=t["ones_f32"], accumulate=n_it > 0,
+            )  # fmt: skip
     # affinity-grad partial of this core -> scratch row `pid`
     da = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.sbuf, name="da")
     if geo.n_i:
@@ -790,6 +872,12 @@ def _phase1(
         nisa.memset(dst=da, value=0.0)
     dst = t["da_s"].ap([[1, P], [P, nTw]], offset=geo.pid * cfg.B + w0)
     nisa.dma_copy(dst=dst, src=da)
+    if geo.Hc:
+        # phase 4's dY operand (this core's H columns, quantized along the tokens) and the
+        # down bias grad come from the rows gathered here: dY is gathered once per block
+        _rows_q(cfg, dyw, geo.h0, win, t["yq"], geo.Hc, geo.h0, "p4_dy")
+        if cfg.bias:
+            _bias_down(cfg, geo, t, blk, win, dyw[:, :, geo.h0 : geo.h0 + geo.Hc])
 
 
 def _swiglu(
@@ -802,9 +890,10 @@ def _swiglu(
     n_it: int,
     d: Any,
     alpha: Any,
-    da_ps: Any,
+    prods: list[Any],
 ) -> None:
-    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1."""
+    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1; the
+    affinity-grad product ``fp32(D*Hm)`` is appended to `prods`."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
     i0 = it * P
     bf, f32 = cfg.compute_dtype, nl.float32
@@ -812,12 +901,12 @@ def _swiglu(
     cdt = ckpt.dtype  # checkpoint values are used as given (bf16, or fp16)
     g = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="g")
     u = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="u")
-    nisa.dma_copy(dst=g, src=ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
-    nisa.dma_copy(dst=u, src=ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
+    _load(g, ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
+    _load(u, ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
     ck_act = t["gate_act_checkpoint_T"]
     if ck_act is not None:  # phi(G) as checkpointed by the forward
         act = nl.ndarray((P, Wn), dtype=ck_act.dtype, buffer=nl.sbuf, name="act")
-        nisa.dma_copy(dst=act, src=ck_act[b, i0 : i0 + P, w0 : w0 + Wn])
+        _load(act, ck_act[b, i0 : i0 + P, w0 : w0 + Wn])
     else:
         act = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="act")
         nisa.activation(dst=act, op=nl.silu, data=g)  # act = bf16(silu(G))
@@ -828,22 +917,18 @@ def _swiglu(
     ck_h = t["intermediate_checkpoint_T"]
     if ck_h is not None:
         hm = nl.ndarray((P, Wn), dtype=ck_h.dtype, buffer=nl.sbuf, name="hm")
-        nisa.dma_copy(dst=hm, src=ck_h[b, i0 : i0 + P, w0 : w0 + Wn])
+        _load(hm, ck_h[b, i0 : i0 + P, w0 : w0 + Wn])
     else:
         hm = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="hm")
         nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply)  # Hm = bf16(act*U)
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM)
     prod = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="dhm")
     nisa.tensor_tensor(dst=prod, data1=d, data2=hm, op=nl.multiply)
-    for tt in range(nTw):
-        nisa.nc_matmul(
-            dst=da_ps[:, tt : tt + 1], stationary=prod[:, tt * P : (tt + 1) * P],
-            moving=t["ones_f32"], accumulate=n_it > 0,
-        )  # fmt: skip
+    prods.append(prod)
     ck_s = t["scaled_intermediate_checkpoint_T"]
     s = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="s")
     if ck_s is not None:  # phase 4's operand as the forward saved it
-        nisa.dma_copy(dst=s, src=ck_s[b, i0 : i0 + P, w0 : w0 + Wn])
+        _load(s, ck_s[b, i0 : i0 + P, w0 : w0 + Wn])
     else:
         nisa.tensor_tensor(dst=s, data1=hm, data2=alpha, op=nl.multiply)  # S = bf16(Hm*alpha)
     ds = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="ds")
@@ -864,9 +949,9 @@ def _swiglu(
                 dst=x, data=src, op0=nl.greater, operand0=float(lo), op1=nl.multiply, operand1=x
             )
     I = cfg.I  # noqa: E741 - the spec's name
-    nisa.dma_copy(dst=t["dgu_s"][i0 : i0 + P, w0 : w0 + Wn], src=dg)
-    nisa.dma_copy(dst=t["dgu_s"][I + i0 : I + i0 + P, w0 : w0 + Wn], src=du)
-    nisa.dma_copy(dst=t["s_s"][i0 : i0 + P, w0 : w0 + Wn], src=s)
+    _store(t["dgu_s"][i0 : i0 + P, w0 : w0 + Wn], dg)
+    _store(t["dgu_s"][I + i0 : I + i0 + P, w0 : w0 + Wn], du)
+    _store(t["s_s"][i0 : i0 + P, w0 : w0 + Wn], s)
     if cfg.bias:
         # gate/up bias grad: per 128-token tile an fp32 sum, then a bf16 running sum (§6)
         acc = blk["acc_bgu"]
@@ -920,13 +1005,16 @@ def _phase2(
     w: dict[str, Any],
     b: int,
     win: int,
-) -> None:
-    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2)."""
+) -> list[Any]:
+    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2).
+    Returns the window's ``[dG|dU]^T`` row tiles (one ``[v, 4, W]`` per 2I chunk), which phase
+    3's operand reuses instead of loading them again."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
     if not geo.Hc:
-        return
+        return []
     bf = cfg.compute_dtype
     ntk = len(geo.k2)
+    all_rows = []
     gq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p2_gq")
     gs = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p2_gs")
     for ci in range(ntk):
@@ -939,7 +1027,8 @@ def _phase2(
         # under 256 B are overhead-bound).
         rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
         src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
-        nisa.dma_copy(dst=rows[0:v, :, :], src=src)
+        _load(rows[0:v, :, :], src)
+        all_rows.append(rows)
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
         nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
@@ -961,7 +1050,7 @@ def _phase2(
             gtt = win * nTw + tt
             if blk["tok"] is None:
                 r0 = b * cfg.B + gtt * P
-                nisa.dma_copy(dst=hsg[r0 : r0 + P, c0 : c0 + n], src=r)
+                _store(hsg[r0 : r0 + P, c0 : c0 + n], r)
                 continue
             if cfg.accumulate:
                 # read-add-write in bf16 (one token per row of a block, bwd spec §3.2)
@@ -970,9 +1059,44 @@ def _phase2(
                 nisa.tensor_tensor(dst=r, data1=old, data2=r, op=nl.add)
             dst = _rows_src(cfg, blk, hsg, b, gtt, c0, n)
             nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
+    return all_rows
 
 
 # -- phase 3/4 operands ----------------------------------------------------------------------
+
+
+def _window_tiles(op: dict[str, Any], w0: int, Wn: int) -> list[tuple[int, Any]]:
+    """(index, chunk) of the token chunks of `op` that start inside the window ``[w0, w0+Wn)``."""
+    out = []
+    tiles = _op_tiles(op)
+    for ci in range(len(tiles)):
+        kt = tiles[ci]
+        if kt.k0 >= w0 and kt.k0 < w0 + Wn:
+            out.append((ci, kt))
+    return out
+
+
+def _rows_q(
+    cfg: BwdKernelConfig, rows: Any, r0: int, win: int, dst: dict[str, Any], F: int, c0: int,
+    name: str,
+) -> None:
+    """Token rows of window `win` (``rows [P, W/P, *]``, tokens on partitions, columns
+    ``[r0, r0+F)``) quantized along the tokens into columns ``[c0, c0+F)`` of `dst` (wrapX
+    chunks inside the window: one copy per byte interleaves them)."""
+    Wn, w0 = cfg.W, win * cfg.W
+    bf = cfg.compute_dtype
+    for ci, kt in _window_tiles(dst, w0, Wn):
+        v = kt.v
+        for f0 in range(0, F, NMAX):
+            n = min(NMAX, F - f0)
+            ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
+            for j in range(4):
+                pos = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
+                tt = pos // P
+                p0 = pos % P
+                src = rows[p0 : p0 + v, tt, r0 + f0 : r0 + f0 + n]
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=src)
+            _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0, ci)
 
 
 def _token_rows_q(
@@ -987,25 +1111,12 @@ def _token_rows_q(
     name: str,
 ) -> Any:
     """Gather token rows (columns [c0, c0+F)) of window `win`, quantize them along the tokens
-    (wrapX chunks of `dst` inside the window) and spill; returns the bf16 rows."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
-    bf = cfg.compute_dtype
-    rows = nl.ndarray((P, nTw, F), dtype=bf, buffer=nl.sbuf, name=f"{name}_rows")
+    into `dst`; returns the bf16 rows."""
+    nTw = cfg.W // P
+    rows = nl.ndarray((P, nTw, F), dtype=cfg.compute_dtype, buffer=nl.sbuf, name=f"{name}_rows")
     for j in range(nTw):
         _gather_rows(cfg, blk, rows[:, j, :], src, b, win * nTw + j, c0, F)
-    for kt in dst["layout"].tiles:
-        if kt.k0 < w0 or kt.k0 >= w0 + Wn:
-            continue
-        v = kt.v
-        for f0 in range(0, F, NMAX):
-            n = min(NMAX, F - f0)
-            ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
-            for j in range(4):
-                pos = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
-                tt = pos // P
-                p0 = pos % P
-                nisa.tensor_copy(dst=ilv[0:v, :, j], src=rows[p0 : p0 + v, tt, f0 : f0 + n])
-            _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0)
+    _rows_q(cfg, rows, 0, win, dst, F, c0, name)
     return rows
 
 
@@ -1013,21 +1124,16 @@ def _transposed_q(
     cfg: BwdKernelConfig, src: Any, rows: int, win: int, dst: dict[str, Any], name: str
 ) -> None:
     """``src [rows, B]`` (bf16 HBM scratch, feature-major) -> token lanes: PE transposes of
-    ``[128 f, v tok]`` slices into the wrapX layout along the tokens, quantize, spill."""
+    ``[128 f, v tok]`` slices into the wrapX layout along the tokens, quantized into `dst`."""
     Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
-    tiles = []
-    for kt in dst["layout"].tiles:
-        if kt.k0 >= w0 and kt.k0 < w0 + Wn:
-            tiles.append(kt)
+    tiles = _window_tiles(dst, w0, Wn)
     for f0 in range(0, rows, NMAX):
         n = min(NMAX, rows - f0)
         nf = n // P
         ft = nl.ndarray((P, nf, Wn), dtype=bf, buffer=nl.sbuf, name=f"{name}_ft")
-        nisa.dma_copy(
-            dst=ft, src=src.ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0)
-        )
-        for kt in tiles:
+        _load(ft, src.ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0))
+        for ci, kt in tiles:
             v = kt.v
             ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
             for j in range(4):
@@ -1036,22 +1142,53 @@ def _transposed_q(
                 for fi in range(nf):
                     nisa.nc_transpose(dst=ps[0:v, fi * P : (fi + 1) * P], data=ft[:, fi, k : k + v])
                 nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
-            _quantize_chunk_to(ilv, kt, n, name, dst, f0)
+            _quantize_chunk_to(ilv, kt, n, name, dst, f0, ci)
+
+
+def _rows_t_q(
+    cfg: BwdKernelConfig, geo: Geometry, rows2: list[Any], win: int, dst: dict[str, Any],
+    name: str,
+) -> None:
+    """``[dG|dU]^T`` of window `win` to token lanes from phase 2's row tiles (``rows2[i]
+    [v2, 4, W]``: feature ``k0 + j*v2 + p`` of 2I chunk `i` on partition `p`): PE transposes of
+    ``[v2 f, v tok]`` slices into the wrapX layout along the tokens, quantized into `dst`."""
+    Wn, w0 = cfg.W, win * cfg.W
+    bf = cfg.compute_dtype
+    tiles = _window_tiles(dst, w0, Wn)
+    for i2 in range(len(geo.k2)):
+        k2 = geo.k2[i2]
+        v2, c2 = k2.v, k2.c
+        rows = rows2[i2]
+        for ci, kt in tiles:
+            v = kt.v
+            ilv = nl.ndarray((P, c2, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
+            for j in range(4):
+                k = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
+                ps = nl.ndarray((P, c2), dtype=bf, buffer=nl.psum, name=f"{name}_tp")
+                for g in range(4):
+                    nisa.nc_transpose(
+                        dst=ps[0:v, g * v2 : (g + 1) * v2], data=rows[0:v2, g, k : k + v]
+                    )
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+            _quantize_chunk_to(ilv, kt, c2, name, dst, k2.k0, ci)
 
 
 def _phase34_operands(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    b: int,
+    win: int,
+    rows2: list[Any],
 ) -> None:
+    """Phase-3/4 operands of window `win` quantized along the tokens: X (gathered), [dG|dU]
+    (phase 2's rows, transposed) and S (loaded, transposed). dY's came with phase 1."""
     if not geo.Hc:
         return
     _token_rows_q(cfg, blk, t["hidden_states"], b, win, t["xq"], geo.Hc, geo.h0, "p3_x")
-    dy = _token_rows_q(
-        cfg, blk, t["output_hidden_states_grad"], b, win, t["yq"], geo.Hc, geo.h0, "p4_dy"
-    )
-    _transposed_q(cfg, t["dgu_s"], 2 * cfg.I, win, t["gq"], "p3_g")
+    _rows_t_q(cfg, geo, rows2, win, t["gq"], "p3_g")
     _transposed_q(cfg, t["s_s"], cfg.I, win, t["sq"], "p4_s")
-    if cfg.bias:
-        _bias_down(cfg, geo, t, blk, win, dy)
 
 
 def _bias_down(
@@ -1089,9 +1226,9 @@ def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) 
     nisa.tensor_copy(dst=c, src=c_ps, engine=nisa.engine.scalar)
     if not first_dense:
         old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
-        nisa.dma_copy(dst=old, src=dst_ap)
+        _load(old, dst_ap)
         nisa.tensor_tensor(dst=c, data1=old, data2=c, op=nl.add)
-    nisa.dma_copy(dst=dst_ap, src=c)
+    _store(dst_ap, c)
 
 
 def _phase3(
