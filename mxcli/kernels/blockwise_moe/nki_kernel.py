@@ -779,20 +779,38 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         )
         nisa.memset(dst=acc_bd, value=0.0)
         blk["acc_bd"] = acc_bd
-    for win in range(cfg.B // cfg.W):
-        _phase1(cfg, geo, t, blk, w, b, win)
+    nwin = cfg.B // cfg.W
+    nxt = _phase1_loads(cfg, geo, t, blk, b, 0)
+    for win in range(nwin):
+        pre = nxt
+        if win + 1 < nwin:
+            nxt = _phase1_loads(cfg, geo, t, blk, b, win + 1)
+        _phase1(cfg, geo, t, blk, w, b, win, pre)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
     _write_affinity_grad(cfg, geo, t, blk, b)
     t["xq"] = t["xq_hbm"]
     if geo.res_x:
         t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
+    nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
+    for win in range(nwin):
+        pre = nxt
+        if win + 1 < nwin:
+            nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
+        _phase2(cfg, geo, t, blk, w, b, win, pre)
+        _phase34_operands(cfg, geo, t, blk, b, win, pre)
+    # S quantized along the tokens after phase 2 (W_gu is no longer live: SBUF room for S on
+    # chip), its loads one window ahead
     t["sq"] = t["sq_hbm"]
     if geo.res_s:
         t["sq"] = _onchip_operand(geo.k4, 0, cfg.I, "p4_sres")
-    for win in range(cfg.B // cfg.W):
-        rows = _phase2(cfg, geo, t, blk, w, b, win)
-        _phase34_operands(cfg, geo, t, blk, b, win, rows)
+    if geo.Hc:
+        nxt_s = _s_loads(cfg, t, 0)
+        for win in range(nwin):
+            fts = nxt_s
+            if win + 1 < nwin:
+                nxt_s = _s_loads(cfg, t, win + 1)
+            _transposed_q(cfg, fts, cfg.I, win, t["sq"], "p4_s")
     _phase3(cfg, geo, t, blk, b)
     _phase4(cfg, geo, t, blk, b)
     if cfg.bias:
@@ -805,6 +823,52 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
 # -- phase 1 ---------------------------------------------------------------------------------
 
 
+def _load_checkpoints(
+    cfg: BwdKernelConfig, t: dict[str, Any], b: int, win: int, it: int
+) -> dict[str, Any]:
+    """The checkpoint tiles ``[128 i, W tok]`` of I tile `it` in window `win`: G and U, and the
+    optional phi(G), Hm and S checkpoints (None when not given; used as given, bwd spec §4)."""
+    Wn, w0 = cfg.W, win * cfg.W
+    i0 = it * P
+    ckpt = t["gate_up_proj_act_checkpoint_T"]
+    cdt = ckpt.dtype  # checkpoint values are used as given (bf16, or fp16)
+    out: dict[str, Any] = {}
+    out["g"] = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="g")
+    out["u"] = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="u")
+    _load(out["g"], ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
+    _load(out["u"], ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
+    for key, tname in (("act", "gate_act_checkpoint_T"), ("hm", "intermediate_checkpoint_T"),
+                       ("s", "scaled_intermediate_checkpoint_T")):  # fmt: skip
+        src = t[tname]
+        out[key] = None
+        if src is not None:
+            x = nl.ndarray((P, Wn), dtype=src.dtype, buffer=nl.sbuf, name=f"ck_{key}")
+            _load(x, src[b, i0 : i0 + P, w0 : w0 + Wn])
+            out[key] = x
+    return out
+
+
+def _phase1_loads(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+) -> dict[str, Any]:
+    """Everything phase 1 reads from HBM for window `win`: the dY rows (tokens on partitions,
+    ``[P, W/P, H]``), the alpha row and the checkpoint tiles of this core's I tiles. Issued one
+    window ahead of their compute (`_block`): DMA engines and queues start transfers in
+    program order, so a load issued after a window's write-backs would wait for them."""
+    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    dyw = nl.ndarray((P, nTw, cfg.H), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p1_dy")
+    for j in range(nTw):
+        _gather_rows(
+            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H
+        )
+    alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
+    _load(alpha, t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
+    cks = []
+    for n_it in range(geo.n_i):
+        cks.append(_load_checkpoints(cfg, t, b, win, geo.i_lo + n_it))
+    return {"dyw": dyw, "alpha": alpha, "ck": cks}
+
+
 def _phase1(
     cfg: BwdKernelConfig,
     geo: Geometry,
@@ -813,18 +877,14 @@ def _phase1(
     w: dict[str, Any],
     b: int,
     win: int,
+    pre: dict[str, Any],
 ) -> None:
     """D^T = mx(W_d, dY^T) per I tile of this core, SwiGLU backward, affinity-grad partials
-    (bwd spec §6 P1)."""
+    (bwd spec §6 P1), on the window's loads `pre` (`_phase1_loads`)."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
     bf = cfg.compute_dtype
     ntk = len(geo.k1)
-    # dY rows of the window, tokens on partitions: [P, nTw, H]
-    dyw = nl.ndarray((P, nTw, cfg.H), dtype=bf, buffer=nl.sbuf, name="p1_dy")
-    for j in range(nTw):
-        _gather_rows(
-            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H
-        )
+    dyw = pre["dyw"]
     # dY^T in the wrapX layout along H, quantized: [lanes, chunk, W]
     yq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p1_yq")
     ys = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p1_ys")
@@ -839,8 +899,7 @@ def _phase1(
                 nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
             nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
         _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
-    alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
-    nisa.dma_copy(dst=alpha, src=t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
+    alpha = pre["alpha"]
     prods: list[Any] = []
     for n_it in range(geo.n_i):
         it = geo.i_lo + n_it
@@ -852,7 +911,7 @@ def _phase1(
                 dst=d, stationary=wq[0:v, ci, :], moving=yq[0:v, ci, :],
                 stationary_scale=wsv[ci], moving_scale=ys[0:v, ci, :], accumulate=ci > 0,
             )  # fmt: skip
-        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, prods)
+        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, prods, pre["ck"][n_it])
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM), in
     # I-tile order; issued after the window's MX matmuls so that the Tensor engine's in-order
     # queue does not wait on each tile's VectorE product between them
@@ -871,7 +930,7 @@ def _phase1(
     else:
         nisa.memset(dst=da, value=0.0)
     dst = t["da_s"].ap([[1, P], [P, nTw]], offset=geo.pid * cfg.B + w0)
-    nisa.dma_copy(dst=dst, src=da)
+    _store(dst, da)
     if geo.Hc:
         # phase 4's dY operand (this core's H columns, quantized along the tokens) and the
         # down bias grad come from the rows gathered here: dY is gathered once per block
@@ -891,45 +950,34 @@ def _swiglu(
     d: Any,
     alpha: Any,
     prods: list[Any],
+    ck: dict[str, Any],
 ) -> None:
-    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1; the
-    affinity-grad product ``fp32(D*Hm)`` is appended to `prods`."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1, on
+    the checkpoint tiles `ck` (`_load_checkpoints`); the affinity-grad product ``fp32(D*Hm)`` is
+    appended to `prods`."""
+    Wn, w0 = cfg.W, win * cfg.W
     i0 = it * P
     bf, f32 = cfg.compute_dtype, nl.float32
-    ckpt = t["gate_up_proj_act_checkpoint_T"]
-    cdt = ckpt.dtype  # checkpoint values are used as given (bf16, or fp16)
-    g = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="g")
-    u = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="u")
-    _load(g, ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
-    _load(u, ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
-    ck_act = t["gate_act_checkpoint_T"]
-    if ck_act is not None:  # phi(G) as checkpointed by the forward
-        act = nl.ndarray((P, Wn), dtype=ck_act.dtype, buffer=nl.sbuf, name="act")
-        _load(act, ck_act[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
+    g, u = ck["g"], ck["u"]
+    act = ck["act"]
+    if act is None:
         act = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="act")
         nisa.activation(dst=act, op=nl.silu, data=g)  # act = bf16(silu(G))
     dph = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dphi")
     nisa.activation(dst=dph, op=nl.silu_dx, data=g)  # bf16(silu'(G))
     dga = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dga")
     nisa.tensor_tensor(dst=dga, data1=dph, data2=u, op=nl.multiply)  # bf16(dphi*U)
-    ck_h = t["intermediate_checkpoint_T"]
-    if ck_h is not None:
-        hm = nl.ndarray((P, Wn), dtype=ck_h.dtype, buffer=nl.sbuf, name="hm")
-        _load(hm, ck_h[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
+    hm = ck["hm"]
+    if hm is None:
         hm = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="hm")
         nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply)  # Hm = bf16(act*U)
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM)
     prod = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="dhm")
     nisa.tensor_tensor(dst=prod, data1=d, data2=hm, op=nl.multiply)
     prods.append(prod)
-    ck_s = t["scaled_intermediate_checkpoint_T"]
-    s = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="s")
-    if ck_s is not None:  # phase 4's operand as the forward saved it
-        _load(s, ck_s[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
+    s = ck["s"]  # phase 4's operand as the forward saved it, if it did
+    if s is None:
+        s = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="s")
         nisa.tensor_tensor(dst=s, data1=hm, data2=alpha, op=nl.multiply)  # S = bf16(Hm*alpha)
     ds = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="ds")
     nisa.tensor_tensor(dst=ds, data1=d, data2=alpha, op=nl.multiply)  # Ds = D*alpha (fp32)
@@ -1005,30 +1053,21 @@ def _phase2(
     w: dict[str, Any],
     b: int,
     win: int,
-) -> list[Any]:
-    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2).
-    Returns the window's ``[dG|dU]^T`` row tiles (one ``[v, 4, W]`` per 2I chunk), which phase
-    3's operand reuses instead of loading them again."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    pre: dict[str, Any],
+) -> None:
+    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2), on
+    the window's loads `pre` (`_phase2_loads`)."""
+    Wn, nTw = cfg.W, cfg.W // P
     if not geo.Hc:
-        return []
+        return
     bf = cfg.compute_dtype
     ntk = len(geo.k2)
-    all_rows = []
     gq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p2_gq")
     gs = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p2_gs")
     for ci in range(ntk):
         kt = geo.k2[ci]
         v = kt.v
-        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
-        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
-        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
-        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
-        # under 256 B are overhead-bound).
-        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
-        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
-        _load(rows[0:v, :, :], src)
-        all_rows.append(rows)
+        rows = pre["rows"][ci]
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
         nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
@@ -1059,7 +1098,48 @@ def _phase2(
                 nisa.tensor_tensor(dst=r, data1=old, data2=r, op=nl.add)
             dst = _rows_src(cfg, blk, hsg, b, gtt, c0, n)
             nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
-    return all_rows
+
+
+def _phase2_loads(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+) -> dict[str, Any]:
+    """What phases 2 and 3/4's operands read from HBM for window `win`, issued one window
+    ahead (see `_phase1_loads`): ``[dG|dU]^T`` row tiles (one ``[v, 4, W]`` per 2I chunk, also
+    phase 3's operand) and X rows (``[P, W/P, Hc]``)."""
+    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    bf = cfg.compute_dtype
+    out: dict[str, Any] = {"rows": [], "x": None}
+    if not geo.Hc:
+        return out
+    for ci in range(len(geo.k2)):
+        kt = geo.k2[ci]
+        v = kt.v
+        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
+        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
+        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
+        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
+        # under 256 B are overhead-bound).
+        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
+        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
+        _load(rows[0:v, :, :], src)
+        out["rows"].append(rows)
+    x = nl.ndarray((P, nTw, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p3_x_rows")
+    for j in range(nTw):
+        _gather_rows(cfg, blk, x[:, j, :], t["hidden_states"], b, win * nTw + j, geo.h0, geo.Hc)
+    out["x"] = x
+    return out
+
+
+def _s_loads(cfg: BwdKernelConfig, t: dict[str, Any], win: int) -> list[Any]:
+    """S^T tiles of window `win` (``[128 i, <=4, W tok]`` per 512 rows of ``s_s``)."""
+    Wn, w0 = cfg.W, win * cfg.W
+    fts = []
+    for f0 in range(0, cfg.I, NMAX):
+        nf = min(NMAX, cfg.I - f0) // P
+        ft = nl.ndarray((P, nf, Wn), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p4_s_ft")
+        _load(ft, t["s_s"].ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0))
+        fts.append(ft)
+    return fts
 
 
 # -- phase 3/4 operands ----------------------------------------------------------------------
@@ -1099,40 +1179,19 @@ def _rows_q(
             _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0, ci)
 
 
-def _token_rows_q(
-    cfg: BwdKernelConfig,
-    blk: dict[str, Any],
-    src: Any,
-    b: int,
-    win: int,
-    dst: dict[str, Any],
-    F: int,
-    c0: int,
-    name: str,
-) -> Any:
-    """Gather token rows (columns [c0, c0+F)) of window `win`, quantize them along the tokens
-    into `dst`; returns the bf16 rows."""
-    nTw = cfg.W // P
-    rows = nl.ndarray((P, nTw, F), dtype=cfg.compute_dtype, buffer=nl.sbuf, name=f"{name}_rows")
-    for j in range(nTw):
-        _gather_rows(cfg, blk, rows[:, j, :], src, b, win * nTw + j, c0, F)
-    _rows_q(cfg, rows, 0, win, dst, F, c0, name)
-    return rows
-
-
 def _transposed_q(
-    cfg: BwdKernelConfig, src: Any, rows: int, win: int, dst: dict[str, Any], name: str
+    cfg: BwdKernelConfig, fts: list[Any], rows: int, win: int, dst: dict[str, Any], name: str
 ) -> None:
-    """``src [rows, B]`` (bf16 HBM scratch, feature-major) -> token lanes: PE transposes of
-    ``[128 f, v tok]`` slices into the wrapX layout along the tokens, quantized into `dst`."""
+    """Feature-major tiles ``fts`` (``[128 f, <=4, W tok]`` per 512 of `rows` features, from
+    `_phase2_loads`) -> token lanes: PE transposes of ``[128 f, v tok]`` slices into the wrapX
+    layout along the tokens, quantized into `dst`."""
     Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
     tiles = _window_tiles(dst, w0, Wn)
     for f0 in range(0, rows, NMAX):
         n = min(NMAX, rows - f0)
         nf = n // P
-        ft = nl.ndarray((P, nf, Wn), dtype=bf, buffer=nl.sbuf, name=f"{name}_ft")
-        _load(ft, src.ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0))
+        ft = fts[f0 // NMAX]
         for ci, kt in tiles:
             v = kt.v
             ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
@@ -1180,15 +1239,15 @@ def _phase34_operands(
     blk: dict[str, Any],
     b: int,
     win: int,
-    rows2: list[Any],
+    pre: dict[str, Any],
 ) -> None:
-    """Phase-3/4 operands of window `win` quantized along the tokens: X (gathered), [dG|dU]
-    (phase 2's rows, transposed) and S (loaded, transposed). dY's came with phase 1."""
+    """Phase-3 operands of window `win` quantized along the tokens from its loads `pre`
+    (`_phase2_loads`): X (gathered rows) and [dG|dU] (phase 2's rows, transposed). dY's came
+    with phase 1; S's follow phase 2 (`_block`)."""
     if not geo.Hc:
         return
-    _token_rows_q(cfg, blk, t["hidden_states"], b, win, t["xq"], geo.Hc, geo.h0, "p3_x")
-    _rows_t_q(cfg, geo, rows2, win, t["gq"], "p3_g")
-    _transposed_q(cfg, t["s_s"], cfg.I, win, t["sq"], "p4_s")
+    _rows_q(cfg, pre["x"], 0, win, t["xq"], geo.Hc, geo.h0, "p3_x")
+    _rows_t_q(cfg, geo, pre["rows"], win, t["gq"], "p3_g")
 
 
 def _bias_down(
@@ -1220,13 +1279,20 @@ def _bias_down(
 # -- phases 3 and 4 --------------------------------------------------------------------------
 
 
-def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) -> None:
-    """dst = bf16(dst + bf16(C)) through one DMA read and one write (dense block 0: write)."""
+def _rmw_load(bf: Any, dst_ap: Any, first_dense: bool, n: int, name: str) -> Any:
+    """The current value of an output tile for `_rmw` (None for dense block 0, which writes)."""
+    if first_dense:
+        return None
+    old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
+    _load(old, dst_ap)
+    return old
+
+
+def _rmw(bf: Any, dst_ap: Any, c_ps: Any, old: Any, n: int, name: str) -> None:
+    """dst = bf16(old + bf16(C)) (old from `_rmw_load`; None: dst = bf16(C))."""
     c = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_c")
     nisa.tensor_copy(dst=c, src=c_ps, engine=nisa.engine.scalar)
-    if not first_dense:
-        old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
-        _load(old, dst_ap)
+    if old is not None:
         nisa.tensor_tensor(dst=c, data1=old, data2=c, op=nl.add)
     _store(dst_ap, c)
 
@@ -1234,42 +1300,81 @@ def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) 
 def _phase3(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
-    """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3)."""
+    """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3). Per column
+    group of dGU the moving operand and the current output tiles are loaded one group ahead
+    of the group's matmuls (see `_phase1_loads`)."""
     if not geo.Hc:
         return
     first = cfg.dense and b == 0
     I2 = 2 * cfg.I
+    bf = cfg.compute_dtype
     x_op = _stationary(t["xq"], geo.h0, geo.Hc, "p3_xres")
+    groups = []
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
-            n = min(NMAX, cfg.I - i0)
-            gq, gsv = _load_q(t["gq"], g * cfg.I + i0, n, "p3_g")
-            for j in range(geo.n_h):
-                ht = geo.h_lo + j
-                xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
-                c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
-                for ci in range(len(geo.k3)):
-                    v = geo.k3[ci].v
-                    nisa.nc_matmul_mx(
-                        dst=c_ps, stationary=xq[0:v, ci, :], moving=gq[0:v, ci, :],
-                        stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
-                    )  # fmt: skip
-                off = ht * P * I2 + g * cfg.I + i0
-                dst = _ap(t["dwgu"], [[I2, P], [1, n]], off, blk["expert"])
-                _rmw(cfg.compute_dtype, dst, c_ps, first, n, "p3")
+            groups.append((g * cfg.I + i0, min(NMAX, cfg.I - i0)))
+
+    def dst_of(col: int, n: int, ht: int) -> Any:
+        return _ap(t["dwgu"], [[I2, P], [1, n]], ht * P * I2 + col, blk["expert"])
+
+    def loads(k: int) -> tuple[Any, Any, list[Any]]:
+        col, n = groups[k]
+        gq, gsv = _load_q(t["gq"], col, n, "p3_g")
+        olds = []
+        for j in range(geo.n_h):
+            olds.append(_rmw_load(bf, dst_of(col, n, geo.h_lo + j), first, n, "p3"))
+        return gq, gsv, olds
+
+    nxt = loads(0)
+    for k in range(len(groups)):
+        col, n = groups[k]
+        gq, gsv, olds = nxt
+        if k + 1 < len(groups):
+            nxt = loads(k + 1)
+        for j in range(geo.n_h):
+            ht = geo.h_lo + j
+            xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
+            c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
+            for ci in range(len(geo.k3)):
+                v = geo.k3[ci].v
+                nisa.nc_matmul_mx(
+                    dst=c_ps, stationary=xq[0:v, ci, :], moving=gq[0:v, ci, :],
+                    stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
+                )  # fmt: skip
+            _rmw(bf, dst_of(col, n, ht), c_ps, olds[j], n, "p3")
 
 
 def _phase4(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
-    """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4)."""
+    """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4), loads one column
+    group ahead as in `_phase3`."""
     if not geo.Hc:
         return
     first = cfg.dense and b == 0
+    bf = cfg.compute_dtype
     s_op = _stationary(t["sq"], 0, cfg.I, "p4_sres")
+    groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
-        n = min(NMAX, geo.h0 + geo.Hc - c0)
+        groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
+
+    def dst_of(c0: int, n: int, it: int) -> Any:
+        return _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
+
+    def loads(k: int) -> tuple[Any, Any, list[Any]]:
+        c0, n = groups[k]
         yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
+        olds = []
+        for it in range(cfg.I // P):
+            olds.append(_rmw_load(bf, dst_of(c0, n, it), first, n, "p4"))
+        return yq, ysv, olds
+
+    nxt = loads(0)
+    for k in range(len(groups)):
+        c0, n = groups[k]
+        yq, ysv, olds = nxt
+        if k + 1 < len(groups):
+            nxt = loads(k + 1)
         for it in range(cfg.I // P):
             sq, ssv = _load_q(s_op, it * P, P, "p4_s")
             c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p4_c")
@@ -1279,8 +1384,7 @@ def _phase4(
                     dst=c_ps, stationary=sq[0:v, ci, :], moving=yq[0:v, ci, :],
                     stationary_scale=ssv[ci], moving_scale=ysv[ci], accumulate=ci > 0,
                 )  # fmt: skip
-            dst = _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
-            _rmw(cfg.compute_dtype, dst, c_ps, first, n, "p4")
+            _rmw(bf, dst_of(c0, n, it), c_ps, olds[it], n, "p4")
 
 
 def _write_bias(
