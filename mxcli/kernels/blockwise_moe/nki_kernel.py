@@ -614,13 +614,10 @@ def _quantize_weight(
     or into the HBM scratch `spill`. Weights that are not bf16 are transposed in their own
     dtype and rounded to bf16 on chip (the DMA transpose does not cast)."""
     nk = len(tiles)
-    res_q: Any = None
-    res_s: Any = None
+    res: Any = None
     if spill is None:
-        res_q = nl.ndarray(
-            (P, nk, n_all), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_res_q"
-        )
-        res_s = nl.ndarray((P, nk, n_all), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_res_s")
+        # resident: scales packed four chunks to a tile (`_onchip_operand`)
+        res = _onchip_operand(tiles, c_lo, n_all, f"{name}_res")
     for c0, n in cols:
         for i in range(nk):
             kt = tiles[i]
@@ -634,18 +631,12 @@ def _quantize_weight(
                 nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
                 nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
             if spill is None:
-                cs0 = c0 - c_lo
-                _quantize_tile(
-                    ilv, kt, n, res_q[0:v, i, cs0 : cs0 + n], res_s[0:v, i, cs0 : cs0 + n]
-                )
+                _quantize_chunk_to(ilv, kt, n, name, res, c0, i)
             else:
                 _quantize_chunk_to(ilv, kt, n, name, spill, c0)
     if spill is not None:
         return spill
-    views = []
-    for i in range(nk):
-        views.append(res_s[0 : tiles[i].v, i, :])
-    return {"layout": None, "q": res_q, "views": views, "c_lo": c_lo}
+    return res
 
 
 # --------------------------------------------------------------------------------------------
@@ -672,11 +663,23 @@ def _rows_src(
 
 
 def _gather_rows(
-    cfg: BwdKernelConfig, blk: dict[str, Any], dst: Any, src: Any, b: int, tt: int, c0: int, n: int
+    cfg: BwdKernelConfig,
+    blk: dict[str, Any],
+    dst: Any,
+    src: Any,
+    b: int,
+    tt: int,
+    c0: int,
+    n: int,
+    zero_engine: Any = None,
 ) -> None:
-    """dst ``[P, n]`` <- token rows (padding rows 0)."""
+    """dst ``[P, n]`` <- token rows (padding rows 0, zeroed first on `zero_engine`: VectorE by
+    default, GpSimd where it is otherwise idle)."""
     if blk["tok"] is not None:
-        nisa.memset(dst=dst, value=0.0)
+        if zero_engine is None:
+            nisa.memset(dst=dst, value=0.0)
+        else:
+            nisa.memset(dst=dst, value=0.0, engine=zero_engine)
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n), oob_mode=_oob(cfg))
     else:
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n))
@@ -779,13 +782,22 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         )
         nisa.memset(dst=acc_bd, value=0.0)
         blk["acc_bd"] = acc_bd
+    # phase 1 as a software pipeline: window w+1's loads and operands are issued before window
+    # w's matmuls and SwiGLU backward
     nwin = cfg.B // cfg.W
-    nxt = _phase1_loads(cfg, geo, t, blk, b, 0)
+    rows = [_phase1_rows(cfg, t, blk, b, 0)]
+    if nwin > 1:
+        rows.append(_phase1_rows(cfg, t, blk, b, 1))
+    pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
+    q = _phase1_operands(cfg, geo, t, blk, 0, pre)
     for win in range(nwin):
-        pre = nxt
+        cur_pre, cur_q = pre, q
+        if win + 2 < nwin:
+            rows.append(_phase1_rows(cfg, t, blk, b, win + 2))
         if win + 1 < nwin:
-            nxt = _phase1_loads(cfg, geo, t, blk, b, win + 1)
-        _phase1(cfg, geo, t, blk, w, b, win, pre)
+            pre = _phase1_loads(cfg, geo, t, b, win + 1, rows[win + 1])
+            q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
+        _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
     _write_affinity_grad(cfg, geo, t, blk, b)
@@ -848,19 +860,28 @@ def _load_checkpoints(
     return out
 
 
-def _phase1_loads(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
-) -> dict[str, Any]:
-    """Everything phase 1 reads from HBM for window `win`: the dY rows (tokens on partitions,
-    ``[P, W/P, H]``), the alpha row and the checkpoint tiles of this core's I tiles. Issued one
-    window ahead of their compute (`_block`): DMA engines and queues start transfers in
-    program order, so a load issued after a window's write-backs would wait for them."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+def _phase1_rows(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int,
+                 win: int) -> Any:  # fmt: skip
+    """The dY rows of window `win` (tokens on partitions, ``[P, W/P, H]``), gathered two
+    windows ahead of their use (`_block`; zeroed on GpSimd, which keeps up at that distance)."""
+    nTw = cfg.W // P
     dyw = nl.ndarray((P, nTw, cfg.H), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p1_dy")
     for j in range(nTw):
         _gather_rows(
-            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H
-        )
+            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H,
+            nisa.engine.gpsimd,
+        )  # fmt: skip
+    return dyw
+
+
+def _phase1_loads(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], b: int, win: int, dyw: Any
+) -> dict[str, Any]:
+    """What phase 1 reads from HBM for window `win`: the dY rows `dyw` (`_phase1_rows`), the
+    alpha row and the checkpoint tiles of this core's I tiles. Issued one window ahead of their
+    compute (`_block`): DMA engines and queues start transfers in program order, so a load
+    issued after a window's write-backs would wait for them."""
+    Wn, w0 = cfg.W, win * cfg.W
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
     _load(alpha, t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
     cks = []
@@ -878,27 +899,14 @@ def _phase1(
     b: int,
     win: int,
     pre: dict[str, Any],
+    q: dict[str, Any],
 ) -> None:
     """D^T = mx(W_d, dY^T) per I tile of this core, SwiGLU backward, affinity-grad partials
-    (bwd spec §6 P1), on the window's loads `pre` (`_phase1_loads`)."""
+    (bwd spec §6 P1), on the window's loads `pre` (`_phase1_loads`) and operands `q`
+    (`_phase1_operands`, built one window ahead)."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
-    bf = cfg.compute_dtype
     ntk = len(geo.k1)
-    dyw = pre["dyw"]
-    # dY^T in the wrapX layout along H, quantized: [lanes, chunk, W]
-    yq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p1_yq")
-    ys = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p1_ys")
-    for ci in range(ntk):
-        kt = geo.k1[ci]
-        v = kt.v
-        ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p1_ilv")
-        for j in range(4):
-            ps = nl.ndarray((P, Wn), dtype=bf, buffer=nl.psum, name="p1_tp")
-            h = kt.k0 + j * v
-            for tt in range(nTw):
-                nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
-            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
-        _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
+    yq, ys = q["yq"], q["ys"]
     alpha = pre["alpha"]
     prods: list[Any] = []
     for n_it in range(geo.n_i):
@@ -911,7 +919,7 @@ def _phase1(
                 dst=d, stationary=wq[0:v, ci, :], moving=yq[0:v, ci, :],
                 stationary_scale=wsv[ci], moving_scale=ys[0:v, ci, :], accumulate=ci > 0,
             )  # fmt: skip
-        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, prods, pre["ck"][n_it])
+        _swiglu(cfg, t, blk, win, it, n_it, d, alpha, prods, pre["ck"][n_it], q["sw"][n_it])
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM), in
     # I-tile order; issued after the window's MX matmuls so that the Tensor engine's in-order
     # queue does not wait on each tile's VectorE product between them
@@ -931,33 +939,61 @@ def _phase1(
         nisa.memset(dst=da, value=0.0)
     dst = t["da_s"].ap([[1, P], [P, nTw]], offset=geo.pid * cfg.B + w0)
     _store(dst, da)
+
+
+def _phase1_operands(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    win: int,
+    pre: dict[str, Any],
+) -> dict[str, Any]:
+    """What phase 1 computes from window `win`'s loads before its matmuls, issued one window
+    ahead of them (so that no engine's in-order queue waits on another engine at a window
+    boundary): dY^T quantized along H (``yq``, ``ys``), the SwiGLU terms that need only the
+    checkpoints (``sw``, `_swiglu_terms`), and phase 4's dY operand (this core's H columns,
+    quantized along the tokens; with the down bias grad: dY is gathered once per block)."""
+    Wn, nTw = cfg.W, cfg.W // P
+    bf = cfg.compute_dtype
+    ntk = len(geo.k1)
+    dyw = pre["dyw"]
+    # dY^T in the wrapX layout along H, quantized: [lanes, chunk, W]
+    yq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p1_yq")
+    ys = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p1_ys")
+    for ci in range(ntk):
+        kt = geo.k1[ci]
+        v = kt.v
+        ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p1_ilv")
+        for j in range(4):
+            ps = nl.ndarray((P, Wn), dtype=bf, buffer=nl.psum, name="p1_tp")
+            h = kt.k0 + j * v
+            for tt in range(nTw):
+                nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
+            # phase 1 is VectorE-bound: every other eviction on ScalarE (bit-exact copies)
+            if j % 2 == 1:
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
+            else:
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+        _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
+    sw = []
+    for n_it in range(geo.n_i):
+        sw.append(_swiglu_terms(cfg, pre["ck"][n_it]))
     if geo.Hc:
         # phase 4's dY operand (this core's H columns, quantized along the tokens) and the
         # down bias grad come from the rows gathered here: dY is gathered once per block
         _rows_q(cfg, dyw, geo.h0, win, t["yq"], geo.Hc, geo.h0, "p4_dy")
         if cfg.bias:
             _bias_down(cfg, geo, t, blk, win, dyw[:, :, geo.h0 : geo.h0 + geo.Hc])
+    return {"yq": yq, "ys": ys, "sw": sw}
 
 
-def _swiglu(
-    cfg: BwdKernelConfig,
-    t: dict[str, Any],
-    blk: dict[str, Any],
-    b: int,
-    win: int,
-    it: int,
-    n_it: int,
-    d: Any,
-    alpha: Any,
-    prods: list[Any],
-    ck: dict[str, Any],
-) -> None:
-    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1, on
-    the checkpoint tiles `ck` (`_load_checkpoints`); the affinity-grad product ``fp32(D*Hm)`` is
-    appended to `prods`."""
-    Wn, w0 = cfg.W, win * cfg.W
-    i0 = it * P
-    bf, f32 = cfg.compute_dtype, nl.float32
+def _swiglu_terms(cfg: BwdKernelConfig, ck: dict[str, Any]) -> dict[str, Any]:
+    """The SwiGLU backward terms of one ``[128 i, W tok]`` tile that need only its checkpoints
+    `ck` (bwd spec §6 P1 rounding points): ``act = bf16(silu(G))`` (or phi(G) as given),
+    ``dga = bf16(bf16(silu'(G)) * U)``, ``hm = bf16(act * U)`` (or Hm as given). The SBUF-only
+    products run on GpSimd, which phase 1 (VectorE-bound) otherwise leaves idle."""
+    Wn, bf = cfg.W, cfg.compute_dtype
     g, u = ck["g"], ck["u"]
     act = ck["act"]
     if act is None:
@@ -966,11 +1002,35 @@ def _swiglu(
     dph = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dphi")
     nisa.activation(dst=dph, op=nl.silu_dx, data=g)  # bf16(silu'(G))
     dga = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dga")
-    nisa.tensor_tensor(dst=dga, data1=dph, data2=u, op=nl.multiply)  # bf16(dphi*U)
+    nisa.tensor_tensor(dst=dga, data1=dph, data2=u, op=nl.multiply, engine=nisa.engine.gpsimd)
     hm = ck["hm"]
     if hm is None:
         hm = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="hm")
-        nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply)  # Hm = bf16(act*U)
+        nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply, engine=nisa.engine.gpsimd)
+    return {"act": act, "dga": dga, "hm": hm}
+
+
+def _swiglu(
+    cfg: BwdKernelConfig,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    win: int,
+    it: int,
+    n_it: int,
+    d: Any,
+    alpha: Any,
+    prods: list[Any],
+    ck: dict[str, Any],
+    sw: dict[str, Any],
+) -> None:
+    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1, on
+    the checkpoint tiles `ck` (`_load_checkpoints`) and terms `sw` (`_swiglu_terms`); the
+    affinity-grad product ``fp32(D*Hm)`` is appended to `prods`."""
+    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    i0 = it * P
+    bf, f32 = cfg.compute_dtype, nl.float32
+    g, u = ck["g"], ck["u"]
+    act, dga, hm = sw["act"], sw["dga"], sw["hm"]
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM)
     prod = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="dhm")
     nisa.tensor_tensor(dst=prod, data1=d, data2=hm, op=nl.multiply)
@@ -1125,7 +1185,10 @@ def _phase2_loads(
         out["rows"].append(rows)
     x = nl.ndarray((P, nTw, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p3_x_rows")
     for j in range(nTw):
-        _gather_rows(cfg, blk, x[:, j, :], t["hidden_states"], b, win * nTw + j, geo.h0, geo.Hc)
+        _gather_rows(
+            cfg, blk, x[:, j, :], t["hidden_states"], b, win * nTw + j, geo.h0, geo.Hc,
+            nisa.engine.gpsimd,
+        )  # fmt: skip
     out["x"] = x
     return out
 
