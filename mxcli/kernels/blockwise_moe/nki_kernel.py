@@ -509,46 +509,56 @@ def _constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
 
 
 def _zeros_hbm(
-    t: dict[str, Any], dst: Any, offset: int, row_stride: int, nrows: int, ncols: int
+    jobs: list[Any], dst: Any, offset: int, row_stride: int, nrows: int, ncols: int
 ) -> None:
-    """Zero a ``[nrows, ncols]`` region (row stride `row_stride` elements) of an HBM tensor."""
-    z = t["zero"]
+    """Append the DMAs zeroing a ``[nrows, ncols]`` region (row stride `row_stride` elements)
+    of an HBM tensor to `jobs`: ``(dst view, rows, cols)`` each."""
     for r0 in range(0, nrows, P):
         nr = min(P, nrows - r0)
         for c0 in range(0, ncols, ZCOLS):
             nc = min(ZCOLS, ncols - c0)
-            nisa.dma_copy(
-                dst=dst.ap([[row_stride, nr], [1, nc]], offset=offset + r0 * row_stride + c0),
-                src=z[0:nr, 0:nc],
-            )
+            view = dst.ap([[row_stride, nr], [1, nc]], offset=offset + r0 * row_stride + c0)
+            jobs.append((view, nr, nc))
 
 
-def _zeros_flat(t: dict[str, Any], dst: Any, start: int, count: int) -> None:
-    """Zero ``count`` contiguous elements of an HBM tensor from flat element `start`."""
+def _zeros_flat(jobs: list[Any], dst: Any, start: int, count: int) -> None:
+    """Append the DMAs zeroing ``count`` contiguous elements from flat element `start`."""
     full = count // ZCOLS
     if full:
-        _zeros_hbm(t, dst, start, ZCOLS, full, ZCOLS)
+        _zeros_hbm(jobs, dst, start, ZCOLS, full, ZCOLS)
     rest = count - full * ZCOLS
     if rest:
-        _zeros_hbm(t, dst, start + full * ZCOLS, rest, 1, rest)
+        _zeros_hbm(jobs, dst, start + full * ZCOLS, rest, 1, rest)
 
 
-def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> None:
-    """Zero what this core updates (bwd spec §4.3). Dense with a token count: the hidden and
-    affinity grads only (rows past the count are then 0, as in the reference)."""
-    _zeros_hbm(t, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
+def _run_zeros(t: dict[str, Any], jobs: list[Any]) -> None:
+    """Issue zeroing DMAs (from the zero tile, static descriptors)."""
+    z = t["zero"]
+    for view, nr, nc in jobs:
+        nisa.dma_copy(dst=view, src=z[0:nr, 0:nc])
+
+
+def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> list[Any]:
+    """The DMAs zeroing what this core updates (bwd spec §4.3). Dense with a token count: the
+    hidden and affinity grads only (rows past the count are then 0, as in the reference).
+    The first block issues them spread over its phase-1 windows (`_block`): nothing reads or
+    writes these outputs before phase 2, and a burst at the start would hold back the DMA
+    engines phase 1 starts with."""
+    jobs: list[Any] = []
+    _zeros_hbm(jobs, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
     if geo.pid == 0:
-        _zeros_flat(t, t["dea"], 0, cfg.T * cfg.E)
+        _zeros_flat(jobs, t["dea"], 0, cfg.T * cfg.E)
     if cfg.dense:
-        return
+        return jobs
     for e in range(cfg.E):
-        _zeros_flat(t, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
-        _zeros_hbm(t, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
+        _zeros_flat(jobs, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
+        _zeros_hbm(jobs, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
         if cfg.bias:
-            _zeros_hbm(t, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
+            _zeros_hbm(jobs, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
             for g in range(2):
                 for j in range(geo.n_i):
-                    _zeros_flat(t, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
+                    _zeros_flat(jobs, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
+    return jobs
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,14 +567,18 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> Non
 
 
 def _quantize_weights(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any, which: str = "both",
+    w: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Phase-1/2 weight operands of the current expert ({"d", "gu"}): quantized on chip (into
     SBUF when resident, else into the HBM scratch), or the pre-quantized inputs themselves
-    (loaded into SBUF once per block when resident)."""
-    w: dict[str, Any] = {"d": None, "gu": None}
+    (loaded into SBUF once per block when resident). `which`: "d", "gu" or "both" (into `w`)."""
+    if w is None:
+        w = {"d": None, "gu": None}
     lo_d = geo.i_lo * P
-    if cfg.pq_d:
+    if which == "gu":
+        pass
+    elif cfg.pq_d:
         lay = QLayout(geo.k1, cfg.runs1, cfg.I, cfg.d_groups, cfg.d_place)
         data = t["down_proj_weight"].view(cfg.x4_dtype)
         hq = _hbm_operand(data, t["down_weight_scales"], lay, expert)
@@ -578,7 +592,9 @@ def _quantize_weights(
             t["down_proj_weight"], cfg.H, geo.k1, expert, cols, lo_d, geo.d_cols, t["wdq_s"],
             cfg.compute_dtype, "wd",
         )  # fmt: skip
-    if cfg.pq_gu:
+    if which == "d":
+        pass
+    elif cfg.pq_gu:
         lay = QLayout(geo.k2, cfg.runs2, cfg.H, cfg.gu_groups, cfg.gu_place)
         data = t["gate_up_proj_weight"].view(cfg.x4_dtype)
         hq = _hbm_operand(data, t["gate_up_weight_scales"], lay, expert)
@@ -763,11 +779,16 @@ def _hand_over(geo: Geometry, t: dict[str, Any]) -> None:
         nisa.core_barrier(t["da_s"], (0, 1))
 
 
-def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any, b: int) -> None:
+def _block(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any, b: int,
+    zero_jobs: list[Any],
+) -> None:
+    """One block (module docstring); `zero_jobs`: output-zeroing DMAs still to issue."""
     blk = _setup_indices(cfg, t, b)
     w = w_dense
     if not cfg.dense:
-        w = _quantize_weights(cfg, geo, t, blk["expert"])
+        # W_gu (phase 2) is quantized after phase 1's first window is under way
+        w = _quantize_weights(cfg, geo, t, blk["expert"], "d")
     blk["acc_bgu"] = None
     if cfg.bias:
         acc_bgu = nl.ndarray(
@@ -797,6 +818,11 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         if win + 1 < nwin:
             pre = _phase1_loads(cfg, geo, t, b, win + 1, rows[win + 1])
             q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
+        nz = len(zero_jobs)
+        _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
+        if win == 0 and not cfg.dense:
+            # W_gu (needed from phase 2 on) once phase 1's first window is under way
+            _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
         _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
@@ -1530,13 +1556,17 @@ def blockwise_mm_bwd_mxfp8_nki(
     _alloc_outputs(cfg, t)
     _alloc_scratch(cfg, geo, t)
     _constants(cfg, t)
+    zero_jobs: list[Any] = []
     if not cfg.dense or cfg.nv:
-        _init_outputs(cfg, geo, t)
+        zero_jobs = _init_outputs(cfg, geo, t)
     w_dense = None
     if cfg.dense:
         w_dense = _quantize_weights(cfg, geo, t, None)
     for b in range(cfg.N):
-        _block(cfg, geo, t, w_dense, b)
+        jobs: list[Any] = []
+        if b == 0:
+            jobs = zero_jobs
+        _block(cfg, geo, t, w_dense, b, jobs)
     if cfg.bias:
         return (t["hsg"], t["dea"], t["dwgu"], t["dwd"], t["dbgu"], t["dbd"])
     return (t["hsg"], t["dea"], t["dwgu"], t["dwd"])
