@@ -219,14 +219,14 @@ def _split(n: int, parts: int, idx: int) -> tuple[int, int]:
 
 
 def _load(dst: Any, src: Any) -> None:
-    """A plain (same-dtype, no vector offset) load on the sync engine's hardware-DGE queue.
+    """A plain load (the compiler's default descriptors).
 
     The kernel spreads its DMAs over the queues (nki-dge.rst: the queue follows the trigger
-    engine and the descriptor-generation method): loads here, write-backs on the scalar
-    engine's queue (`_store`), indirect gathers and scatters on the software-DGE queue, output
-    zeroing on static descriptors. A queue starts its transfers in order, so a write-back
-    waiting for its compute would otherwise hold back every later load behind it."""
-    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+    engine and the descriptor-generation method): loads and output zeroing here, write-backs on
+    the scalar engine's hardware-DGE queue (`_store`), indirect gathers and scatters on the
+    software-DGE queue. A queue starts its transfers in order, so a write-back waiting for its
+    compute would otherwise hold back every later load behind it."""
+    nisa.dma_copy(dst=dst, src=src)
 
 
 def _store(dst: Any, src: Any) -> None:
@@ -842,13 +842,6 @@ def _block(
     t["sq"] = t["sq_hbm"]
     if geo.res_s:
         t["sq"] = _onchip_operand(geo.k4, 0, cfg.I, "p4_sres")
-    if geo.Hc:
-        nxt_s = _s_loads(cfg, t, 0)
-        for win in range(nwin):
-            fts = nxt_s
-            if win + 1 < nwin:
-                nxt_s = _s_loads(cfg, t, win + 1)
-            _transposed_q(cfg, fts, cfg.I, win, t["sq"], "p4_s")
     _phase3(cfg, geo, t, blk, b)
     _phase4(cfg, geo, t, blk, b)
     if cfg.bias:
@@ -1414,12 +1407,26 @@ def _phase3(
             olds.append(_rmw_load(bf, dst_of(col, n, geo.h_lo + j), first, n, "p3"))
         return gq, gsv, olds
 
+    # S (phase 4's operand) is quantized along the tokens during phase 3 (PE-bound: its
+    # transposes fill the gaps), windows spread over the column groups, loads one group ahead
+    nwin = cfg.B // cfg.W
+    ng = len(groups)
+
+    def s_loads(k: int) -> list[Any]:
+        out = []
+        for win in range((k * nwin) // ng, ((k + 1) * nwin) // ng):
+            out.append((win, _s_loads(cfg, t, win)))
+        return out
+
     nxt = loads(0)
-    for k in range(len(groups)):
+    nxt_s = s_loads(0)
+    for k in range(ng):
         col, n = groups[k]
         gq, gsv, olds = nxt
-        if k + 1 < len(groups):
+        fts = nxt_s
+        if k + 1 < ng:
             nxt = loads(k + 1)
+            nxt_s = s_loads(k + 1)
         for j in range(geo.n_h):
             ht = geo.h_lo + j
             xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
@@ -1431,6 +1438,8 @@ def _phase3(
                     stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
                 )  # fmt: skip
             _rmw(bf, dst_of(col, n, ht), c_ps, olds[j], n, "p3")
+        for win, ft in fts:
+            _transposed_q(cfg, ft, cfg.I, win, t["sq"], "p4_s")
 
 
 def _phase4(
