@@ -102,6 +102,9 @@ RESIDENT_BUDGET = 96 * 1024
 # block's tokens, scales packed) may take together to stay on chip for the block instead of
 # going through HBM scratch and being loaded again for every output tile.
 STATIONARY_BUDGET = 120 * 1024
+# SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
+# ahead of their use (three windows' rows live) instead of one.
+ROWS_AHEAD_BUDGET = 96 * 1024
 
 
 @dataclass
@@ -806,15 +809,19 @@ def _block(
     # phase 1 as a software pipeline: window w+1's loads and operands are issued before window
     # w's matmuls and SwiGLU backward
     nwin = cfg.B // cfg.W
-    rows = [_phase1_rows(cfg, t, blk, b, 0)]
-    if nwin > 1:
-        rows.append(_phase1_rows(cfg, t, blk, b, 1))
+    # dY rows two windows ahead when three windows' rows fit in ROWS_AHEAD_BUDGET, else one
+    ahead = 1
+    if 3 * (cfg.W // P) * cfg.H * 2 <= ROWS_AHEAD_BUDGET:
+        ahead = 2
+    rows = []
+    for win in range(min(ahead, nwin)):
+        rows.append(_phase1_rows(cfg, t, blk, b, win))
     pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
     q = _phase1_operands(cfg, geo, t, blk, 0, pre)
     for win in range(nwin):
         cur_pre, cur_q = pre, q
-        if win + 2 < nwin:
-            rows.append(_phase1_rows(cfg, t, blk, b, win + 2))
+        if win + ahead < nwin and len(rows) == win + ahead:
+            rows.append(_phase1_rows(cfg, t, blk, b, win + ahead))
         if win + 1 < nwin:
             pre = _phase1_loads(cfg, geo, t, b, win + 1, rows[win + 1])
             q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
@@ -989,8 +996,8 @@ def _phase1_operands(
             h = kt.k0 + j * v
             for tt in range(nTw):
                 nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
-            # phase 1 is VectorE-bound: every other eviction on ScalarE (bit-exact copies)
-            if j % 2 == 1:
+            # phase 1 is VectorE-bound: one eviction in four on ScalarE (bit-exact copies)
+            if j == 0:
                 nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
             else:
                 nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
