@@ -87,7 +87,7 @@ def matmul_bf16(a, b):
             if nb2 == 0:
                 a_next = _load_a_block(a, m_lo + mb2 * BM, K)
         accs = []
-        for mt in range(MT):
+        for _mt in range(MT):
             accs.append(nl.ndarray((P, BN), nl.float32, buffer=nl.psum, name="acc"))
         for kt in range(KT):
             for mt in range(MT):

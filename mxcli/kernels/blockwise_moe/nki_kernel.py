@@ -570,7 +570,11 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> lis
 
 
 def _quantize_weights(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any, which: str = "both",
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    expert: Any,
+    which: str = "both",
     w: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Phase-1/2 weight operands of the current expert ({"d", "gu"}): quantized on chip (into
@@ -783,7 +787,11 @@ def _hand_over(geo: Geometry, t: dict[str, Any]) -> None:
 
 
 def _block(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any, b: int,
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    w_dense: Any,
+    b: int,
     zero_jobs: list[Any],
 ) -> None:
     """One block (module docstring); `zero_jobs`: output-zeroing DMAs still to issue."""
@@ -1246,7 +1254,13 @@ def _window_tiles(op: dict[str, Any], w0: int, Wn: int) -> list[tuple[int, Any]]
 
 
 def _rows_q(
-    cfg: BwdKernelConfig, rows: Any, r0: int, win: int, dst: dict[str, Any], F: int, c0: int,
+    cfg: BwdKernelConfig,
+    rows: Any,
+    r0: int,
+    win: int,
+    dst: dict[str, Any],
+    F: int,
+    c0: int,
     name: str,
 ) -> None:
     """Token rows of window `win` (``rows [P, W/P, *]``, tokens on partitions, columns
@@ -1294,7 +1308,11 @@ def _transposed_q(
 
 
 def _rows_t_q(
-    cfg: BwdKernelConfig, geo: Geometry, rows2: list[Any], win: int, dst: dict[str, Any],
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    rows2: list[Any],
+    win: int,
+    dst: dict[str, Any],
     name: str,
 ) -> None:
     """``[dG|dU]^T`` of window `win` to token lanes from phase 2's row tiles (``rows2[i]
@@ -1386,54 +1404,62 @@ def _rmw(bf: Any, dst_ap: Any, c_ps: Any, old: Any, n: int, name: str) -> None:
     _store(dst_ap, c)
 
 
+def _p3_dst(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], col: int, n: int,
+            ht: int) -> Any:  # fmt: skip
+    """dW_gu[e] rows of H tile `ht`, columns ``[col, col+n)`` of the flattened (2, I)."""
+    I2 = 2 * cfg.I
+    return _ap(t["dwgu"], [[I2, P], [1, n]], ht * P * I2 + col, blk["expert"])
+
+
+def _p3_loads(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any],
+              first: bool, col: int, n: int) -> tuple[Any, Any, list[Any]]:  # fmt: skip
+    """Phase 3's loads for dGU columns ``[col, col+n)``: the moving operand and the current
+    value of this core's output tiles."""
+    gq, gsv = _load_q(t["gq"], col, n, "p3_g")
+    olds = []
+    for j in range(geo.n_h):
+        dst = _p3_dst(cfg, t, blk, col, n, geo.h_lo + j)
+        olds.append(_rmw_load(cfg.compute_dtype, dst, first, n, "p3"))
+    return gq, gsv, olds
+
+
+def _p3_s_loads(cfg: BwdKernelConfig, t: dict[str, Any], k: int, ng: int) -> list[Any]:
+    """(window, S^T tiles) of the windows whose S is quantized after phase-3 group `k` of
+    `ng`."""
+    nwin = cfg.B // cfg.W
+    out = []
+    for win in range((k * nwin) // ng, ((k + 1) * nwin) // ng):
+        out.append((win, _s_loads(cfg, t, win)))
+    return out
+
+
 def _phase3(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
     """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3). Per column
     group of dGU the moving operand and the current output tiles are loaded one group ahead
-    of the group's matmuls (see `_phase1_loads`)."""
+    of the group's matmuls (see `_phase1_loads`). S (phase 4's operand) is quantized along the
+    tokens here too, its windows spread over the groups (phase 3 is PE-bound: the transposes
+    fill its gaps), its loads one group ahead."""
     if not geo.Hc:
         return
     first = cfg.dense and b == 0
-    I2 = 2 * cfg.I
     bf = cfg.compute_dtype
     x_op = _stationary(t["xq"], geo.h0, geo.Hc, "p3_xres")
     groups = []
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
             groups.append((g * cfg.I + i0, min(NMAX, cfg.I - i0)))
-
-    def dst_of(col: int, n: int, ht: int) -> Any:
-        return _ap(t["dwgu"], [[I2, P], [1, n]], ht * P * I2 + col, blk["expert"])
-
-    def loads(k: int) -> tuple[Any, Any, list[Any]]:
-        col, n = groups[k]
-        gq, gsv = _load_q(t["gq"], col, n, "p3_g")
-        olds = []
-        for j in range(geo.n_h):
-            olds.append(_rmw_load(bf, dst_of(col, n, geo.h_lo + j), first, n, "p3"))
-        return gq, gsv, olds
-
-    # S (phase 4's operand) is quantized along the tokens during phase 3 (PE-bound: its
-    # transposes fill the gaps), windows spread over the column groups, loads one group ahead
-    nwin = cfg.B // cfg.W
     ng = len(groups)
-
-    def s_loads(k: int) -> list[Any]:
-        out = []
-        for win in range((k * nwin) // ng, ((k + 1) * nwin) // ng):
-            out.append((win, _s_loads(cfg, t, win)))
-        return out
-
-    nxt = loads(0)
-    nxt_s = s_loads(0)
+    nxt = _p3_loads(cfg, geo, t, blk, first, groups[0][0], groups[0][1])
+    nxt_s = _p3_s_loads(cfg, t, 0, ng)
     for k in range(ng):
         col, n = groups[k]
         gq, gsv, olds = nxt
         fts = nxt_s
         if k + 1 < ng:
-            nxt = loads(k + 1)
-            nxt_s = s_loads(k + 1)
+            nxt = _p3_loads(cfg, geo, t, blk, first, groups[k + 1][0], groups[k + 1][1])
+            nxt_s = _p3_s_loads(cfg, t, k + 1, ng)
         for j in range(geo.n_h):
             ht = geo.h_lo + j
             xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
@@ -1444,9 +1470,26 @@ def _phase3(
                     dst=c_ps, stationary=xq[0:v, ci, :], moving=gq[0:v, ci, :],
                     stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
                 )  # fmt: skip
-            _rmw(bf, dst_of(col, n, ht), c_ps, olds[j], n, "p3")
+            _rmw(bf, _p3_dst(cfg, t, blk, col, n, ht), c_ps, olds[j], n, "p3")
         for win, ft in fts:
             _transposed_q(cfg, ft, cfg.I, win, t["sq"], "p4_s")
+
+
+def _p4_dst(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], c0: int, n: int,
+            it: int) -> Any:  # fmt: skip
+    """dW_d[e] rows of I tile `it`, columns ``[c0, c0+n)``."""
+    return _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
+
+
+def _p4_loads(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], first: bool,
+              c0: int, n: int) -> tuple[Any, Any, list[Any]]:  # fmt: skip
+    """Phase 4's loads for H columns ``[c0, c0+n)``: dY's operand and the output tiles."""
+    yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
+    olds = []
+    for it in range(cfg.I // P):
+        dst = _p4_dst(cfg, t, blk, c0, n, it)
+        olds.append(_rmw_load(cfg.compute_dtype, dst, first, n, "p4"))
+    return yq, ysv, olds
 
 
 def _phase4(
@@ -1462,24 +1505,12 @@ def _phase4(
     groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
-
-    def dst_of(c0: int, n: int, it: int) -> Any:
-        return _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
-
-    def loads(k: int) -> tuple[Any, Any, list[Any]]:
-        c0, n = groups[k]
-        yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
-        olds = []
-        for it in range(cfg.I // P):
-            olds.append(_rmw_load(bf, dst_of(c0, n, it), first, n, "p4"))
-        return yq, ysv, olds
-
-    nxt = loads(0)
+    nxt = _p4_loads(cfg, t, blk, first, groups[0][0], groups[0][1])
     for k in range(len(groups)):
         c0, n = groups[k]
         yq, ysv, olds = nxt
         if k + 1 < len(groups):
-            nxt = loads(k + 1)
+            nxt = _p4_loads(cfg, t, blk, first, groups[k + 1][0], groups[k + 1][1])
         for it in range(cfg.I // P):
             sq, ssv = _load_q(s_op, it * P, P, "p4_s")
             c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p4_c")
@@ -1489,7 +1520,7 @@ def _phase4(
                     dst=c_ps, stationary=sq[0:v, ci, :], moving=yq[0:v, ci, :],
                     stationary_scale=ssv[ci], moving_scale=ysv[ci], accumulate=ci > 0,
                 )  # fmt: skip
-            _rmw(bf, dst_of(c0, n, it), c_ps, olds[it], n, "p4")
+            _rmw(bf, _p4_dst(cfg, t, blk, c0, n, it), c_ps, olds[it], n, "p4")
 
 
 def _write_bias(
