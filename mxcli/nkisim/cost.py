@@ -121,7 +121,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "dma_engine_bytes_per_ns", 23, 33, "B/ns",
-        f"{_DMA_OV}, {_DMA_BW}: BW per engine (aggregate 368 / 528 GB/s per core)",
+        f"{_DMA_OV}, {_DMA_BW}: BW per engine (aggregate 368 / 528 GB/s per core). CHOSEN over "
+        f"the 27.2 / 38.4 GB/s {_DMA_OV} calls 'theoretical': the bandwidth guide's "
+        "efficiency curve is stated against 33; the measured bf16 matmuls "
+        "(mxcli.nkisim.measured) are PE-bound and do not tell the two apart",
     ),
     Figure(
         "dma_descriptor_overhead_bytes", 512, 512, "B-equivalent",
@@ -150,7 +153,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "hbm_tbps_chip", 2.9, 4.9, "TB/s per chip (8 cores)",
         "about-neuron/arch/neuron-hardware/trainium3.rst (HBM Bandwidth 2.9 / 4.9 TB/sec); "
-        f"{_ARCH3} says 4.7 TB/s",
+        f"{_ARCH3} says 4.7 TB/s. CHOSEN: the hardware page; with either figure a core's HBM "
+        "share (612 / 588 GB/s) exceeds its 16 DMA engines' 528 GB/s, so no estimate here "
+        "changes",
     ),
     Figure("cores_per_chip", 8, 8, "cores", f"{_ARCH2}, {_ARCH3}: 8 NeuronCores per device"),
 )  # fmt: skip
