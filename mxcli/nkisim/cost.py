@@ -122,9 +122,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "dma_engine_bytes_per_ns", 23, 33, "B/ns",
         f"{_DMA_OV}, {_DMA_BW}: BW per engine (aggregate 368 / 528 GB/s per core). CHOSEN over "
-        f"the 27.2 / 38.4 GB/s {_DMA_OV} calls 'theoretical': the bandwidth guide's "
-        "efficiency curve is stated against 33; the measured bf16 matmuls "
-        "(mxcli.nkisim.measured) are PE-bound and do not tell the two apart",
+        f"the 27.2 / 38.4 GB/s {_DMA_OV} calls 'theoretical': the bandwidth guide's table "
+        "gives the per-engine rate large payloads sustain, which is what the model charges; "
+        "the measured bf16 matmuls (mxcli.nkisim.measured) are PE-bound and cannot tell the "
+        "two apart",
     ),
     Figure(
         "dma_descriptor_overhead_bytes", 512, 512, "B-equivalent",
