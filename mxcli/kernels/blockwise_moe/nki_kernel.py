@@ -105,6 +105,9 @@ STATIONARY_BUDGET = 120 * 1024
 # SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
 # ahead of their use (three windows' rows live) instead of one.
 ROWS_AHEAD_BUDGET = 96 * 1024
+# SBUF bytes per partition (resident phase-1/2 weights + two windows' phase-1 loads and
+# operands + one window's dY rows) under which phase 1 runs as a software pipeline.
+PIPELINE_BUDGET = 230 * 1024
 
 
 @dataclass
@@ -817,20 +820,37 @@ def _block(
     # phase 1 as a software pipeline: window w+1's loads and operands are issued before window
     # w's matmuls and SwiGLU backward
     nwin = cfg.B // cfg.W
-    # dY rows two windows ahead when three windows' rows fit in ROWS_AHEAD_BUDGET, else one
+    # Where they fit (`PIPELINE_BUDGET`): window w+1's loads and operands before window w's
+    # compute, dY rows two windows ahead (`ROWS_AHEAD_BUDGET`); else the operands just before
+    # their compute and the rows one window ahead.
+    Wn, bpe = cfg.W, 2
+    dy_bytes = (Wn // P) * cfg.H * bpe
+    win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
+    w_bytes = 0
+    if geo.res_d:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k1), geo.d_cols)
+    if geo.res_gu:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
+    q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
     ahead = 1
-    if 3 * (cfg.W // P) * cfg.H * 2 <= ROWS_AHEAD_BUDGET:
+    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
         ahead = 2
     rows = []
     for win in range(min(ahead, nwin)):
         rows.append(_phase1_rows(cfg, t, blk, b, win))
-    pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
-    q = _phase1_operands(cfg, geo, t, blk, 0, pre)
+    pre: Any = None
+    q: Any = None
+    if q_ahead:
+        pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
+        q = _phase1_operands(cfg, geo, t, blk, 0, pre)
     for win in range(nwin):
+        if not q_ahead:
+            pre = _phase1_loads(cfg, geo, t, b, win, rows[win])
+            q = _phase1_operands(cfg, geo, t, blk, win, pre)
         cur_pre, cur_q = pre, q
         if win + ahead < nwin and len(rows) == win + ahead:
             rows.append(_phase1_rows(cfg, t, blk, b, win + ahead))
-        if win + 1 < nwin:
+        if q_ahead and win + 1 < nwin:
             pre = _phase1_loads(cfg, geo, t, b, win + 1, rows[win + 1])
             q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
         nz = len(zero_jobs)
