@@ -42,22 +42,24 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    interleaved into the wrapX layout along 2I by one VectorE copy, quantized;
    ``R [W, H] = mx(dGU, W_gu)`` per 128-token tile; hidden-state grad rows scattered (or
    gathered, added in fp32, rounded to bf16 and scattered when accumulating).
-4. phases 3/4 operands (contraction over the block's tokens): ``X`` and ``dY`` rows gathered,
-   interleaved into the wrapX layout along tokens; ``dGU`` and ``S`` PE-transposed from the
-   scratch; all quantized and spilled to HBM scratch (they are needed for every output tile).
+4. phases 3/4 operands (contraction over the block's tokens), quantized along the tokens:
+   ``X`` rows gathered and ``dY``'s taken from phase 1's rows, interleaved into the wrapX
+   layout; ``dGU`` PE-transposed from phase 2's row tiles and ``S`` from the scratch (during
+   phase 3). The stationary ``X`` and ``S`` stay in SBUF when they fit `STATIONARY_BUDGET`
+   (scales packed four chunks to a tile), the moving ``dGU`` / ``dY`` go through HBM scratch.
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
    ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead. The stationary ``X``
-   / ``S`` operands are loaded once per block when they fit `STATIONARY_BUDGET` (else per
-   128-column tile, i.e. again for every output tile of the other operand).
+   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
-Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the phase-2
-and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on VectorE: one fp32 ->
-bf16 rounding), the other elementwise work on VectorE. The PE transposes' evictions stay on
-VectorE: they sit on the dependency chain of every quantized operand, and ScalarE's narrower
-PSUM path (128 vs 256 elements per cycle) lengthened the schedule.
+Engine balance and overlap (cost model, `mxcli profile bwd`): the PSUM evictions of the
+phase-2 and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on
+VectorE: one fp32 -> bf16 rounding), the checkpoint-only SwiGLU products on GpSimd, the other
+elementwise work on VectorE. Every phase is a software pipeline: the loads (and in phase 1 the
+operands) of window / column group k+1 are issued before the compute and write-backs of k,
+since DMA engines and queues start transfers in program order; loads, write-backs, gathers
+and zeroing use different DMA queues (`_load`, `_store`).
 
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
