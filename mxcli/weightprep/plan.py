@@ -38,6 +38,7 @@ from mxcli.weightprep.families import (
     resolve_config,
 )
 from mxcli.weightprep.padding import Padding
+from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import TensorSpec
 
 FORMATS = ("bf16", "mxfp8")
@@ -546,6 +547,8 @@ class _Sources:
             return "F32"
         if name.endswith(("_blocks", "_scales")):
             return "U8"
+        if name.endswith(".weight_scale") and isinstance(self.m.fp8_block, CtQuant):
+            return "U8" if self.m.fp8_block.scheme == "mxfp8" else "F32"
         if name.endswith(("e_score_correction_bias", "expert_bias")):
             return "F32"  # DeepSeek-V3 and its descendants keep the correction bias in fp32
         if quantized and self.m.fp8_block is not None:
@@ -635,24 +638,23 @@ def build_plan(
         names = list(expected)
         for name, (shape, why, quantized) in expected.items():
             info = src.info(name, shape, why, quantized)
+            if info.dtype in FP8_SOURCE_DTYPES and not quantized:
+                raise ConfigError(
+                    f"{name}: FP8-quantized, but only expert weights may be (dequantize it first)"
+                )
             if info.dtype in FP8_SOURCE_DTYPES:
                 if m.fp8_block is None:
                     raise ConfigError(
                         f"{name}: FP8 weight, but config.json has no fp8 quantization_config"
                     )
-                sname = name + "_scale_inv"
-                src.info(
-                    sname,
-                    fp8_scale_shape(info.shape, m.fp8_block),
-                    f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks",
-                    False,
-                )
+                sname, sshape, swhy = _scale_companion(name, info.shape, m.fp8_block)
+                src.info(sname, sshape, swhy, False)
                 names.append(sname)
         for name in experts:  # the routed experts' storage format, as reported in the plan
             dtype = src[name].dtype
             formats_seen.add(
-                "fp8-block" if dtype in FP8_SOURCE_DTYPES else "mxfp4" if name.endswith(("_blocks", "_scales"))
-                else dtype.lower()
+                _quantized_format(m.fp8_block) if dtype in FP8_SOURCE_DTYPES
+                else "mxfp4" if name.endswith(("_blocks", "_scales")) else dtype.lower()
             )  # fmt: skip
         source_tensors[L] = names
         source_bytes[L] = sum(src[n].nbytes for n in names)
@@ -715,6 +717,19 @@ def build_plan(
         config_only=bool(src.predicted),
         source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
     )
+
+
+def _scale_companion(
+    name: str, shape: tuple[int, ...], q: tuple[int, int] | CtQuant
+) -> tuple[str, tuple[int, ...], str]:
+    """The scale tensor an FP8 source weight needs: name, shape and why (for the error)."""
+    if isinstance(q, CtQuant):
+        return q.scale_name(name), q.scale_shape(shape), f"compressed-tensors {q.scheme}"
+    return name + "_scale_inv", fp8_scale_shape(shape, q), f"{q[0]}x{q[1]} blocks"
+
+
+def _quantized_format(q: tuple[int, int] | CtQuant | None) -> str:
+    return q.source_format if isinstance(q, CtQuant) else "fp8-block"
 
 
 def padding_notes(p: Padding) -> list[str]:
