@@ -37,6 +37,7 @@ from mxcli.weightprep.families import (
     fp8_scale_shape,
     resolve_config,
 )
+from mxcli.weightprep.fp8 import FP8_RANGES, Fp8Semantics, check_source_target, source_semantics
 from mxcli.weightprep.padding import Padding
 from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import TensorSpec
@@ -44,6 +45,7 @@ from mxcli.weightprep.writer import TensorSpec
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
 SCALE_RULES = ("neuron", "ocp")
+OUTPUT_FORMATS = ("mxcli", "compressed-tensors", "nxdi")
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
 # Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
@@ -67,6 +69,8 @@ class PrepOptions:
     check: bool = False
     chunk_bytes: int = CHUNK_BYTES
     allow_nonfinite: bool = False  # convert source weights holding NaN/Inf (else an error)
+    fp8_range: int = 448  # 448: OCP E4M3FN; 240: codes saturated for Neuron FP8 (`fp8`)
+    output_format: str = "mxcli"  # mxcli | compressed-tensors | nxdi (`mxcli.weightprep.export`)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1 or self.workers < 1 or self.threads < 0:
@@ -85,6 +89,24 @@ class PrepOptions:
             )
         if self.scale_rule not in SCALE_RULES:
             raise InputError(f"--scale-rule: expected neuron or ocp, got {self.scale_rule!r}")
+        if self.fp8_range not in FP8_RANGES:
+            raise InputError(f"--fp8-range: expected 448 or 240, got {self.fp8_range}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise InputError(
+                f"--output-format: expected one of {', '.join(OUTPUT_FORMATS)}, got "
+                f"{self.output_format!r}"
+            )
+        if self.output_format == "compressed-tensors" and self.scale_rule != "ocp":
+            # its quantization_config has no field for the rule (QuantizationArgs forbids extra
+            # keys) and its consumers decode any E8M0 byte; the bytes follow OCP
+            raise InputError(
+                "--scale-rule neuron: compressed-tensors cannot record the scale rule and its "
+                "readers expect OCP scales (use --scale-rule ocp, the default for this format)"
+            )
+
+    def fp8(self) -> Fp8Semantics:
+        """The FP8 semantics of the outputs (variant, range, scale rule)."""
+        return Fp8Semantics(self.fp8_range, self.scale_rule)
 
     def threads_per_worker(self) -> int:
         """``threads``, or auto: CPUs / workers less one (at most 8, at least 1).
@@ -111,6 +133,8 @@ class PrepOptions:
             "elem": "e4m3fn",
             "quant_scheme": "wrapx",
             "tile_k": 512,
+            "fp8_range": self.fp8_range,
+            "output_format": self.output_format,
         }
 
 
@@ -269,6 +293,7 @@ class Plan:
     config_only: bool = False  # some source tensors planned from config.json (no header)
     hub: dict[str, Any] | None = None  # {"repo_id", "revision", "commit"} of a Hub source
     source_files: dict[str, str] = field(default_factory=dict)  # tensor -> shard ("" unknown)
+    source_fp8: dict[str, Any] | None = None  # FP8 semantics the source declares (`fp8`)
 
     @property
     def H(self) -> int:
@@ -357,6 +382,8 @@ class Plan:
                 }
                 for L in self.layers
             ],
+            "fp8": self.options.fp8().to_dict(),
+            "source_fp8": self.source_fp8,
             "planned_from_config": self.config_only,
             "notes": self.notes,
         }
@@ -590,6 +617,8 @@ def build_plan(
     """
     ckpt = ckpt or Checkpoint(source, require_shards=not config_only_ok)
     fam = detect_family(ckpt.config, opts.model_type)
+    source_fp8 = source_semantics(ckpt.config, ckpt.root)
+    check_source_target(source_fp8, opts.fp8(), str(ckpt.root))
     m = resolve_config(ckpt.config, fam)
     moe = m.moe_layers()
     selected = parse_layers(opts.layers, m.num_layers)
@@ -716,6 +745,7 @@ def build_plan(
         notes=notes,
         config_only=bool(src.predicted),
         source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
+        source_fp8=source_fp8,
     )
 
 

@@ -124,6 +124,8 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
         },
         "padding": plan.padding.to_dict(),
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
+        "fp8": plan.options.fp8().to_dict(),
+        "source_fp8": plan.source_fp8,
         "router": m.router.to_dict(),
         "notes": list(plan.notes),
         "ranks": [rk.to_dict() for rk in plan.ranks],
@@ -240,7 +242,10 @@ _COMPARED_SETTINGS = (
     "elem",
     "quant_scheme",
     "tile_k",
+    "fp8_range",
 )
+# settings absent from the manifests of older versions, as those versions wrote them
+_SETTING_DEFAULTS = {"fp8_range": 448}
 
 
 def _check_writable(out: Path) -> None:
@@ -329,7 +334,8 @@ def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) ->
             f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
         )
     for key in _COMPARED_SETTINGS:
-        a, b = old["settings"].get(key), fresh["settings"].get(key)
+        a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
+        b = fresh["settings"].get(key)
         if a != b:
             raise InputError(
                 f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
@@ -488,6 +494,14 @@ def prepare_weights(
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
+    if options.output_format != "mxcli":  # another stack's layout (`mxcli.weightprep.export`)
+        from mxcli.weightprep.export import run_export
+
+        if resume:
+            raise InputError(
+                f"--resume: not available with --output-format {options.output_format}"
+            )
+        return run_export(plan, out, force)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read

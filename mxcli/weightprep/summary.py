@@ -84,10 +84,16 @@ def format_result(res: dict[str, Any]) -> str:
     for L, s in (res.get("check") or {}).items():
         bad = [k for k, v in s.items() if not v["exact"] and "_mxfp8" not in k]
         sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
+        ch = [(v["changed_values"], v["values"]) for v in s.values() if "changed_values" in v]
         lines.append(
             f"check layer {L}: "
             + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
             + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
+            + (
+                f"; MXFP8 changed {sum(c for c, _ in ch)} of {sum(n for _, n in ch)} values"
+                if ch
+                else ""
+            )
         )
     for L, rc in (res.get("routing_check") or {}).items():
         lines.append(

@@ -1,0 +1,23 @@
+"""Exports for other serving stacks (``prep-weights --output-format``), beside mxcli's own layout.
+
+- `compressed_tensors`: a Hugging Face checkpoint folder whose routed experts are MXFP8 in
+  compressed-tensors form (vLLM Neuron, GPU vLLM, transformers), or bf16 with ``--formats bf16``;
+- `nxdi`: NxD Inference's MoE key names and layouts, one file per rank;
+- `folder`: publishing an export folder atomically, and its ``mxcli-export.json`` sidecar.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_export(plan: Any, out: Any, force: bool) -> dict[str, Any]:
+    """Write `plan` in its ``options.output_format``; the result as a JSON-able dict."""
+    fmt = plan.options.output_format
+    if fmt == "compressed-tensors":
+        from mxcli.weightprep.export.compressed_tensors import export_compressed_tensors
+
+        return export_compressed_tensors(plan, out, force)
+    from mxcli.weightprep.export.nxdi import export_nxdi
+
+    return export_nxdi(plan, out, force)
