@@ -15,6 +15,10 @@ byte as ``2^(byte - 127)``, so NEURON scales would load but be mislabelled: `Pre
 ``--scale-rule neuron`` for this format. The rule and the FP8 range are recorded in the shard
 metadata and in ``mxcli-export.json``.
 
+A compressed-tensors MXFP8 source is passed through byte for byte (its scales follow the
+library's own rule, `generate_mx_scales`: OCP's exponent, rounded up when the group maximum's
+mantissa is 1.75 or more, so those groups do not saturate; re-quantizing them under OCP would).
+
 ``--formats bf16`` writes the experts in bf16 (exactly the dequantized source) and no
 quantization_config: the escape hatch for stacks that cannot take MX.
 """
@@ -40,6 +44,7 @@ from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, INDEX_NAME, Checkpoin
 from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
 from mxcli.weightprep.families import PerExpert, load_weight
 from mxcli.weightprep.fp8 import clip_codes
+from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec, write_index
 
 CT_FORMAT = "mxfp8-quantized"
@@ -161,7 +166,11 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
                 f"{n}: FP8 outside the routed experts; the compressed-tensors export copies "
                 "those unchanged and would lose their scheme (dequantize them first)"
             )
+    # a compressed-tensors MXFP8 source keeps its codes and scales (re-quantizing them under
+    # OCP would saturate the groups whose scale the library rounded up, see the module doc)
+    passthrough = isinstance(q, CtQuant) and q.scheme == "mxfp8" and fp8_range == 448
     stats: dict[str, Any] = {
+        "passed_through": 0,
         "experts": 0,
         "clipped": 0,
         "changed_values": 0,
@@ -205,8 +214,13 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
                         if n not in experts:
                             w.write(n, rd.get(n))
                             continue
-                        src = load_weight(rd, n, q)  # bf16, dequantized exactly
                         stats["experts"] += 1
+                        if mx and passthrough:  # already this format: the bytes stay as they are
+                            w.write(n, rd.get(n))
+                            w.write(n + "_scale", rd.get(n + "_scale"))
+                            stats["passed_through"] += 1
+                            continue
+                        src = load_weight(rd, n, q)  # bf16, dequantized exactly
                         if not mx:
                             w.write(n, src)
                             continue
@@ -234,6 +248,7 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
             "experts_format": "mxfp8" if mx else "bf16",
             "quantization_config": config.get("quantization_config"),
             "expert_tensors": stats["experts"],
+            "passed_through": stats["passed_through"],
             "fp8": plan.options.fp8().to_dict() if mx else None,
             "fp8_clipped": stats["clipped"],
             "changed_values": stats["changed_values"],
