@@ -255,6 +255,14 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
             "values": stats["values"],
             "worst_sqnr_db": stats["worst_sqnr_db"],
             "files": sorted(by_file),
+            "notes": (
+                [
+                    "expert codes and scales passed through from the compressed-tensors source: "
+                    "their scale bytes follow compressed_tensors' generate_mx_scales rule"
+                ]
+                if stats["passed_through"]
+                else []
+            ),
         }
         write_json(tmp / SIDECAR, sidecar(plan, "compressed-tensors", {"result": result}))
     result["seconds"] = round(time.perf_counter() - t0, 3)
