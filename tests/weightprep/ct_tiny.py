@@ -21,7 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 EXPERT_RE = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
-FORMATS = {"MXFP8": "mxfp8-quantized", "FP8_DYNAMIC": "float-quantized", "FP8_BLOCK": "float-quantized"}
+FORMATS = {
+    "MXFP8": "mxfp8-quantized",
+    "FP8_DYNAMIC": "float-quantized",
+    "FP8_BLOCK": "float-quantized",
+}
 
 
 def _qparams(w: torch.Tensor, args: object, preset: str) -> torch.Tensor:
