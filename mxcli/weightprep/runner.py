@@ -479,6 +479,10 @@ def prepare_weights(
     if dry_run:  # shards that are not here are planned from config.json
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
+        if options.output_format != "mxcli":
+            from mxcli.weightprep.export import check_export
+
+            check_export(plan)
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
         problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
         if problem is not None:

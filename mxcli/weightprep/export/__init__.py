@@ -11,6 +11,18 @@ from __future__ import annotations
 from typing import Any
 
 
+def check_export(plan: Any) -> None:
+    """What the export of `plan` refuses, before any byte is written (``--dry-run`` too)."""
+    if plan.options.output_format == "compressed-tensors":
+        from mxcli.weightprep.export.compressed_tensors import check_plan as check_ct
+
+        check_ct(plan)
+    elif plan.options.output_format == "nxdi":
+        from mxcli.weightprep.export.nxdi import check_plan as check_nx
+
+        check_nx(plan)
+
+
 def run_export(plan: Any, out: Any, force: bool) -> dict[str, Any]:
     """Write `plan` in its ``options.output_format``; the result as a JSON-able dict."""
     fmt = plan.options.output_format

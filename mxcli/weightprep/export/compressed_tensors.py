@@ -119,7 +119,7 @@ def _expert_names(plan: Any) -> set[str]:
     return names
 
 
-def _check_plan(plan: Any, ckpt: Checkpoint) -> None:
+def check_plan(plan: Any) -> None:
     o = plan.options
     fam = plan.model.family
     if not isinstance(fam.experts, PerExpert):
@@ -149,7 +149,7 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
     t0 = time.perf_counter()
     out = Path(out)
     ckpt = Checkpoint(plan.source)
-    _check_plan(plan, ckpt)
+    check_plan(plan)
     mx = "mxfp8" in plan.options.formats
     fp8_range = plan.options.fp8_range
     experts = _expert_names(plan)
