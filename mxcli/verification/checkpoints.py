@@ -74,6 +74,12 @@ def _sqnr(out: torch.Tensor, ref: torch.Tensor) -> tuple[bool, float | None]:
     return exact, round(10 * math.log10(signal / noise), 3)
 
 
+def _over_range(codes: torch.Tensor, fp8_max: float) -> int:
+    """E4M3FN codes whose magnitude exceeds `fp8_max` (NaN codes aside)."""
+    v = codes.view(torch.float8_e4m3fn).to(torch.float32).abs()
+    return int((v > fp8_max).sum())
+
+
 def detect_kind(out: Path) -> str:
     from mxcli.weightprep.export.folder import read_sidecar
     from mxcli.weightprep.manifest import MANIFEST_NAME
@@ -238,6 +244,7 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
     if plan is None:
         return rep.finish()
     mx = "mxfp8" in plan.options.formats
+    fp8_max = float((side.get("fp8") or {}).get("max", 448.0))
     m = plan.model
     src = Checkpoint(against)
     experts = set()
@@ -293,7 +300,13 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
                 if mx:
                     if n + "_scale" not in ok:
                         continue
-                    got = dequantize_mx(rd.get(n).view(torch.uint8), rd.get(n + "_scale"))
+                    codes = rd.get(n).view(torch.uint8)
+                    over = _over_range(codes, fp8_max)
+                    if over:
+                        rep.fail(
+                            "wrong", f"{n}: {over} FP8 codes beyond the declared +-{fp8_max:g}"
+                        )
+                    got = dequantize_mx(codes, rd.get(n + "_scale"))
                     exact, db = _sqnr(got.to(torch.bfloat16), ref)
                     rep.numeric(n, exact, db, False)
                 else:

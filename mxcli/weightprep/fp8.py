@@ -5,8 +5,10 @@ The FP8 range is a mode, not a constant (issue 22):
 - OCP E4M3FN, +-448: what llm-compressor / compressed-tensors write and GPU vLLM reads; Trn3's
   MX path uses it (AWS's Trn3 benchmarks set ``NEURON_RT_ENABLE_OCP=1``).
 - Neuron FP8, +-240: NxD Inference documents that values outside +-240 become NaN on Neuron
-  devices (Trn2's FP8 and the paths without OCP mode). ``--fp8-range 240`` saturates every code
-  above 240 to +-240 (E4M3FN code 0x77/0xF7) and counts what it clipped.
+  devices (Trn2's FP8 and the paths without OCP mode). ``--fp8-range 240`` scales for it (OCP's
+  algorithm with the element's largest exponent 7: the NEURON rule's bytes, group max in
+  [128, 256)), saturates every code above 240 to +-240 (E4M3FN code 0x77/0xF7) and counts what
+  it clipped.
 
 The scale rule (`mxcli.mx.ScaleRule`) says how a group's E8M0 byte follows from its largest
 magnitude: NEURON (Trn3, the kernels' rule) puts the group maximum in [128, 256), one exponent
@@ -52,6 +54,18 @@ class Fp8Semantics:
     def max(self) -> float:
         return E4M3FN_MAX if self.fp8_range == 448 else NEURON_FP8_MAX
 
+    @property
+    def exponent_offset(self) -> int:
+        """``byte = exponent(amax) - offset``. OCP's algorithm subtracts the element format's
+        largest exponent: 8 for E4M3FN (+-448), 7 for a +-240 element, which is the NEURON
+        rule's offset; so a +-240 target scales with 7 under either rule."""
+        return 8 if self.scale_rule == "ocp" and self.fp8_range == 448 else 7
+
+    @property
+    def rule_bytes(self) -> str:
+        """The `mxcli.mx.ScaleRule` whose bytes these are."""
+        return "ocp" if self.exponent_offset == 8 else "neuron"
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "variant": self.variant,
@@ -65,9 +79,10 @@ class Fp8Semantics:
             ),
             "scale_rule": self.scale_rule,
             "scale_exponent": (
-                "E8M0 byte = exponent(amax) - 7 (group max in [128, 256))"
-                if self.scale_rule == "neuron"
-                else "E8M0 byte = exponent(amax) - 8 (group max in [256, 512), saturating at 448)"
+                "E8M0 byte = exponent(amax) - 8 (group max in [256, 512), saturating at 448)"
+                if self.exponent_offset == 8
+                else "E8M0 byte = exponent(amax) - 7 (group max in [128, 256)"
+                + (", saturating at 240)" if self.fp8_range == 240 else ")")
             ),
         }
 

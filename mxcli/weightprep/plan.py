@@ -96,6 +96,15 @@ class PrepOptions:
                 f"--output-format: expected one of {', '.join(OUTPUT_FORMATS)}, got "
                 f"{self.output_format!r}"
             )
+        if (
+            self.fp8_range == 240
+            and self.scale_rule == "ocp"
+            and self.output_format != ("compressed-tensors")
+        ):
+            raise InputError(
+                "--fp8-range 240 --scale-rule ocp: a +-240 target scales with byte = exponent - 7 "
+                "(OCP's algorithm for a +-240 element is the NEURON rule): use --scale-rule neuron"
+            )
         if self.output_format == "compressed-tensors" and self.scale_rule != "ocp":
             # its quantization_config has no field for the rule (QuantizationArgs forbids extra
             # keys) and its consumers decode any E8M0 byte; the bytes follow OCP

@@ -118,3 +118,21 @@ def test_missing_rank_file_names_its_experts(src: Path, tmp_path: Path) -> None:
 def test_needs_both_flags(src: Path) -> None:
     r = CliRunner().invoke(app, ["verify", "--checkpoint", str(src)])
     assert r.exit_code == 2 and "--against" in r.stderr
+
+
+def test_codes_beyond_the_declared_range(src: Path, tmp_path: Path) -> None:
+    """An export declaring +-240 whose codes reach past 240 is wrong (FP8 semantics enforced)."""
+    out = tmp_path / "ct240"
+    prepare_weights(
+        src, out, PrepOptions(output_format="compressed-tensors", scale_rule="ocp", fp8_range=240)
+    )
+    assert _verify(out, src)[0] == 0
+    name = EXPERT.format(L=0, e=0, p="gate")
+
+    def bump(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.full_like(t[name], 448.0)
+
+    _edit(out, name, bump)
+    code, text = _verify(out, src)
+    assert code == 1
+    assert f"wrong: {name}: {128 * 256} FP8 codes beyond the declared +-240" in text

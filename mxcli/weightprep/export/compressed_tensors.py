@@ -43,7 +43,7 @@ from mxcli.mx import dequantize_mx, quantize_mx
 from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, INDEX_NAME, Checkpoint
 from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
 from mxcli.weightprep.families import PerExpert, load_weight
-from mxcli.weightprep.fp8 import clip_codes
+from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
 from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec, write_index
 
@@ -100,8 +100,10 @@ def quantization_config(fam: Any) -> dict[str, Any]:
 
 def quantize_weight(w: torch.Tensor, fp8_range: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A Linear weight ``[out, in]`` -> (float8_e4m3fn ``[out, in]``, uint8 E8M0 ``[out, in/32]``,
-    codes clipped for a +-240 target): `mxcli.mx.quantize_mx`, OCP rule, 32 along ``in``."""
-    codes, scales = quantize_mx(w, axis=-1, rule="ocp", scheme="1x32")
+    codes clipped for a +-240 target): `mxcli.mx.quantize_mx`, 32 along ``in``, OCP's algorithm
+    for the target's element (byte = exponent - 8 for +-448, - 7 for +-240: `Fp8Semantics`)."""
+    rule = Fp8Semantics(fp8_range, "ocp").rule_bytes
+    codes, scales = quantize_mx(w, axis=-1, rule=rule, scheme="1x32")
     clipped = clip_codes(codes, fp8_range)
     return codes.view(torch.float8_e4m3fn), scales, clipped
 
