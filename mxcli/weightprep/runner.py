@@ -588,6 +588,8 @@ def _convert(
         "backward_exact": plan.model.router.backward_exact,
         "layers_written": todo,
         "layers_skipped": done,
+        "fp8": plan.options.fp8().to_dict(),
+        "fp8_clipped": sum(int(r.get("fp8_clipped") or 0) for r in records.values()),
         "ranks": len(plan.ranks),
         "files": [f"{rk.dir}/{layer_file(L)}" for L in plan.layers for rk in plan.ranks],
         "source_bf16_bytes": converted_bytes,

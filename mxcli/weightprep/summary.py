@@ -76,6 +76,12 @@ def format_result(res: dict[str, Any]) -> str:
         + ("" if res["router_exact"] else " (not exact: see manifest notes)")
         + ("" if res.get("backward_exact", True) else "; backward not exact (see notes)"),
     ]
+    if res.get("fp8"):
+        fp8 = res["fp8"]
+        lines.append(
+            f"FP8 {fp8['description']}, scale rule {fp8['scale_rule']}"
+            + (f"; {res['fp8_clipped']} codes clipped" if res.get("fp8_clipped") else "")
+        )
     if res.get("throughput_gbps"):
         lines.append(
             f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s "
