@@ -31,7 +31,10 @@ def main(
         1, "--ep", help="Expert-parallel ranks: experts are split contiguously."
     ),
     formats: str = typer.Option(
-        "bf16,mxfp8", "--formats", help="Backward weight formats: bf16, mxfp8 or both."
+        "auto",
+        "--formats",
+        help="Expert weight formats: bf16, mxfp8 or both; auto = both for mxcli, mxfp8 for "
+        "compressed-tensors, bf16 for nxdi.",
     ),
     scale_layout: str = typer.Option(
         "packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."
@@ -87,8 +90,13 @@ def main(
         rule = scale_rule.lower()
         if rule == "auto":
             rule = "ocp" if fmt == "compressed-tensors" else "neuron"
+        auto = {"mxcli": "bf16,mxfp8", "compressed-tensors": "mxfp8", "nxdi": "bf16"}
+        if formats.strip().lower() == "auto":
+            fmts = parse_formats(auto.get(fmt, "bf16,mxfp8"))
+        else:
+            fmts = parse_formats(formats)
         opts = PrepOptions(
-            tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
+            tp=tp, ep=ep, formats=fmts, scale_layout=scale_layout.lower(),
             scale_rule=rule, layers=layers, model_type=model_type, workers=workers,
             threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
             output_format=fmt,

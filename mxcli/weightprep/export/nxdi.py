@@ -72,11 +72,11 @@ def mx_path_problems(H: int, I_tp: int) -> list[str]:
     """NxDI's MX-path divisibility rules (mx_layout_transform.py get_i/h_tiling_shard_i)."""
     out = []
     if I_tp > MX_TILE and I_tp % MX_TILE:
-        out.append(f"per-rank I ({I_tp}) above {MX_TILE} must be a multiple of {MX_TILE}")
+        out.append(f"per-rank I ({I_tp}) above {MX_TILE} a multiple of {MX_TILE}")
     if I_tp <= MX_TILE and I_tp % MX_BLOCK:
-        out.append(f"per-rank I ({I_tp}) up to {MX_TILE} must be a multiple of {MX_BLOCK}")
+        out.append(f"per-rank I ({I_tp}) up to {MX_TILE} a multiple of {MX_BLOCK}")
     if H % MX_TILE:
-        out.append(f"H ({H}) must be a multiple of {MX_TILE}")
+        out.append(f"H ({H}) a multiple of {MX_TILE}")
     return out
 
 
@@ -97,6 +97,7 @@ def check_plan(plan: Any) -> None:
             raise InputError(
                 f"--output-format nxdi --formats mxfp8 --tp {o.tp}: NxDI's MX path needs "
                 + "; ".join(probs)
+                + " (use --formats bf16)"
             )
         raise InputError(
             "--output-format nxdi --formats mxfp8: NxDI's MX weight layout is not written by "
