@@ -505,7 +505,7 @@ def prepare_weights(
             raise InputError(
                 f"--resume: not available with --output-format {options.output_format}"
             )
-        return run_export(plan, out, force)
+        return run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read

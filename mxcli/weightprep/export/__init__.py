@@ -23,13 +23,20 @@ def check_export(plan: Any) -> None:
         check_nx(plan)
 
 
-def run_export(plan: Any, out: Any, force: bool) -> dict[str, Any]:
-    """Write `plan` in its ``options.output_format``; the result as a JSON-able dict."""
-    fmt = plan.options.output_format
-    if fmt == "compressed-tensors":
-        from mxcli.weightprep.export.compressed_tensors import export_compressed_tensors
+def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
+    """Write `plan` in its ``options.output_format``; the result as a JSON-able dict.
+    `reporter` (a `mxcli.weightprep.runner.Reporter`) gets the bf16 expert bytes as they go."""
+    from mxcli.weightprep.runner import Reporter
 
-        return export_compressed_tensors(plan, out, force)
-    from mxcli.weightprep.export.nxdi import export_nxdi
+    rep = reporter or Reporter()
+    rep.start(plan, plan.layers, [])
+    try:
+        if plan.options.output_format == "compressed-tensors":
+            from mxcli.weightprep.export.compressed_tensors import export_compressed_tensors
 
-    return export_nxdi(plan, out, force)
+            return export_compressed_tensors(plan, out, force, rep.advance)
+        from mxcli.weightprep.export.nxdi import export_nxdi
+
+        return export_nxdi(plan, out, force, rep.advance)
+    finally:
+        rep.finish()

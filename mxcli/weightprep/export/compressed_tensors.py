@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -147,7 +148,9 @@ def check_plan(plan: Any) -> None:
         )
 
 
-def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[str, Any]:
+def export_compressed_tensors(
+    plan: Any, out: Path | str, force: bool, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = Path(out)
     ckpt = Checkpoint(plan.source)
@@ -217,6 +220,8 @@ def export_compressed_tensors(plan: Any, out: Path | str, force: bool) -> dict[s
                             w.write(n, rd.get(n))
                             continue
                         stats["experts"] += 1
+                        if progress:
+                            progress(2 * ckpt.info(n).shape[0] * ckpt.info(n).shape[1])
                         if mx and passthrough:  # already this format: the bytes stay as they are
                             w.write(n, rd.get(n))
                             w.write(n + "_scale", rd.get(n + "_scale"))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,9 @@ def rank_slices(
     return gu, down[:, i0:i1, :].contiguous()
 
 
-def export_nxdi(plan: Any, out: Path | str, force: bool) -> dict[str, Any]:
+def export_nxdi(
+    plan: Any, out: Path | str, force: bool, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     out = Path(out)
     check_plan(plan)
@@ -166,6 +169,8 @@ def export_nxdi(plan: Any, out: Path | str, force: bool) -> dict[str, Any]:
                         gu_r, dn_r = rank_slices(gu, dn, i0, i1)
                         writers[rk.rank].write(GATE_UP.format(l=L), gu_r)
                         writers[rk.rank].write(DOWN.format(l=L), dn_r)
+                        if progress:
+                            progress((e1 - e0) * 3 * m.H * (i1 - i0) * 2)
             for w in writers.values():
                 w.finish()
         result = {
