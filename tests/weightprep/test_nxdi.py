@@ -120,3 +120,24 @@ def test_existing_output_needs_force(src: Path, tmp_path: Path) -> None:
          "--force", "-q"],
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
+
+
+def test_exports_refuse_what_they_cannot_write(tmp_path: Path) -> None:
+    """One line, exit 2, nothing written: DeepSeek-V3's FP8 dense and shared-expert weights
+    (compressed-tensors), its shared experts and correction bias (nxdi), fused experts."""
+    ds = build_checkpoint("deepseek_v3", tmp_path / "ds").path
+    oss = build_checkpoint("gpt_oss", tmp_path / "oss").path
+    cases = [
+        (ds, "compressed-tensors", "FP8 outside the routed experts"),
+        (ds, "nxdi", "has shared experts"),
+        (oss, "compressed-tensors", "stores its experts fused"),
+    ]
+    for src_, fmt, what in cases:
+        for extra in ([], ["--dry-run"]):
+            r = CliRunner().invoke(
+                app,
+                ["prep-weights", str(src_), str(tmp_path / "o"), "--output-format", fmt, *extra],
+            )
+            assert r.exit_code == 2, r.stderr
+            assert len(r.stderr.strip().splitlines()) == 1 and what in r.stderr, r.stderr
+            assert not (tmp_path / "o").exists()

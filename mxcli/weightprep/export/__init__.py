@@ -28,6 +28,7 @@ def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[s
     `reporter` (a `mxcli.weightprep.runner.Reporter`) gets the bf16 expert bytes as they go."""
     from mxcli.weightprep.runner import Reporter
 
+    check_export(plan)  # before the bar starts and before any byte is written
     rep = reporter or Reporter()
     rep.start(plan, plan.layers, [])
     try:

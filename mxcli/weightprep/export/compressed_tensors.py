@@ -122,6 +122,29 @@ def _expert_names(plan: Any) -> set[str]:
     return names
 
 
+def _scale_companions(ckpt: Checkpoint, experts: set[str]) -> dict[str, str]:
+    """The source scale tensors of FP8 expert weights (scale name -> weight name); an FP8
+    tensor outside the experts is refused (copied unchanged it would lose its scheme)."""
+    scale_of = {}
+    for n in experts:
+        if ckpt.in_header(n) and ckpt.info(n).dtype in FP8_SOURCE_DTYPES:
+            for sn in (n + "_scale_inv", n + "_scale"):
+                if ckpt.has(sn):
+                    scale_of[sn] = n
+    for n in ckpt.names():
+        if (
+            n not in experts
+            and n not in scale_of
+            and ckpt.in_header(n)
+            and ckpt.info(n).dtype in FP8_SOURCE_DTYPES
+        ):
+            raise InputError(
+                f"{n}: FP8 outside the routed experts; the compressed-tensors export copies "
+                "those unchanged and would lose their scheme (dequantize them first)"
+            )
+    return scale_of
+
+
 def check_plan(plan: Any) -> None:
     o = plan.options
     fam = plan.model.family
@@ -146,6 +169,7 @@ def check_plan(plan: Any) -> None:
             f"--output-format compressed-tensors: MXFP8 groups of 32 need hidden_size ({m.H}) "
             f"and intermediate size ({m.I}) multiples of 32"
         )
+    _scale_companions(Checkpoint(plan.source, require_shards=False), _expert_names(plan))
 
 
 def export_compressed_tensors(
@@ -159,18 +183,7 @@ def export_compressed_tensors(
     fp8_range = plan.options.fp8_range
     experts = _expert_names(plan)
     q = plan.model.fp8_block
-    scale_of = {}  # source scale companions of the experts: not copied
-    for n in experts:
-        if ckpt.info(n).dtype in FP8_SOURCE_DTYPES:
-            for sn in (n + "_scale_inv", n + "_scale"):
-                if ckpt.has(sn):
-                    scale_of[sn] = n
-    for n in ckpt.names():
-        if n not in experts and n not in scale_of and ckpt.info(n).dtype in FP8_SOURCE_DTYPES:
-            raise InputError(
-                f"{n}: FP8 outside the routed experts; the compressed-tensors export copies "
-                "those unchanged and would lose their scheme (dequantize them first)"
-            )
+    scale_of = _scale_companions(ckpt, experts)  # not copied
     # a compressed-tensors MXFP8 source keeps its codes and scales (re-quantizing them under
     # OCP would saturate the groups whose scale the library rounded up, see the module doc)
     passthrough = isinstance(q, CtQuant) and q.scheme == "mxfp8" and fp8_range == 448
