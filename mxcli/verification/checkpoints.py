@@ -106,9 +106,7 @@ def verify_checkpoint(out: str | Path, against: str | Path) -> dict[str, Any]:
     if kind == "compressed-tensors":
         return _verify_ct(o, a)
     if kind == "nxdi":
-        from mxcli.weightprep.export.nxdi import verify_nxdi
-
-        return verify_nxdi(o, a, _Report(kind, o, a))
+        return _verify_nxdi(o, a, _Report(kind, o, a))
     raise InputError(f"--checkpoint {o}: unknown output format {kind!r}")
 
 
@@ -320,6 +318,69 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
                 if not same:
                     rep.numeric(n, False, _sqnr(a, b)[1], True)
     return rep.finish(family=m.family.name, layers=m.moe_layers(), experts=len(experts))
+
+
+# -- NxD Inference ---------------------------------------------------------------------------------
+
+
+def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
+    """An nxdi export: keys and shapes per rank file, every expert slice and router bit-exact."""
+    from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, st_dtype, torch_dtype
+    from mxcli.weightprep.export.folder import read_sidecar
+    from mxcli.weightprep.export.nxdi import (
+        DOWN,
+        GATE_UP,
+        ROUTER,
+        expected_tensors,
+        rank_file,
+        rank_slices,
+    )
+
+    side = read_sidecar(out) or {}
+    s = side.get("settings", {})
+    layers = side.get("model", {}).get("moe_layers")
+    plan = _plan(
+        against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)), formats=("bf16",),
+        output_format="nxdi", layers=",".join(map(str, layers)) if layers else None,
+    )  # fmt: skip
+    if plan is None:
+        return dict(report.finish())
+    for L in plan.model.moe_layers():
+        if L not in plan.layers:
+            report.fail("missing", f"layer {L}: a MoE layer of the source with no output")
+    m, fam = plan.model, plan.model.family
+    ok_ranks = []
+    for r, exp in expected_tensors(plan).items():
+        path = out / rank_file(r)
+        if not path.is_file():
+            rk = plan.ranks[r]
+            report.fail("missing", f"{rank_file(r)} (experts {rk.expert_range[0]}-"
+                                   f"{rk.expert_range[1] - 1}, I {rk.i_range[0]}-{rk.i_range[1] - 1})")  # fmt: skip
+            continue
+        if len(compare_keys(report, exp, _headers(path), f"{rank_file(r)}: ")) == len(exp):
+            ok_ranks.append(r)
+    ckpt = Checkpoint(against)
+    with ckpt.reader() as rd:
+        for r in ok_ranks:
+            rk = plan.ranks[r]
+            with open_safetensors(out / rank_file(r)) as f:
+                for L in plan.layers:
+                    p = plan.layer_prefix(L)
+                    e0, e1 = rk.expert_range
+                    gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
+                    gu_r, dn_r = rank_slices(gu, dn, *rk.i_range)
+                    ref_router = rd.get(p + fam.router_weight)
+                    for name, ref in (
+                        (GATE_UP.format(l=L), gu_r),
+                        (DOWN.format(l=L), dn_r),
+                        (ROUTER.format(l=L), ref_router.to(torch_dtype(plan.router_dtype))),
+                    ):
+                        got = f.get_tensor(name)
+                        same = st_dtype(got.dtype) == st_dtype(ref.dtype) and torch.equal(
+                            got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
+                        )
+                        report.numeric(f"{rank_file(r)}: {name}", same, None, True)
+    return dict(report.finish(family=fam.name, layers=plan.layers, ranks=len(plan.ranks)))
 
 
 def format_report(rep: dict[str, Any]) -> str:

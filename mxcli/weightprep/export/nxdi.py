@@ -42,7 +42,7 @@ import torch
 from mxcli import __version__
 from mxcli.errors import InputError
 from mxcli.fsutil import default_mode
-from mxcli.weightprep.checkpoint import Checkpoint, st_dtype, torch_dtype
+from mxcli.weightprep.checkpoint import Checkpoint, torch_dtype
 from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
 from mxcli.weightprep.families import Fused
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec
@@ -192,57 +192,3 @@ def export_nxdi(
         write_json(tmp / SIDECAR, sidecar(plan, "nxdi", {"result": result}))
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result
-
-
-def verify_nxdi(out: Path, against: Path, report: Any) -> dict[str, Any]:
-    """`mxcli.verification.checkpoints` for an nxdi export: keys and shapes per rank file, and
-    every expert slice bit-exact against the source."""
-    from mxcli.verification.checkpoints import _headers, _plan, compare_keys
-    from mxcli.weightprep.checkpoint import open_safetensors
-    from mxcli.weightprep.export.folder import read_sidecar
-
-    side = read_sidecar(out) or {}
-    s = side.get("settings", {})
-    layers = side.get("model", {}).get("moe_layers")
-    plan = _plan(
-        against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)), formats=("bf16",),
-        output_format="nxdi", layers=",".join(map(str, layers)) if layers else None,
-    )  # fmt: skip
-    if plan is None:
-        return dict(report.finish())
-    for L in plan.model.moe_layers():
-        if L not in plan.layers:
-            report.fail("missing", f"layer {L}: a MoE layer of the source with no output")
-    m, fam = plan.model, plan.model.family
-    ok_ranks = []
-    for r, exp in expected_tensors(plan).items():
-        path = out / rank_file(r)
-        if not path.is_file():
-            rk = plan.ranks[r]
-            report.fail("missing", f"{rank_file(r)} (experts {rk.expert_range[0]}-"
-                                   f"{rk.expert_range[1] - 1}, I {rk.i_range[0]}-{rk.i_range[1] - 1})")  # fmt: skip
-            continue
-        if len(compare_keys(report, exp, _headers(path), f"{rank_file(r)}: ")) == len(exp):
-            ok_ranks.append(r)
-    ckpt = Checkpoint(against)
-    with ckpt.reader() as rd:
-        for r in ok_ranks:
-            rk = plan.ranks[r]
-            with open_safetensors(out / rank_file(r)) as f:
-                for L in plan.layers:
-                    p = plan.layer_prefix(L)
-                    e0, e1 = rk.expert_range
-                    gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
-                    gu_r, dn_r = rank_slices(gu, dn, *rk.i_range)
-                    ref_router = rd.get(p + fam.router_weight)
-                    for name, ref in (
-                        (GATE_UP.format(l=L), gu_r),
-                        (DOWN.format(l=L), dn_r),
-                        (ROUTER.format(l=L), ref_router.to(torch_dtype(plan.router_dtype))),
-                    ):
-                        got = f.get_tensor(name)
-                        same = st_dtype(got.dtype) == st_dtype(ref.dtype) and torch.equal(
-                            got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
-                        )
-                        report.numeric(f"{rank_file(r)}: {name}", same, None, True)
-    return dict(report.finish(family=fam.name, layers=plan.layers, ranks=len(plan.ranks)))
