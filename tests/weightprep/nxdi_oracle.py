@@ -40,6 +40,26 @@ MX_H_TILE = 512
 SHUFFLE_VIEW = ("H/4", 4)
 # :689: moe_tp_degree = tp_degree // moe_ep_degree (the MoE TP x EP ranks make the world).
 
+# How a rank's slice is cut, from aws-neuron/neuronx-distributed at commit
+# fbac349b61a3adbb123c2983835af692840ff62f (src/neuronx_distributed/...):
+# modules/moe/experts.py:94-111: gate_up_proj is an ExpertFusedColumnParallelLinear with
+# output_size = 2 * intermediate_size and stride=2; :130-134: down_proj an
+# ExpertFusedRowParallelLinear with input_size = intermediate_size.
+# modules/moe/moe_parallel_layers.py:232-238: the column-parallel weight is
+# (n_local_experts, input_size, output_size_per_partition), partitioned on dim 2; :371: the
+# row-parallel one on dim 1.
+# trace/trace.py:678-686 (create_local_weight): the partition dim is split into pieces of
+# per_partition_size / stride; rank r takes pieces r, r + world, r + 2 * world, ... and
+# concatenates them (stride 2 on 2I: its gate slice, then its up slice).
+NXD = "aws-neuron/neuronx-distributed@fbac349b61a3adbb123c2983835af692840ff62f"
+GATE_UP_STRIDE = 2
+
+
+def local_slice(full_dim: int, tp: int, rank: int, stride: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of the partition dim that rank `rank` of `tp` holds, in order."""
+    piece = full_dim // tp // stride
+    return [(k * piece, (k + 1) * piece) for k in range(rank, stride * tp, tp)]
+
 
 def shuffled_position(h: int, H: int) -> int:
     """Where the old H index `h` lands under shuffle_hidden_dim: view [H/4, 4] -> [4, H/4]."""

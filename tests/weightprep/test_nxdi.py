@@ -73,6 +73,34 @@ def test_layout_matches_the_oracle(src: Path, tmp_path: Path, tp: int, ep: int) 
     assert r.exit_code == 0, r.stdout
 
 
+def test_tp_slices_follow_nxd_strided_partitioning(src: Path, tmp_path: Path) -> None:
+    """Each rank's gate_up is NxD's stride-2 column-parallel piece of the full NxDI tensor
+    ``[E, H, 2I]`` (oracle: the full tensor from modeling_qwen3_moe's facts, the pieces from
+    create_local_weight's), and down its row-parallel piece of ``[E, I, H]``."""
+    tp = 2
+    out = tmp_path / "nx"
+    prepare_weights(src, out, PrepOptions(output_format="nxdi", formats=("bf16",), tp=tp))
+    ckpt = Checkpoint(src)
+    with ckpt.reader() as rd:
+        w = {
+            n: [load_weight(rd, f"model.layers.1.mlp.experts.{e}.{n}_proj.weight", None)
+                for e in range(E)]
+            for n in ("gate", "up", "down")
+        }  # fmt: skip
+    full_gu = torch.stack(
+        [torch.cat([g.T, u.T], dim=-1) for g, u in zip(w["gate"], w["up"], strict=True)]
+    )
+    full_dn = torch.stack([d.T for d in w["down"]])
+    assert full_gu.shape == (E, H, 2 * I)  # oracle GATE_UP_SHAPE, gate half first
+    for r in range(tp):
+        t = _rank_tensors(out, r)
+        pieces = NX.local_slice(2 * I, tp, r, NX.GATE_UP_STRIDE)
+        want = torch.cat([full_gu[..., a:b] for a, b in pieces], dim=-1)
+        assert torch.equal(t[NX.GATE_UP_KEY.format(l=1)], want)
+        ((a, b),) = NX.local_slice(I, tp, r, 1)
+        assert torch.equal(t[NX.DOWN_KEY.format(l=1)], full_dn[:, a:b, :])
+
+
 def test_verify_names_a_missing_rank_file(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "nx"
     prepare_weights(src, out, PrepOptions(output_format="nxdi", formats=("bf16",), ep=2))

@@ -15,8 +15,12 @@ with file:line, in ``tests/weightprep/nxdi_oracle.py``):
   512 when above 512, else of 32, and H a multiple of 512 (512-wide H tiles of 128 rows), and
   permutes the router's H dimension (``shuffle_hidden_dim``: H viewed as [H/4, 4], transposed).
 
-Per rank ``r = ep_rank * tp + tp_rank`` (mxcli's rank order; NxD's moe_tp x moe_ep = tp_degree,
-mx_layout_transform.py), each file holds, per MoE layer, the router (replicated), and its EP range
+The TP slices follow aws-neuron/neuronx-distributed (commit fbac349b): gate_up_proj is an expert
+column-parallel linear with stride 2 (modules/moe/experts.py), so a rank holds the pieces r and
+r + tp of 2I (trace/trace.py create_local_weight): its gate slice, then its up slice; down_proj
+is row-parallel on I. Per rank ``r = ep_rank * tp + tp_rank`` (mxcli's rank order; NxD's
+moe_tp x moe_ep = tp_degree, mx_layout_transform.py; the mapping of world ranks to (tp, ep) is
+mxcli's assumption, not read from NxD), each file holds, per MoE layer, the router (replicated), and its EP range
 of experts with its contiguous TP slice of I: ``gate_up [E/ep, H, 2*I/tp]`` (the rank's gate
 slice, then its up slice) and ``down [E/ep, I/tp, H]``. Experts are bf16, exactly the (dequantized)
 source. Only the MoE tensors are written: attention, embeddings and norms stay with NxDI's own
