@@ -12,6 +12,7 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    NoVerifyHashes,
     Quiet,
     Steps,
     guarded,
@@ -160,6 +161,7 @@ def make_inputs(
         ),
     ] = None,
     layer: Annotated[int | None, _opt("--layer", "Layer of --weights.", show_default=False)] = None,
+    no_verify_hashes: NoVerifyHashes = False,
     seed: Annotated[int, _opt("--seed", "Random seed: the same flags give the same bytes.")] = 0,
     force: Force = False,
     json_out: Json = False,
@@ -208,6 +210,7 @@ def make_inputs(
                         seed=seed,
                         residual=residual,
                         prequantize=prequantize,
+                        verify_hashes=not no_verify_hashes,
                     )
                     for name in _OUTPUT_KWARGS:  # output layout, not a fact of the layer
                         if name in given:
