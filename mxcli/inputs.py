@@ -423,7 +423,7 @@ def _prefill_routing(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Route T tokens with the prefill reference (SOFTMAX router): ((index, affinities), norm)."""
     if H % 512:
-        raise InputError(f"hidden: router=prefill needs a multiple of 512, got {H}")
+        raise InputError(f"hidden: prefill routing needs a multiple of 512, got {H}")
     from mxcli.tensorio import kernel_io, resolve_kwargs, run_kernel
 
     pre = make_prefill_inputs(
@@ -560,6 +560,34 @@ def inputs_from_weights(
         unpadded_hidden_size=padding.hidden_size,
         generator_info={**info, "router": f"prefill reference ({pre_kwargs['router_act_fn'].name})"},
     )  # fmt: skip
+
+
+def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
+    """What a prepared layer fixes, by `make-inputs` flag (underscored): ``hidden`` (the
+    model's and the padded H), ``experts``, ``intermediate`` (I per rank), and the router's
+    ``top_k``, ``router_act``, ``n_group``, ``topk_group``, ``routed_scaling_factor`` and
+    ``unpadded_hidden_size``, and the folder's MXFP8 ``scale_layout``. Read from the manifest
+    alone (no tensor data)."""
+    from mxcli.weightprep.manifest import load_manifest
+
+    m = load_manifest(Path(weights))
+    kw = m.prefill_kwargs(layer)
+    specs = m.rank_entry(layer, 0)["tensors"]
+    hp = int(specs["gamma"]["shape"][-1])
+    facts: dict[str, Any] = {
+        "hidden": sorted({hp, int(kw.get("unpadded_hidden_size") or hp)}),
+        "experts": int(specs["router_weights"]["shape"][-1]),
+        "top_k": int(kw["top_k"]),
+        "router_act": str(getattr(kw["router_act_fn"], "name", kw["router_act_fn"])).lower(),
+        "n_group": int(kw.get("n_group", 1)),
+        "topk_group": int(kw.get("topk_group", 1)),
+        "routed_scaling_factor": float(kw.get("routed_scaling_factor", 1.0)),
+        "unpadded_hidden_size": kw.get("unpadded_hidden_size"),
+        "scale_layout": m.settings.get("scale_layout"),
+    }
+    if "gate_up_proj_weight" in specs:
+        facts["intermediate"] = int(specs["gate_up_proj_weight"]["shape"][-1])
+    return facts
 
 
 def describe_inputs(inputs: KernelInputs, path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -469,8 +469,10 @@ def read_file(path: str | os.PathLike[str]) -> TensorFile:
         raise InputError(f"{p}: is a folder, expected a .safetensors file")
     if p.stat().st_size < 8:
         raise InputError(f"{p}: not a safetensors file (only {p.stat().st_size} bytes)")
+    from mxcli.fsutil import utf8_path
+
     try:
-        with safe_open(str(p), framework="pt") as f:
+        with utf8_path(p) as opened, safe_open(opened, framework="pt") as f:
             metadata = dict(f.metadata() or {})
             tensors = {name: f.get_tensor(name) for name in f.keys()}
     except SafetensorError as exc:
@@ -696,8 +698,12 @@ def write_file(
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
+    from mxcli.fsutil import display_path
+
+    # metadata must be UTF-8: a name from a non-UTF-8 path is recorded with \xff escapes
     meta = {
-        k: v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in metadata.items()
+        k: display_path(v) if isinstance(v, str) else json.dumps(v, sort_keys=True)
+        for k, v in metadata.items()
     }
     data = {name: t.detach().cpu().contiguous() for name, t in tensors.items()}
     final = Path(path)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mxcli.commands._shared import Debug, Quiet, guarded, print_json
+from mxcli.commands._shared import Debug, Quiet, guarded, print_json, stdout_console
 
 
 def main(
@@ -70,7 +70,7 @@ def main(
     resume: bool = typer.Option(
         False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."
     ),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output folder."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output folder."),
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
@@ -80,12 +80,24 @@ def main(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Convert a Hugging Face MoE checkpoint into the tensors the prefill and backward kernels read."""
-    from mxcli.weightprep.plan import PrepOptions, parse_formats
-    from mxcli.weightprep.runner import prepare_weights
-    from mxcli.weightprep.summary import format_plan, format_result
+    """Prepare a Hugging Face MoE checkpoint for the kernels.
+
+    Writes, per layer and rank, what the prefill and backward kernels read, and a manifest
+    that the other commands take their kwargs from (--weights DIR --layer L).
+    """
 
     def body() -> None:
+        from mxcli.errors import InputError
+
+        if dry_run and check:
+            raise InputError(
+                "check: --check re-reads the written outputs and --dry-run writes none; "
+                "give one of them"
+            )
+        from mxcli.weightprep.plan import PrepOptions, parse_formats
+        from mxcli.weightprep.runner import prepare_weights
+        from mxcli.weightprep.summary import format_plan, format_result
+
         fmt = output_format.lower()
         rule = scale_rule.lower()
         if rule == "auto":
@@ -117,7 +129,8 @@ def main(
 
             typer.echo(format_export(res))
         elif not quiet:
-            typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
+            width = stdout_console().width
+            typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))
 
     guarded(
         debug,

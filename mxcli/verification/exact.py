@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from mxcli.errors import InputError
 from mxcli.verification.compare import TensorReport, Tolerance, add_note, compare_tensors
 
 CHECK = "reference vs exact"
@@ -310,6 +311,10 @@ def bwd_exact(
     Wd = [w_d[e].clone().requires_grad_(True) for e in range(E)]  # [I, H]
     A = inputs["expert_affinities_masked"].to(F64).reshape(T, E).detach().requires_grad_(True)
     dY = inputs["output_hidden_states_grad"].to(F64)
+    if "gate_up_proj_act_checkpoint_T" not in inputs:  # the exact forward starts from it
+        raise InputError(
+            "gate_up_proj_act_checkpoint_T: missing from the inputs (verify --inputs needs it)"
+        )
     ckpt = inputs["gate_up_proj_act_checkpoint_T"].to(F64)  # [N, 2, I, B]
     tpi = inputs["token_position_to_id"].long().reshape(-1)
     b2e = inputs["block_to_expert"].long().reshape(-1)

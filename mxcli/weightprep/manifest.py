@@ -307,6 +307,7 @@ def load_layer_tensors(
     """
     from safetensors import safe_open
 
+    from mxcli.fsutil import utf8_path
     from mxcli.weightprep.writer import sha256_tensor
 
     m = _as_manifest(path)
@@ -325,7 +326,7 @@ def load_layer_tensors(
         raise ManifestError(f"{fpath}: listed in the manifest but missing")
     out: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+        with utf8_path(fpath) as opened, safe_open(opened, framework="pt", device="cpu") as f:
             for k in wanted:
                 out[k] = f.get_tensor(specs[k]["name"])
     except MxcliError:
