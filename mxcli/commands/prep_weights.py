@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mxcli.commands._shared import Debug, Quiet, guarded, print_json
+from mxcli.commands._shared import Debug, Quiet, guarded, print_json, stdout_console
 
 
 def main(
@@ -31,13 +31,29 @@ def main(
         1, "--ep", help="Expert-parallel ranks: experts are split contiguously."
     ),
     formats: str = typer.Option(
-        "bf16,mxfp8", "--formats", help="Backward weight formats: bf16, mxfp8 or both."
+        "auto",
+        "--formats",
+        help="Expert weight formats: bf16, mxfp8 or both; auto = both for mxcli, mxfp8 for "
+        "compressed-tensors, bf16 for nxdi.",
     ),
     scale_layout: str = typer.Option(
         "packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."
     ),
     scale_rule: str = typer.Option(
-        "neuron", "--scale-rule", help="E8M0 scale rule: neuron (Trn3) or ocp."
+        "auto",
+        "--scale-rule",
+        help="E8M0 scale rule: neuron (Trn3) or ocp; auto = ocp for compressed-tensors, else neuron.",
+    ),
+    output_format: str = typer.Option(
+        "mxcli",
+        "--output-format",
+        help="mxcli (the kernels' layout), compressed-tensors (HF checkpoint, MXFP8 experts: "
+        "vLLM) or nxdi (NxD Inference per-rank files).",
+    ),
+    fp8_range: int = typer.Option(
+        448,
+        "--fp8-range",
+        help="FP8 target range: 448 (OCP E4M3FN) or 240 (Neuron FP8: codes saturated at 240).",
     ),
     workers: int = typer.Option(
         1, "--workers", help="Layers converted in parallel (memory grows with it)."
@@ -54,7 +70,7 @@ def main(
     resume: bool = typer.Option(
         False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."
     ),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output folder."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output folder."),
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
@@ -77,17 +93,39 @@ def main(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Convert a Hugging Face MoE checkpoint into the tensors the prefill and backward kernels read."""
-    from mxcli.weightprep.plan import PrepOptions, parse_formats
-    from mxcli.weightprep.runner import prepare_weights
-    from mxcli.weightprep.shards import from_env, parse_shard
-    from mxcli.weightprep.summary import format_plan, format_result
+    """Prepare a Hugging Face MoE checkpoint for the kernels.
+
+    Writes, per layer and rank, what the prefill and backward kernels read, and a manifest
+    that the other commands take their kwargs from (--weights DIR --layer L).
+    """
 
     def body() -> None:
+        from mxcli.errors import InputError
+
+        if dry_run and check:
+            raise InputError(
+                "check: --check re-reads the written outputs and --dry-run writes none; "
+                "give one of them"
+            )
+        from mxcli.weightprep.plan import PrepOptions, parse_formats
+        from mxcli.weightprep.runner import prepare_weights
+        from mxcli.weightprep.shards import from_env, parse_shard
+        from mxcli.weightprep.summary import format_plan, format_result
+
+        fmt = output_format.lower()
+        rule = scale_rule.lower()
+        if rule == "auto":
+            rule = "ocp" if fmt == "compressed-tensors" else "neuron"
+        auto = {"mxcli": "bf16,mxfp8", "compressed-tensors": "mxfp8", "nxdi": "bf16"}
+        if formats.strip().lower() == "auto":
+            fmts = parse_formats(auto.get(fmt, "bf16,mxfp8"))
+        else:
+            fmts = parse_formats(formats)
         opts = PrepOptions(
-            tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
-            scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers,
-            threads=threads, check=check, allow_nonfinite=allow_nonfinite,
+            tp=tp, ep=ep, formats=fmts, scale_layout=scale_layout.lower(),
+            scale_rule=rule, layers=layers, model_type=model_type, workers=workers,
+            threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
+            output_format=fmt,
         )  # fmt: skip
         import os
 
@@ -103,8 +141,13 @@ def main(
         )  # fmt: skip
         if json_out:
             print_json(res.get("plan", res))
+        elif not quiet and "output_format" in res:
+            from mxcli.weightprep.export.summary import format_export
+
+            typer.echo(format_export(res))
         elif not quiet:
-            typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
+            width = stdout_console().width
+            typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))
 
     guarded(
         debug,

@@ -8,15 +8,21 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
+    HASH_DIGITS,
     Debug,
     Force,
     Json,
+    NoVerifyHashes,
     Quiet,
     Steps,
     complete_backend,
     guarded,
     print_json,
+    print_rows,
+    shape_text,
+    st_dtype,
     stdout_console,
+    wrap_items,
 )
 
 # ---- options shared by both run commands ----
@@ -81,6 +87,7 @@ def _run(
     json_out: bool,
     quiet: bool,
     strict: bool = False,
+    verify_hashes: bool = True,
 ) -> None:
     from mxcli.tensorio import run_file
 
@@ -97,6 +104,7 @@ def _run(
             allow_nonfinite=allow_nonfinite,
             force=force,
             step=steps.step,
+            verify_hashes=verify_hashes,
         )
     if json_out:
         print_json(summary)
@@ -116,54 +124,58 @@ def _check_nonfinite(counts: dict[str, int], strict: bool) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     con = stdout_console()
     t = s["timing_s"]
-    con.print(
-        f"[bold]{s['kernel']}[/] on [cyan]{s['backend']}[/] ({s['device']}): "
-        f"ran in {t['run']:.3f} s (read {t['read']:.3f} s, write {t['write']:.3f} s)"
-    )
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("output", "dtype", "shape", "sha256"):
-        table.add_column(col)
-    for name, info in s["outputs"].items():
-        table.add_row(name, info["dtype"], str(info["shape"]), info["sha256"][:16])
-    con.print(table)
-    con.print(f"wrote {s['output']}")
+    con.print(Text(f"{s['kernel']} on {s['backend']} ({s['device']})", style="bold"),
+              soft_wrap=True)  # fmt: skip
+    for line in wrap_items("  ran in", [f"{t['run']:.3f} s; read {t['read']:.3f} s",
+                           f"write {t['write']:.3f} s"], con.width):  # fmt: skip
+        con.print(Text(line), soft_wrap=True)
+    rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"]),
+             info["sha256"][:HASH_DIGITS]] for name, info in s["outputs"].items()]  # fmt: skip
+    print_rows(con, ["output", "dtype", "shape", "sha256"], rows, indent=2)
+    con.print(Text(f"wrote {s['output']}"), soft_wrap=True)
 
 
 def run_prefill(
     input: InputArg,
     output: OutputOpt,
     eps: Annotated[
-        float | None, typer.Option(help="RMSNorm epsilon (default: 1e-6).", show_default=False)
+        float | None, typer.Option(help="RMSNorm epsilon (kernel API: 1e-6).", show_default=False)
     ] = None,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", help="Experts per token, <= 8 (default: 1).", show_default=False),
+        typer.Option(
+            "--top-k", help="Experts per token, <= 8 (kernel API: 1).", show_default=False
+        ),
     ] = None,
     router_act: Annotated[
         str | None,
         typer.Option(
             "--router-act",
-            help="Router activation: sigmoid, softmax or noaux_tc (default: sigmoid).",
+            help="Router activation: sigmoid, softmax or noaux_tc (kernel API: sigmoid).",
             show_default=False,
         ),
     ] = None,
     n_group: Annotated[
         int | None,
-        typer.Option("--n-group", help="NOAUX_TC expert groups (default: 1).", show_default=False),
+        typer.Option(
+            "--n-group", help="NOAUX_TC expert groups (kernel API: 1).", show_default=False
+        ),
     ] = None,
     topk_group: Annotated[
         int | None,
-        typer.Option("--topk-group", help="NOAUX_TC groups kept (default: 1).", show_default=False),
+        typer.Option(
+            "--topk-group", help="NOAUX_TC groups kept (kernel API: 1).", show_default=False
+        ),
     ] = None,
     routed_scaling_factor: Annotated[
         float | None,
         typer.Option(
             "--routed-scaling-factor",
-            help="NOAUX_TC affinity multiplier (default: 1.0).",
+            help="NOAUX_TC affinity multiplier (kernel API: 1.0).",
             show_default=False,
         ),
     ] = None,
@@ -171,7 +183,7 @@ def run_prefill(
         str | None,
         typer.Option(
             "--qmx-output-dtype",
-            help="float8_e4m3fn_x4 or float8_e5m2_x4 (default: e4m3fn).",
+            help="float8_e4m3fn_x4 or float8_e5m2_x4 (kernel API: e4m3fn).",
             show_default=False,
         ),
     ] = None,
@@ -179,7 +191,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-scales/--no-pack-scales",
-            help="Fold scale tiles (default: on).",
+            help="Fold scale tiles (kernel API: on).",
             show_default=False,
         ),
     ] = None,
@@ -187,7 +199,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-affinities/--no-pack-affinities",
-            help="Affinities in the row tail (default: off).",
+            help="Affinities in the row tail (kernel API: off).",
             show_default=False,
         ),
     ] = None,
@@ -195,7 +207,7 @@ def run_prefill(
         int | None,
         typer.Option(
             "--unpadded-hidden-size",
-            help="Real H for the RMS mean (default: H).",
+            help="Real H for the RMS mean (kernel API: H).",
             show_default=False,
         ),
     ] = None,
@@ -203,7 +215,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--emit-norm-bf16/--no-emit-norm-bf16",
-            help="Also write norm_bf16 (default: off).",
+            help="Also write norm_bf16 (kernel API: off).",
             show_default=False,
         ),
     ] = None,
@@ -211,7 +223,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--hidden-interleaved/--no-hidden-interleaved",
-            help="Inputs stored 4-way interleaved (default: off).",
+            help="Inputs stored 4-way interleaved (kernel API: off).",
             show_default=False,
         ),
     ] = None,
@@ -219,6 +231,7 @@ def run_prefill(
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
+    no_verify_hashes: NoVerifyHashes = False,
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
@@ -226,9 +239,11 @@ def run_prefill(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run rmsnorm_mx_prefill: fused RMSNorm + MXFP8 quantization (+ router top-K).
+    """Run rmsnorm_mx_prefill on an input file.
 
-    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    Fused RMSNorm + MXFP8 quantization (+ router top-K). A flag overrides the kwarg stored in
+    the input file's metadata; without the flag the file's value is used, and without either
+    the kernel API's default (in parentheses).
     """
     overrides = {
         "eps": eps,
@@ -260,6 +275,7 @@ def run_prefill(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            verify_hashes=not no_verify_hashes,
         ),
         json_out=json_out,
     )
@@ -272,7 +288,7 @@ def run_bwd(
         int | None,
         typer.Option(
             "--block-size",
-            help="Tokens per block (128 ... 4096) (default: 4096).",
+            help="Tokens per block, 128 ... 4096 (kernel API: 4096).",
             show_default=False,
         ),
     ] = None,
@@ -289,6 +305,7 @@ def run_bwd(
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
+    no_verify_hashes: NoVerifyHashes = False,
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
@@ -296,9 +313,11 @@ def run_bwd(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run blockwise_mm_bwd_mxfp8: the MXFP8 backward pass of a blockwise MoE layer.
+    """Run blockwise_mm_bwd_mxfp8 on an input file.
 
-    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    The MXFP8 backward pass of a blockwise MoE layer. A flag overrides the kwarg stored in the
+    input file's metadata; without the flag the file's value is used, and without either the
+    kernel API's default (in parentheses).
     """
 
     def body() -> None:
@@ -322,6 +341,7 @@ def run_bwd(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            verify_hashes=not no_verify_hashes,
         )
 
     guarded(debug, body, json_out=json_out)

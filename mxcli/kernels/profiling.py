@@ -37,13 +37,13 @@ TARGETS = ("trn3", "trn2")
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router."""
+    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation."""
 
     tokens: int
     hidden: int
     experts: int
     top_k: int
-    router: str = "noaux_tc"
+    router_act: str = "noaux_tc"
     n_group: int = 8
     topk_group: int = 4
 
@@ -115,9 +115,11 @@ def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
     for k in ("tokens", "hidden", "experts", "top_k", "n_group", "topk_group"):
         _positive(k, getattr(s, k))
     acts = {a.name.lower(): a for a in RouterActFnType}
-    if s.router.lower() not in acts:
-        raise InputError(f"router: expected one of {', '.join(sorted(acts))}, got {s.router!r}")
-    act = acts[s.router.lower()]
+    if s.router_act.lower() not in acts:
+        raise InputError(
+            f"router_act: expected one of {', '.join(sorted(acts))}, got {s.router_act!r}"
+        )
+    act = acts[s.router_act.lower()]
     bf = torch.bfloat16
     tensors = {
         "hidden_states": torch.zeros(1, s.tokens, s.hidden, dtype=bf),

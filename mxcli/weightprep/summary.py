@@ -15,7 +15,24 @@ def _ranges(xs: list[int]) -> str:
     return r(xs) or "none"
 
 
-def format_plan(plan: dict[str, Any]) -> str:
+def _fit(lines: list[str], width: int) -> str:
+    """Lines wrapped at spaces to `width`, never inside a word, a number or a name; a
+    ``key          value`` line continues under its value, any other under a 4-space indent."""
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        key = line[:14]
+        indent = 14 if len(key) == 14 and key.endswith("  ") and key.strip() else 4
+        out += textwrap.wrap(line, width, subsequent_indent=" " * indent,
+                             break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return "\n".join(out)
+
+
+def format_plan(plan: dict[str, Any], width: int = 80) -> str:
     r = plan["router"]
     o = plan["options"]
     lines = [
@@ -52,8 +69,13 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"note          {note}")
     first = next(iter(plan["outputs_per_layer"]))
     lines.append(f"outputs per layer and rank ({first} shown):")
-    for t in plan["outputs_per_layer"][first]:
-        lines.append(f"  {t['name']:<40} {t['dtype']:<5} {str(t['shape']):<24} {_gb(t['bytes'])}")
+    outs = plan["outputs_per_layer"][first]
+    wn = max((len(t["name"]) for t in outs), default=0)
+    ws = max((len(str(t["shape"])) for t in outs), default=0)
+    for t in outs:
+        lines.append(
+            f"  {t['name']:<{wn}}  {t['dtype']:<5} {str(t['shape']):<{ws}}  {_gb(t['bytes'])}"
+        )
     per = plan.get("per_layer") or []
     if per:
         lo, hi = min(e["source_bytes"] for e in per), max(e["source_bytes"] for e in per)
@@ -65,10 +87,10 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"total         read {_gb(plan['source_bytes'])}, write {_gb(plan['output_bytes'])}",
         f"peak memory   ~{_gb(plan['estimated_peak_memory_bytes'])} (estimate)",
     ]
-    return "\n".join(lines)
+    return _fit(lines, width)
 
 
-def format_result(res: dict[str, Any]) -> str:
+def format_result(res: dict[str, Any], width: int = 80) -> str:
     if res.get("finalized") is True and "layers_written" not in res:  # --finalize
         return (
             f"finalized {res['output']}: {len(res['layers'])} layer(s) x {res['ranks']} rank(s) "
@@ -81,6 +103,12 @@ def format_result(res: dict[str, Any]) -> str:
         + ("" if res["router_exact"] else " (not exact: see manifest notes)")
         + ("" if res.get("backward_exact", True) else "; backward not exact (see notes)"),
     ]
+    if res.get("fp8"):
+        fp8 = res["fp8"]
+        lines.append(
+            f"FP8 {fp8['description']}, scale rule {fp8['scale_rule']}"
+            + (f"; {res['fp8_clipped']} codes clipped" if res.get("fp8_clipped") else "")
+        )
     if res.get("throughput_gbps"):
         lines.append(
             f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s "
@@ -89,16 +117,22 @@ def format_result(res: dict[str, Any]) -> str:
     for L, s in (res.get("check") or {}).items():
         bad = [k for k, v in s.items() if not v["exact"] and "_mxfp8" not in k]
         sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
+        ch = [(v["changed_values"], v["values"]) for v in s.values() if "changed_values" in v]
         lines.append(
             f"check layer {L}: "
             + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
             + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
+            + (
+                f"; MXFP8 changed {sum(c for c, _ in ch)} of {sum(n for _, n in ch)} values"
+                if ch
+                else ""
+            )
         )
-    for L, rc in (res.get("routing_check") or {}).items():
+    routing = res.get("routing_check") or {}
+    for L, rc in routing.items():
         lines.append(
-            f"routing layer {L}: top-k agreement {rc['topk_agreement']:.2%}, max weight error "
-            f"{rc['max_weight_error']:.4f} ({'pass' if rc['passed'] else 'FAIL'}; "
-            f"{rc['tokens']} seeded tokens vs the family's fp32 routing)"
+            f"routing layer {L}: {'pass' if rc['passed'] else 'FAIL'}, top-k agreement "
+            f"{rc['topk_agreement']:.2%}, max weight error {rc['max_weight_error']:.4f}"
         )
     sh = res.get("shard")
     if sh:
@@ -110,5 +144,8 @@ def format_result(res: dict[str, Any]) -> str:
                + ", ".join(m["shard"] for m in sh["missing_shards"]) + " (the last one, or "
                "--finalize, writes the indexes)")
         )  # fmt: skip
+    if routing:
+        tokens = next(iter(routing.values()))["tokens"]
+        lines.append(f"  (routing: {tokens} seeded tokens against the family's fp32 routing)")
     lines.append(f"manifest {res['manifest']}")
-    return "\n".join(lines)
+    return _fit(lines, width)

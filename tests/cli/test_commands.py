@@ -152,7 +152,7 @@ def test_make_inputs_prefill(cli, tmp_path: Path, args: list[str], expect: set[s
             "4",
             "--top-k",
             "2",
-            "--router",
+            "--routing",
             "prefill",
             "--block-size",
             "256",
@@ -224,7 +224,7 @@ def test_run_prefill_human_output_quiet_and_force(cli, tmp_path: Path, files) ->
     out = tmp_path / "o.safetensors"
     r = cli("run-prefill", files["noaux"], "-o", out)
     assert r.exit_code == 0, r.output
-    assert "rmsnorm_mx_prefill on reference (cpu): ran in" in r.stdout
+    assert "rmsnorm_mx_prefill on reference (cpu)\n  ran in" in r.stdout
     assert "norm_quant_packed" in r.stdout and f"wrote {out}" in r.stdout
     r = cli("run-prefill", files["noaux"], "-o", out)
     assert r.exit_code == 2 and "output exists" in r.stderr

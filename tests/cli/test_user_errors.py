@@ -268,7 +268,7 @@ def test_bad_bwd_config(
         (["bwd", "--dense", "--experts", "4"], ["dense", "experts=4"]),
         (["bwd", "--block-size", "100"], ["block_size", "100"]),
         (["bwd", "--clamp", "1,2"], ["clamp", "4 values"]),
-        (["bwd", "--router", "magic"], ["router", "magic"]),
+        (["bwd", "--routing", "magic"], ["--routing", "magic"]),
         (["bwd", "--prequantize", "--scale-layout", "diagonal"], ["scale_layout", "diagonal"]),
         (["bwd", "--weights", "/nonexistent"], ["--weights DIR and --layer L"]),
         (["moe"], ["moe"]),

@@ -801,6 +801,11 @@ def _check_combinations(
 ) -> None:
     """Checkpoint combinations of the API reference (errata 3)."""
     if ckpt_gu is None:
+        if ckpt_act is None and ckpt_h is None:  # name the checkpoint the I/O contract documents
+            raise BwdValidationError(
+                "gate_up_proj_act_checkpoint_T: required (or both gate_act_checkpoint_T and "
+                "intermediate_checkpoint_T), got None"
+            )
         for name, t in (("gate_act_checkpoint_T", ckpt_act), ("intermediate_checkpoint_T", ckpt_h)):
             if t is None:
                 raise BwdValidationError(
