@@ -77,6 +77,19 @@ def main(
     allow_nonfinite: bool = typer.Option(
         False, "--allow-nonfinite", help="Convert source weights holding NaN or Inf."
     ),
+    shard: str = typer.Option(
+        None,
+        "--shard",
+        help="I/N: convert shard I (0-based) of N, a byte-balanced share of the layers, into a "
+        "folder the other shards share. Default: from torchrun (RANK/WORLD_SIZE) or Slurm "
+        "(SLURM_PROCID/SLURM_NTASKS, SLURM_ARRAY_TASK_ID/COUNT); 0/1 turns sharding off.",
+    ),
+    finalize: bool = typer.Option(
+        False,
+        "--finalize",
+        help="Convert nothing: write the indexes and final manifest once every shard is done "
+        "(refuses, naming the missing shards, before). The last shard to finish does it too.",
+    ),
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
@@ -96,6 +109,7 @@ def main(
             )
         from mxcli.weightprep.plan import PrepOptions, parse_formats
         from mxcli.weightprep.runner import prepare_weights
+        from mxcli.weightprep.shards import from_env, parse_shard
         from mxcli.weightprep.summary import format_plan, format_result
 
         fmt = output_format.lower()
@@ -113,14 +127,17 @@ def main(
             threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
             output_format=fmt,
         )  # fmt: skip
+        import os
+
+        part = parse_shard(shard) if shard is not None else from_env(os.environ)
         reporter = None
-        if not dry_run and not quiet:
+        if not dry_run and not quiet and not finalize:
             from mxcli.weightprep.progress import RichReporter
 
             reporter = RichReporter()
         res = prepare_weights(
             source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter,
-            revision=revision,
+            revision=revision, shard=part, finalize=finalize,
         )  # fmt: skip
         if json_out:
             print_json(res.get("plan", res))

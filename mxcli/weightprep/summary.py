@@ -91,6 +91,11 @@ def format_plan(plan: dict[str, Any], width: int = 80) -> str:
 
 
 def format_result(res: dict[str, Any], width: int = 80) -> str:
+    if res.get("finalized") is True and "layers_written" not in res:  # --finalize
+        return (
+            f"finalized {res['output']}: {len(res['layers'])} layer(s) x {res['ranks']} rank(s) "
+            f"from {res['shards']} shard(s)\nmanifest {res['manifest']}"
+        )
     lines = [
         f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
         + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
@@ -129,6 +134,16 @@ def format_result(res: dict[str, Any], width: int = 80) -> str:
             f"routing layer {L}: {'pass' if rc['passed'] else 'FAIL'}, top-k agreement "
             f"{rc['topk_agreement']:.2%}, max weight error {rc['max_weight_error']:.4f}"
         )
+    sh = res.get("shard")
+    if sh:
+        from mxcli.weightprep.shards import describe
+
+        lines.append(
+            f"shard {sh['index']}/{sh['count']} (from {sh['from']}): layers {describe(sh['layers'])}; "
+            + ("all shards done, indexes written" if sh["finalized"] else "waiting for shards "
+               + ", ".join(m["shard"] for m in sh["missing_shards"]) + " (the last one, or "
+               "--finalize, writes the indexes)")
+        )  # fmt: skip
     if routing:
         tokens = next(iter(routing.values()))["tokens"]
         lines.append(f"  (routing: {tokens} seeded tokens against the family's fp32 routing)")
