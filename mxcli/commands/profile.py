@@ -146,7 +146,7 @@ def prefill(
         full: dict[str, Any] = dict(
             shape, top_k=top_k, router=router, n_group=n_group, topk_group=topk_group
         )
-        _run(profiling.PREFILL, input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
+        _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
              full, lnc, target, trace, force, json_out, top)  # fmt: skip
 
     guarded(debug, body)
@@ -178,7 +178,7 @@ def bwd(
                  "experts": experts}  # fmt: skip
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
-        _run(profiling.BWD, input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
+        _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
              full, lnc, target, trace, force, json_out, top)  # fmt: skip
 
     guarded(debug, body)

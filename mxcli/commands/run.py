@@ -82,7 +82,7 @@ def _run(
     quiet: bool,
     strict: bool = False,
 ) -> None:
-    from mxcli.tensorio import run_file
+    from mxcli.runs import run_file
 
     with Steps(quiet) as steps:
         summary = run_file(
