@@ -38,6 +38,15 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 PACKED = "norm_quant_packed"
 
 
+# mxcli's own NKI kernel; `--kernel` registers others (nkilib, MODULE:FUNCTION) beside it
+MXCLI_KERNEL = Implementation(
+    "mxcli",
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel",
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
+    doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
+)
+
+
 def decode_packed(
     packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
 ) -> DecodedRows:
@@ -174,15 +183,8 @@ SPEC = register_spec(
         nonfinite=NonfiniteRule(token_inputs=("hidden_states", "residual"), views=_value_views),
         packed=PackedOutput(PACKED, decode_packed, packed_geometry, packed_bytes),
         geometry=_geometry,
-        implementations=(
-            Implementation(
-                "mxcli",
-                "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel",
-                "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
-                doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
-            ),
-        ),
+        implementations=(MXCLI_KERNEL,),
     )
 )
 
-__all__ = ["SPEC", "decode_packed", "packed_geometry"]
+__all__ = ["MXCLI_KERNEL", "SPEC", "decode_packed", "packed_geometry"]
