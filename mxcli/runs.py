@@ -34,7 +34,7 @@ from mxcli.verification.exact import check_exact
 from mxcli.verification.finite import input_nonfinite, unexplained_nonfinite
 from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
-from mxcli.weightprep.manifest import load_manifest
+from mxcli.weightprep.manifest import load_manifest, padding_problem
 from mxcli.weightprep.padding import (
     Padding,
     pad_bwd_inputs,
@@ -157,9 +157,13 @@ def check_inputs(
 # --------------------------------------------------------------------------------------------
 
 
-def recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> Padding | None:
+def recorded_padding(
+    spec: KernelSpec, f: TensorFile, weights: str | os.PathLike[str] | None
+) -> Padding | None:
     """The zero padding of prepared weights: from the ``--weights`` manifest, else as recorded
-    by ``make-inputs --weights``; None when nothing is padded."""
+    by ``make-inputs --weights``; None when nothing is padded. The hidden states must have the
+    true or the padded H it gives (outputs are cut to the true sizes: a padding that does not
+    describe the file would cut real values)."""
     pad = None
     if weights is not None:
         pad = load_manifest(Path(weights)).padding()
@@ -170,7 +174,27 @@ def recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> P
                 pad = Padding.from_dict(gen["padding"])
             except (KeyError, TypeError, ValueError):
                 raise InputError(f"{f.path}: __metadata__ generator.padding is malformed") from None
-    return pad if pad is not None and pad.any else None
+    if pad is None or not pad.any:
+        return None
+    where = f"the --weights manifest {weights}" if weights else f"{f.path}'s generator.padding"
+    problem = padding_problem(pad, "padding")
+    if problem is not None:
+        raise InputError(f"{f.path}: {problem}, in {where}")
+    hs = f.tensors.get("hidden_states")
+    H = pad.hidden_size
+    hidden = spec.padded.hidden if spec.padded is not None else "prefill"
+    padded = pad.prefill_hidden_size if hidden == "prefill" else pad.backward_hidden_size
+    if hs is not None and hs.dim():
+        if int(hs.shape[-1]) not in (H, padded):
+            raise InputError(
+                f"hidden_states: expected H {H} (padded {padded}) as {where} says, "
+                f"got {int(hs.shape[-1])}"
+            )
+        if int(hs.shape[-1]) > H and bool(hs[..., H:].any()):
+            raise InputError(
+                f"hidden_states: not zero past column {H}, where {where} says it is padding"
+            )
+    return pad
 
 
 def _shared_for(spec: KernelSpec, tensors: Mapping[str, torch.Tensor], pad: Padding) -> bool | None:
@@ -276,8 +300,12 @@ def run_file(
     allow_nonfinite: bool = False,
     force: bool = False,
     step: Callable[[str], Any] | None = None,
+    verify_hashes: bool = True,
 ) -> dict[str, Any]:
     """``run-prefill`` / ``run-bwd``: read, check, run, write; returns a JSON-ready summary.
+
+    The ``--weights`` layer is checked against its manifest (shapes, zero padding and, unless
+    not `verify_hashes`, sha256: `mxcli.weightprep.manifest`).
 
     Kwargs: kernel defaults < the ``--weights`` manifest < the input file's metadata <
     ``overrides`` (the flags). Every check runs before the kernel, and the output is written
@@ -296,11 +324,13 @@ def run_file(
             raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
         tensors = dict(f.tensors)
         layers: list[dict[str, Any]] = []
-        pad = recorded_padding(f, weights)
+        pad = recorded_padding(spec, f, weights)
         if weights is not None:
             if layer is None:
                 raise InputError("layer: --weights needs --layer L")
-            w_tensors, w_kwargs = layer_run_inputs(kernel, weights, layer)
+            w_tensors, w_kwargs = layer_run_inputs(
+                kernel, weights, layer, verify_hashes=verify_hashes
+            )
             both = sorted(set(w_tensors) & set(tensors))
             if both:
                 raise InputError(

@@ -20,6 +20,7 @@ ROOT = Path(mxcli.__file__).resolve().parent
 FLOORS = {
     "errors": 0,
     "fsutil": 0,
+    "memory": 0,
     "io": 0,
     "mx": 1,
     "nkisim": 1,

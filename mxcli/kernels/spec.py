@@ -220,6 +220,7 @@ class KernelSpec:
         scalars: Sequence[ScalarArg],
         outputs: Sequence[str],
         validate: Callable[..., KernelCall],
+        required_outputs: Callable[[Mapping[str, Any], Any], Sequence[str]] | None = None,
         padded: PaddedDims | None = None,
         nonfinite: NonfiniteRule | None = None,
         packed: PackedOutput | None = None,
@@ -258,6 +259,7 @@ class KernelSpec:
         )
         self.outputs: tuple[str, ...] = tuple(outputs)
         self._validate = validate
+        self._required_outputs = required_outputs
         self.padded = padded
         self.nonfinite = nonfinite or NonfiniteRule()
         self.packed = packed
@@ -399,6 +401,18 @@ class KernelSpec:
                 )
             named = dict(zip(names, values, strict=True))
         return {k: v for k, v in named.items() if v is not None}
+
+    def required_outputs(
+        self, kwargs: Mapping[str, Any], input_names: Iterable[str] | None = None
+    ) -> list[str]:
+        """The outputs a run with these (resolved) kwargs must have written, given the names of
+        its input tensors (when unknown, those the kwargs alone decide): what `verify`
+        requires."""
+        if self._required_outputs is None:
+            return list(self.outputs)
+        return list(
+            self._required_outputs(kwargs, None if input_names is None else list(input_names))
+        )
 
     def order(self, names: Iterable[str]) -> list[str]:
         """`names` sorted as the kernel's arguments, then its returns, then the rest."""

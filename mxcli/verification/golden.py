@@ -16,10 +16,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from mxcli.errors import InputError
-from mxcli.io.files import tensor_sha256
-from mxcli.io.metadata import OUTPUTS_FORMAT
+from mxcli.io.files import TensorFile, tensor_sha256
+from mxcli.io.metadata import INPUTS_FORMAT, OUTPUTS_FORMAT
 from mxcli.kernels.spec import find_spec, get_spec, read_kernel_file
-from mxcli.verification.compare import TensorReport, fail_report
+from mxcli.verification.compare import TensorReport, fail_report, missing_report
 from mxcli.verification.exact import CHECK as EXACT_CHECK
 from mxcli.verification.exact import check_exact
 from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
@@ -49,11 +49,7 @@ def compare_files(
     if kernel is not None and find_spec(kernel) is None:
         raise InputError(f"{gold.path}: unknown kernel {kernel!r} in the metadata")
     for f in (out, gold):
-        fmt = f.metadata.get("format")
-        if fmt is not None and fmt != OUTPUTS_FORMAT:
-            raise InputError(
-                f"{f.path}: not an output file (format {fmt!r}, expected {OUTPUTS_FORMAT})"
-            )
+        _require_format(f, OUTPUTS_FORMAT)
     if profile == "auto":
         backends = (str(f.metadata.get("backend")) for f in (out, gold))
         hardware = any(profile_for_backend(b) == "hardware" for b in backends)
@@ -72,12 +68,41 @@ def compare_files(
     if kernel is not None:
         kwargs = get_spec(kernel).resolve_kwargs(gold.kwargs)
         geometry = geometry_args(gold.meta_json("geometry") or out.meta_json("geometry"))
-    result.reports += compare_outputs(
-        kernel or "", out.tensors, gold.tensors, kwargs, profile=profile, overrides=overrides,
-        exact=exact, check=CHECK, **geometry,
-    )  # fmt: skip
+    missing: list[str] = []
+    if kernel is not None:  # a golden without the kernel's outputs would pass on nothing
+        recorded = gold.meta_json("input_sha256") or out.meta_json("input_sha256")
+        names = list(recorded) if isinstance(recorded, Mapping) else None
+        required = get_spec(kernel).required_outputs(kwargs, names)
+        missing = [n for n in required if n not in gold.tensors]
+        result.reports += [missing_report(n, CHECK, f"the golden {gold.path}") for n in missing]
+    if not gold.tensors:
+        result.reports.append(fail_report("(outputs)", CHECK, f"{gold.path} holds no tensors"))
+    result.reports += [
+        r
+        for r in compare_outputs(
+            kernel or "",
+            out.tensors,
+            gold.tensors,
+            kwargs,
+            profile=profile,
+            overrides=overrides,
+            exact=exact,
+            check=CHECK,
+            **geometry,
+        )  # fmt: skip
+        if r.name not in missing  # reported once, as missing in the golden
+    ]
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _require_format(f: TensorFile, expected: str) -> None:
+    """Refuse an input file given as an output, or the reverse (a usage error, exit 2)."""
+    fmt = f.metadata.get("format")
+    if fmt is not None and fmt != expected:
+        what = {INPUTS_FORMAT: "an input file: ", OUTPUTS_FORMAT: "an output file: "}.get(fmt, "")
+        wanted = "an output" if expected == OUTPUTS_FORMAT else "an input"
+        raise InputError(f"{f.path}: not {wanted} file ({what}format {fmt!r}, expected {expected})")
 
 
 def padding_reports(meta: Any, check: str) -> list[Any]:
@@ -131,6 +156,8 @@ def check_run(
     t0 = time.perf_counter()
     out = read_kernel_file(output)
     inp = read_kernel_file(inputs)
+    _require_format(out, OUTPUTS_FORMAT)
+    _require_format(inp, INPUTS_FORMAT)
     kernel = out.kernel or inp.kernel
     spec = find_spec(kernel)
     if kernel is None or spec is None:
@@ -164,11 +191,17 @@ def check_run(
             return result
     # the kwargs the run used (recorded in OUT), else those of the input file
     kwargs = spec.resolve_kwargs(spec.metadata_kwargs(inp.metadata), out.kwargs)
+    tensors = dict(inp.tensors)
+    # a run must have written every output its kernel returns for these inputs and kwargs
+    missing_out = [n for n in spec.required_outputs(kwargs, tensors) if n not in out.tensors]
+    result.reports += [missing_report(n, EXACT_CHECK, str(out.path)) for n in missing_out]
     pad_meta = out.meta_json("padding")
     outputs = out.tensors
     if isinstance(pad_meta, Mapping):  # un-padded results: compare at the kernel's sizes
         result.reports += padding_reports(pad_meta, EXACT_CHECK)
         outputs = repad_bwd_outputs(outputs, pad_meta)
-    result.reports += check_exact(kernel, dict(inp.tensors), kwargs, outputs, source=str(inp.path))
+    # the other outputs are read through the packed one (the prefill's rows)
+    if spec.packed is None or spec.packed.name not in missing_out:
+        result.reports += check_exact(kernel, tensors, kwargs, outputs, source=str(inp.path))
     result.seconds = time.perf_counter() - t0
     return result

@@ -47,6 +47,13 @@ OUTPUT_NAMES = (
     "gate_and_up_proj_bias_grad",
     "down_proj_bias_grad",
 )
+
+
+def output_names(bias: bool) -> tuple[str, ...]:
+    """The returns of a call, in API order: four gradients, and the bias grads with ``bias``."""
+    return OUTPUT_NAMES if bias else OUTPUT_NAMES[:4]
+
+
 _CHECKPOINTS = (
     "gate_up_proj_act_checkpoint_T",
     "gate_act_checkpoint_T",
@@ -97,7 +104,7 @@ class BwdCall:
     def output_names(self) -> tuple[str, ...]:
         """Names of this call's returns, in API order: four gradients, plus the bias grads with
         ``config.bias``."""
-        return OUTPUT_NAMES if self.config.bias else OUTPUT_NAMES[:4]
+        return output_names(self.config.bias)
 
 
 def validate(*args: Any, **kwargs: Any) -> BwdCall:

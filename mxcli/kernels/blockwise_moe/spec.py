@@ -15,7 +15,12 @@ import torch
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.kwargs import dataclass_from_dict, json_object, to_jsonable, typed
 from mxcli.kernels.blockwise_moe.config import MXFP8MOEBwdConfig
-from mxcli.kernels.blockwise_moe.contract import OUTPUT_NAMES, blockwise_mm_bwd_mxfp8, validate
+from mxcli.kernels.blockwise_moe.contract import (
+    OUTPUT_NAMES,
+    blockwise_mm_bwd_mxfp8,
+    output_names,
+    validate,
+)
 from mxcli.kernels.spec import (
     Implementation,
     KernelSpec,
@@ -115,6 +120,9 @@ SPEC = register_spec(
         ),
         outputs=OUTPUT_NAMES,
         validate=validate,
+        required_outputs=lambda kwargs, _inputs: output_names(
+            bool(getattr(kwargs.get("config"), "bias", False))
+        ),
         # bwd spec §10: H % 128 == 0 and I % 128 == 0; §1 layouts (gradients share them)
         padded=PaddedDims(
             inputs={

@@ -210,16 +210,36 @@ class PrefillCall:
     @property
     def output_names(self) -> tuple[str, ...]:
         """Names of this call's returns, in API order (prefill spec §2.2)."""
-        names = ["norm_quant_packed"]
-        if self.returns_index:
-            names.append("expert_index")
-        if self.returns_affinities:
-            names.append("expert_affinities")
-        if self.has_residual:
-            names.append("output_residual")
-        if self.emit_norm_bf16:
-            names.append("norm_bf16")
-        return tuple(names)
+        return output_names(
+            has_router=self.has_router,
+            act=self.act,
+            pack_affinities=self.pack_affinities,
+            has_residual=self.has_residual,
+            emit_norm_bf16=self.emit_norm_bf16,
+        )
+
+
+def output_names(
+    *,
+    has_router: bool,
+    act: RouterActFnType,
+    pack_affinities: bool,
+    has_residual: bool,
+    emit_norm_bf16: bool,
+) -> tuple[str, ...]:
+    """The returns of a call, in API order (prefill spec §2.2): the packed rows; with a router
+    the index (not for NOAUX_TC) and the affinities (unless packed into the rows); the residual
+    sum with a residual; the bf16 norm when asked for."""
+    names = ["norm_quant_packed"]
+    if has_router and act is not RouterActFnType.NOAUX_TC:
+        names.append("expert_index")
+    if has_router and not pack_affinities:
+        names.append("expert_affinities")
+    if has_residual:
+        names.append("output_residual")
+    if emit_norm_bf16:
+        names.append("norm_bf16")
+    return tuple(names)
 
 
 def as_call(*args: Any, **kwargs: Any) -> PrefillCall:

@@ -17,6 +17,7 @@ from mxcli.io.kwargs import enum_dump, typed
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     QmxOutputDtype,
     RouterActFnType,
+    output_names,
     rmsnorm_mx_prefill,
     row_geometry,
     validate,
@@ -91,6 +92,19 @@ def _geometry(inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
             "num_experts": int(w.shape[1]) if w is not None else None,
         }
     }
+
+
+def _required_outputs(kwargs: Mapping[str, Any], input_names: Any) -> tuple[str, ...]:
+    """The outputs a run with these kwargs and inputs returns (the router and the residual are
+    read from `input_names`; when unknown, only what the kwargs alone decide)."""
+    names = set(input_names or ())
+    return output_names(
+        has_router="router_weights" in names,
+        act=RouterActFnType.coerce(SPEC.value(kwargs, "router_act_fn")),
+        pack_affinities=bool(SPEC.value(kwargs, "pack_affinities")),
+        has_residual="residual" in names,
+        emit_norm_bf16=bool(SPEC.value(kwargs, "emit_norm_bf16")),
+    )
 
 
 def _value_views(
@@ -177,6 +191,7 @@ SPEC = register_spec(
         ),
         outputs=(PACKED, "expert_index", "expert_affinities", "output_residual", "norm_bf16"),
         validate=validate,
+        required_outputs=_required_outputs,
         # prefill spec §2.3: H % 512 == 0; the real H only changes the RMS divisor (§3)
         padded=PaddedDims(inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}),
         # tokens are independent (§3): a token's outputs are explained by its own rows
