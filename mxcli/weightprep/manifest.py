@@ -29,7 +29,10 @@ Folder layout::
                      "shared_intermediate_size_per_rank", "padded_shared_intermediate_size_per_rank"}
                     (`mxcli.weightprep.padding`; absent in folders of older versions: no padding)
     settings        {"tp", "ep", "formats", "scale_layout", "scale_rule", "elem", "quant_scheme",
-                     "tile_k", "fast_dma_transpose"}
+                     "tile_k", "fp8_range", "output_format", "fast_dma_transpose"}
+    fp8             {"variant", "range", "max", "mode", "description", "scale_rule",
+                     "scale_exponent"}   # the outputs' FP8 semantics (`mxcli.weightprep.fp8`)
+    source_fp8      null | {"variant", "max", "declared_by"}   # what the source declares
     router          {"act_fn", "top_k", "n_group", "topk_group", "routed_scaling_factor",
                      "exact", "notes", "backward_notes"}
     notes           [str]
@@ -43,7 +46,9 @@ Folder layout::
                         "ranks": {"<r>": {"file", "bytes",
                             "tensors": {key: {"name", "dtype", "shape", "sha256",
                                               "kernel_arg", "layout"}}}},
-                        "check": null | {"<r>": {key: {"exact", "sqnr_db", "max_abs_diff"}}}}}
+                        "fp8_clipped",  # codes saturated for --fp8-range 240
+                        "check": null | {"<r>": {key: {"exact", "sqnr_db", "max_abs_diff",
+                            "changed_values", "values"}}}}}   # the last two: MXFP8 keys
 
 Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``router_weights
 [Hp, E]`` (arranged for ``router_act_fn``), ``router_bias [E]``; bf16 ``gate_up_proj_weight

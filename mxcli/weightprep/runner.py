@@ -129,6 +129,8 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
         },
         "padding": plan.padding.to_dict(),
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
+        "fp8": plan.options.fp8().to_dict(),
+        "source_fp8": plan.source_fp8,
         "router": m.router.to_dict(),
         "notes": list(plan.notes),
         "ranks": [rk.to_dict() for rk in plan.ranks],
@@ -245,7 +247,10 @@ _COMPARED_SETTINGS = (
     "elem",
     "quant_scheme",
     "tile_k",
+    "fp8_range",
 )
+# settings absent from the manifests of older versions, as those versions wrote them
+_SETTING_DEFAULTS = {"fp8_range": 448}
 
 
 def _check_writable(out: Path) -> None:
@@ -342,7 +347,8 @@ def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) ->
             f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
         )
     for key in _COMPARED_SETTINGS:
-        a, b = old["settings"].get(key), fresh["settings"].get(key)
+        a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
+        b = fresh["settings"].get(key)
         if a != b:
             raise InputError(
                 f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
@@ -486,6 +492,10 @@ def prepare_weights(
     if dry_run:  # shards that are not here are planned from config.json
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
+        if options.output_format != "mxcli":
+            from mxcli.weightprep.export import check_export
+
+            check_export(plan)
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
         problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
         if problem is not None:
@@ -501,6 +511,14 @@ def prepare_weights(
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
+    if options.output_format != "mxcli":  # another stack's layout (`mxcli.weightprep.export`)
+        from mxcli.weightprep.export import run_export
+
+        if resume:
+            raise InputError(
+                f"--resume: not available with --output-format {options.output_format}"
+            )
+        return run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read
@@ -616,6 +634,8 @@ def _convert(
         "backward_exact": plan.model.router.backward_exact,
         "layers_written": todo,
         "layers_skipped": done,
+        "fp8": plan.options.fp8().to_dict(),
+        "fp8_clipped": sum(int(r.get("fp8_clipped") or 0) for r in records.values()),
         "ranks": len(plan.ranks),
         "files": [f"{rk.dir}/{layer_file(L)}" for L in plan.layers for rk in plan.ranks],
         "source_bf16_bytes": converted_bytes,
