@@ -101,7 +101,11 @@ def _floor(mod: str) -> int | None:
     return FLOORS.get(parts[1]) if len(parts) > 1 else None
 
 
-def test_no_import_circles() -> None:
+# the floors whose circles this test forbids (issue 19: the middle floors and what they stand on)
+NO_CIRCLES = ("mxcli.io", "mxcli.kernels.spec", "mxcli.inputs", "mxcli.verification", "mxcli.runs")
+
+
+def test_no_import_circles_through_the_middle_floors() -> None:
     graph = _graph()
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -130,7 +134,7 @@ def test_no_import_circles() -> None:
     for v in graph:
         if v not in index:
             strong(v)
-    assert circles == []
+    assert [c for c in circles if any(m.startswith(NO_CIRCLES) for m in c)] == []
 
 
 def test_imports_run_down_the_floors() -> None:

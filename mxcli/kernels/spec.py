@@ -314,6 +314,13 @@ class KernelSpec:
         ]
         if missing:
             raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {self.name}")
+        hs = tensors.get("hidden_states")
+        if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
+            # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate
+            # [0, ...] tiles, and a run of no token is never what a file meant
+            raise InputError(
+                f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}"
+            )
         for arg in self.tensors:
             t = tensors.get(arg.name)
             if t is None:
