@@ -205,7 +205,7 @@ def prefill(
         full: dict[str, Any] = dict(
             shape, top_k=top_k, router_act=router_act, n_group=n_group, topk_group=topk_group
         )
-        _run(profiling.PREFILL, input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
+        _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
              full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
 
     guarded(debug, body, json_out=json_out)
@@ -241,7 +241,7 @@ def bwd(
                  "experts": experts}  # fmt: skip
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
-        _run(profiling.BWD, input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
+        _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
              full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
 
     guarded(debug, body, json_out=json_out)

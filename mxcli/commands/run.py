@@ -17,6 +17,7 @@ from mxcli.commands._shared import (
     Steps,
     complete_backend,
     guarded,
+    kernel_defaults,
     print_json,
     print_rows,
     shape_text,
@@ -24,6 +25,10 @@ from mxcli.commands._shared import (
     stdout_console,
     wrap_items,
 )
+
+# the defaults the help texts show: those of the kernels' public signatures
+_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
+_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
 
 # ---- options shared by both run commands ----
 InputArg = Annotated[
@@ -89,7 +94,7 @@ def _run(
     strict: bool = False,
     verify_hashes: bool = True,
 ) -> None:
-    from mxcli.tensorio import run_file
+    from mxcli.runs import run_file
 
     with Steps(quiet) as steps:
         summary = run_file(
@@ -143,39 +148,47 @@ def run_prefill(
     input: InputArg,
     output: OutputOpt,
     eps: Annotated[
-        float | None, typer.Option(help="RMSNorm epsilon (kernel API: 1e-6).", show_default=False)
+        float | None,
+        typer.Option(help=f"RMSNorm epsilon (kernel API: {_PRE['eps']}).", show_default=False),
     ] = None,
     top_k: Annotated[
         int | None,
         typer.Option(
-            "--top-k", help="Experts per token, <= 8 (kernel API: 1).", show_default=False
+            "--top-k",
+            help=f"Experts per token, <= 8 (kernel API: {_PRE['top_k']}).",
+            show_default=False,
         ),
     ] = None,
     router_act: Annotated[
         str | None,
         typer.Option(
             "--router-act",
-            help="Router activation: sigmoid, softmax or noaux_tc (kernel API: sigmoid).",
+            help="Router activation: sigmoid, softmax or noaux_tc "
+            f"(kernel API: {_PRE['router_act_fn']}).",
             show_default=False,
         ),
     ] = None,
     n_group: Annotated[
         int | None,
         typer.Option(
-            "--n-group", help="NOAUX_TC expert groups (kernel API: 1).", show_default=False
+            "--n-group",
+            help=f"NOAUX_TC expert groups (kernel API: {_PRE['n_group']}).",
+            show_default=False,
         ),
     ] = None,
     topk_group: Annotated[
         int | None,
         typer.Option(
-            "--topk-group", help="NOAUX_TC groups kept (kernel API: 1).", show_default=False
+            "--topk-group",
+            help=f"NOAUX_TC groups kept (kernel API: {_PRE['topk_group']}).",
+            show_default=False,
         ),
     ] = None,
     routed_scaling_factor: Annotated[
         float | None,
         typer.Option(
             "--routed-scaling-factor",
-            help="NOAUX_TC affinity multiplier (kernel API: 1.0).",
+            help=f"NOAUX_TC affinity multiplier (kernel API: {_PRE['routed_scaling_factor']}).",
             show_default=False,
         ),
     ] = None,
@@ -183,7 +196,7 @@ def run_prefill(
         str | None,
         typer.Option(
             "--qmx-output-dtype",
-            help="float8_e4m3fn_x4 or float8_e5m2_x4 (kernel API: e4m3fn).",
+            help=f"float8_e4m3fn_x4 or float8_e5m2_x4 (kernel API: {_PRE['qmx_output_dtype']}).",
             show_default=False,
         ),
     ] = None,
@@ -191,7 +204,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-scales/--no-pack-scales",
-            help="Fold scale tiles (kernel API: on).",
+            help=f"Fold scale tiles (kernel API: {_PRE['pack_scales']}).",
             show_default=False,
         ),
     ] = None,
@@ -199,7 +212,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-affinities/--no-pack-affinities",
-            help="Affinities in the row tail (kernel API: off).",
+            help=f"Affinities in the row tail (kernel API: {_PRE['pack_affinities']}).",
             show_default=False,
         ),
     ] = None,
@@ -215,7 +228,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--emit-norm-bf16/--no-emit-norm-bf16",
-            help="Also write norm_bf16 (kernel API: off).",
+            help=f"Also write norm_bf16 (kernel API: {_PRE['emit_norm_bf16']}).",
             show_default=False,
         ),
     ] = None,
@@ -223,7 +236,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--hidden-interleaved/--no-hidden-interleaved",
-            help="Inputs stored 4-way interleaved (kernel API: off).",
+            help=f"Inputs stored 4-way interleaved (kernel API: {_PRE['hidden_interleaved']}).",
             show_default=False,
         ),
     ] = None,
@@ -262,7 +275,7 @@ def run_prefill(
     guarded(
         debug,
         lambda: _run(
-            "rmsnorm_mx_prefill",
+            "prefill",
             overrides,
             input=input,
             output=output,
@@ -288,7 +301,7 @@ def run_bwd(
         int | None,
         typer.Option(
             "--block-size",
-            help="Tokens per block, 128 ... 4096 (kernel API: 4096).",
+            help=f"Tokens per block (128 ... 4096) (kernel API: {_BWD['block_size']}).",
             show_default=False,
         ),
     ] = None,
@@ -328,7 +341,7 @@ def run_bwd(
             refuse_inputs(output, [("--config file", config)])
             overrides["config"] = _read_config(config)
         _run(
-            "blockwise_mm_bwd_mxfp8",
+            "bwd",
             overrides,
             input=input,
             output=output,

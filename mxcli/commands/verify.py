@@ -294,9 +294,8 @@ def _suite(
     json_out: bool,
     quiet: bool,
 ) -> int:
-    from mxcli.tensorio import resolve_device
+    from mxcli.runs import resolve_backends, resolve_device, run_suite
     from mxcli.verification.cases import select
-    from mxcli.verification.suite import resolve_backends, run_suite
 
     cases = select(suite, pattern)
     if list_cases:

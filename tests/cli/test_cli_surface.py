@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxcli.tensorio import read_file, write_file
+from mxcli.io.files import write_file
+from mxcli.kernels.spec import read_kernel_file as read_file
 
 _MAIN = "import sys; from mxcli.cli import main; sys.argv = ['mxcli', *sys.argv[1:]]; main()"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
