@@ -847,8 +847,13 @@ def blockwise_mm_bwd_mxfp8(
     *,
     backend: str = "reference",
     emulate: Emulate | str = Emulate.KERNEL,
+    kernel: Any = None,
 ) -> tuple[torch.Tensor, ...]:
     """MXFP8 backward pass of a blockwise, dropless Mixture-of-Experts MLP (SwiGLU experts).
+
+    ``kernel`` picks the NKI kernel the ``sim`` / ``neuron`` backends run: ``"mxcli"``
+    (default), ``"nkilib"`` (AWS's NKI Library) or ``"MODULE:FUNCTION"``
+    (`mxcli.kernels.selection`).
 
     Arguments follow the device kernel's API (bwd spec §1 notation; E from
     ``down_proj_weight.shape[0]``, I from the weights, ``N = len(token_position_to_id) // B``):
@@ -923,8 +928,11 @@ def blockwise_mm_bwd_mxfp8(
     (fresh zero outputs); LNC2-only launch checks do not apply to the reference; with
     ``emulate="exact"`` pre-quantized weights enter with their dequantized values.
     """
+    from mxcli.kernels import selection
+
     name = backends.resolve_name(KERNEL_NAME, backend)
     fn = backends.get(KERNEL_NAME, name)
+    extra = selection.backend_kwargs(kernel, name, selection.BWD)
     args = (
         hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
         token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
@@ -936,4 +944,4 @@ def blockwise_mm_bwd_mxfp8(
         return fn(*args, emulate=emulate)
     if as_emulate(emulate) is not Emulate.KERNEL:
         raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
-    return fn(*args)
+    return fn(*args, **extra)

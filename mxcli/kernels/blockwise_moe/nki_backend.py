@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime
+from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.blockwise_moe import _checks as ck
 from mxcli.kernels.blockwise_moe.backward import (
     BwdInputs,
@@ -310,12 +310,57 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     return out, inp.x.device
 
 
+_API_NAMES = (
+    "hidden_states",
+    "expert_affinities_masked",
+    "gate_up_proj_weight",
+    "down_proj_weight",
+    "token_position_to_id",
+    "block_to_expert",
+    "output_hidden_states_grad",
+    "block_size",
+    "gate_up_proj_act_checkpoint_T",
+    "gate_act_checkpoint_T",
+    "intermediate_checkpoint_T",
+    "scaled_intermediate_checkpoint_T",
+    "down_proj_act_checkpoint",
+    "config",
+    "gate_up_weight_scales",
+    "down_weight_scales",
+    "num_valid_tokens",
+)
+
+
+def _api_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The launch's arguments by their API reference names (a non-default mxcli config is
+    validated first, with mxcli's messages)."""
+    named = dict(zip(_API_NAMES, args, strict=False))
+    for k, v in kwargs.items():
+        if k not in _API_NAMES:
+            raise TypeError(f"blockwise_mm_bwd_mxfp8: unexpected argument {k!r}")
+        named[k] = v
+    cfg = named.get("config")
+    if cfg is not None:
+        if not isinstance(cfg, MXFP8MOEBwdConfig):
+            raise BwdValidationError(
+                f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}"
+            )
+        cfg.validate()
+    return named
+
+
+def _third_party(kernel: Any) -> selection.KernelChoice | None:
+    choice = selection.parse_kernel(kernel, selection.BWD)
+    return None if choice.is_own else choice
+
+
 def launch_sim(
     *args: Any,
     lnc: int = 2,
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
+    kernel: Any = selection.MXCLI,
     **kwargs: Any,
 ) -> SimResult:
     """Run the NKI kernel on a simulator; the full `SimResult` (outputs in the reference's form,
@@ -324,12 +369,22 @@ def launch_sim(
     Positional / keyword arguments: those of `blockwise_mm_bwd_mxfp8`. `lnc`: 1 or 2 programs
     (2, the API's launch, splits the free dims, SHARD_ON_FREE). `check_only` (interpreter only):
     every hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs
-    are then meaningless).
+    are then meaningless). `kernel`: the NKI kernel (`mxcli.kernels.selection`).
     """
+    choice = _third_party(kernel)
+    if choice is not None:
+        named = _api_args(args, kwargs)
+        device = named["hidden_states"].device
+        res = selection.launch_sim(
+            choice, named, lnc=lnc, check_only=check_only, check_capacity=check_capacity
+        )
+        res.outputs = [t.to(device) for t in res.outputs]
+        return res
     kw, device = prepare(*args, **kwargs)
     res = nki_runtime.run_sim(
         KERNEL, (), kw, lnc=lnc, check_only=check_only, engine=engine, check_capacity=check_capacity
     )
+    selection.record(selection.parse_kernel(None, selection.BWD), res.engine.value, res.report)
     res.outputs = [t.to(device) for t in res.outputs]
     return res
 
@@ -355,6 +410,7 @@ def run_sim(
     *,
     lnc: int = 2,
     engine: SimEngine | str = SimEngine.AUTO,
+    kernel: Any = selection.MXCLI,
 ) -> tuple[torch.Tensor, ...]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
@@ -367,7 +423,7 @@ def run_sim(
         gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
         scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
         gate_up_weight_scales, down_weight_scales, num_valid_tokens,
-        lnc=lnc, engine=engine,
+        lnc=lnc, engine=engine, kernel=kernel,
     )  # fmt: skip
     return tuple(res.outputs)
 
@@ -392,6 +448,7 @@ def run_neuron(
     num_valid_tokens: Any = None,
     *,
     lnc: int | None = None,
+    kernel: Any = selection.MXCLI,
 ) -> tuple[torch.Tensor, ...]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device through torch-neuronx.
 
@@ -399,7 +456,23 @@ def run_neuron(
     ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError` listing what is
     missing (SDK packages, device) before touching any of it.
     """
-    nki_runtime.require_neuron("blockwise_mm_bwd_mxfp8")  # before validating anything
+    choice = _third_party(kernel)
+    nki_runtime.require_neuron(  # before validating anything
+        "blockwise_mm_bwd_mxfp8" if choice is None else selection.describe_name(choice)
+    )
+    if choice is not None:
+        named = _api_args(
+            (
+                hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
+                token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
+                gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
+                scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
+                gate_up_weight_scales, down_weight_scales, num_valid_tokens,
+            ),
+            {},
+        )  # fmt: skip
+        outs = selection.launch_neuron(choice, named, lnc=lnc)
+        return tuple(t.to(hidden_states.device) for t in outs)
     kw, device = prepare(
         hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
         token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,

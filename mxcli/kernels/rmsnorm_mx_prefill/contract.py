@@ -437,6 +437,7 @@ def rmsnorm_mx_prefill(
     hidden_interleaved: bool = False,
     *,
     backend: str = "reference",
+    kernel: Any = None,
 ) -> list[torch.Tensor]:
     """Fused RMSNorm [T, H] + MXFP8 quantization (+ optional router top-K) for prefill.
 
@@ -456,10 +457,12 @@ def rmsnorm_mx_prefill(
     5. ``norm_bf16`` [T, H] bf16 — with ``emit_norm_bf16`` only.
 
     ``backend`` picks the implementation (`mxcli.kernels.backends`): ``"reference"`` (torch,
-    CPU or CUDA), or any other registered backend, or ``"auto"``. Invalid arguments raise
+    CPU or CUDA), or any other registered backend, or ``"auto"``. ``kernel`` picks the NKI
+    kernel the ``sim`` / ``neuron`` backends run: ``"mxcli"`` (default), ``"nkilib"`` (AWS's NKI
+    Library) or ``"MODULE:FUNCTION"`` (`mxcli.kernels.selection`). Invalid arguments raise
     `PrefillValidationError` (a ``ValueError``).
     """
-    from mxcli.kernels import backends
+    from mxcli.kernels import backends, selection
 
     validate(
         hidden_states,
@@ -480,7 +483,9 @@ def rmsnorm_mx_prefill(
         emit_norm_bf16,
         hidden_interleaved,
     )
-    fn = backends.get(KERNEL_NAME, backend)
+    name = backends.resolve_name(KERNEL_NAME, backend)
+    fn = backends.get(KERNEL_NAME, name)
+    extra = selection.backend_kwargs(kernel, name, selection.PREFILL)
     return fn(  # type: ignore[no-any-return]
         hidden_states,
         gamma,
@@ -499,4 +504,5 @@ def rmsnorm_mx_prefill(
         residual,
         emit_norm_bf16,
         hidden_interleaved,
+        **extra,
     )

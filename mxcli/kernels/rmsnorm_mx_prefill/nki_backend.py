@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime
+from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
 from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
@@ -103,6 +103,41 @@ def _prepare(
     return [hidden_states, gamma, kernel_config(cfg), router_weights, router_bias, residual]
 
 
+_API_NAMES = (
+    "hidden_states",
+    "gamma",
+    "router_weights",
+    "router_bias",
+    "eps",
+    "top_k",
+    "router_act_fn",
+    "n_group",
+    "topk_group",
+    "routed_scaling_factor",
+    "qmx_output_dtype",
+    "pack_scales",
+    "pack_affinities",
+    "unpadded_hidden_size",
+    "residual",
+    "emit_norm_bf16",
+    "hidden_interleaved",
+)
+
+
+def _third_party(kernel: Any) -> selection.KernelChoice | None:
+    choice = selection.parse_kernel(kernel, selection.PREFILL)
+    return None if choice.is_own else choice
+
+
+def _api_args(values: tuple[Any, ...]) -> dict[str, Any]:
+    """mxcli's positional arguments by their API reference names, validated by the contract
+    first (mxcli's own messages), with the router mode as `RouterActFnType`."""
+    validate(*values)
+    args = dict(zip(_API_NAMES, values, strict=True))
+    args["router_act_fn"] = RouterActFnType.coerce(args["router_act_fn"])
+    return args
+
+
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The packed rows as fp8 (the kernel's HBM tensor holds raw bytes), all on `device`."""
     first = outputs[0]
@@ -134,13 +169,28 @@ def launch_sim(
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
+    kernel: Any = selection.MXCLI,
 ) -> SimResult:
     """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
     reference's form, the interpreter's counters, the engine that ran).
 
     `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every hardware
     rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are zeros).
+    `kernel`: ``"mxcli"`` (default), ``"nkilib"``, ``"MODULE:FUNCTION"`` or a
+    `selection.KernelChoice` (`mxcli.kernels.selection`).
     """
+    values = (
+        hidden_states, gamma, router_weights, router_bias, eps, top_k, router_act_fn, n_group,
+        topk_group, routed_scaling_factor, qmx_output_dtype, pack_scales, pack_affinities,
+        unpadded_hidden_size, residual, emit_norm_bf16, hidden_interleaved,
+    )  # fmt: skip
+    choice = _third_party(kernel)
+    if choice is not None:
+        res = selection.launch_sim(
+            choice, _api_args(values), lnc=lnc, check_only=check_only, check_capacity=check_capacity
+        )
+        res.outputs = _finish(res.outputs, hidden_states.device)
+        return res
     args = _prepare(
         hidden_states,
         gamma,
@@ -168,6 +218,9 @@ def launch_sim(
         engine=engine,
         check_capacity=check_capacity,
     )
+    selection.record(
+        selection.parse_kernel(selection.MXCLI, selection.PREFILL), res.engine.value, res.report
+    )
     res.outputs = _finish(res.outputs, hidden_states.device)
     return res
 
@@ -193,11 +246,13 @@ def run_sim(
     *,
     lnc: int = 1,
     engine: SimEngine | str = SimEngine.AUTO,
+    kernel: Any = selection.MXCLI,
 ) -> list[torch.Tensor]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
     Same parameters and outputs as `rmsnorm_mx_prefill_reference`; `lnc` (1 or 2) splits the
-    tokens over two programs, `engine` forces a simulator (`SimEngine`).
+    tokens over two programs, `engine` forces a simulator (`SimEngine`), `kernel` picks the
+    NKI kernel (`mxcli.kernels.selection`: mxcli's, nkilib's or MODULE:FUNCTION).
     """
     return launch_sim(
         hidden_states,
@@ -219,6 +274,7 @@ def run_sim(
         hidden_interleaved,
         lnc=lnc,
         engine=engine,
+        kernel=kernel,
     ).outputs
 
 
@@ -242,12 +298,24 @@ def run_neuron(
     hidden_interleaved: bool = False,
     *,
     lnc: int | None = None,
+    kernel: Any = selection.MXCLI,
 ) -> list[torch.Tensor]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
 
     `lnc` defaults to ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError`
-    naming what is missing when the Neuron SDK or a device is absent.
+    naming what is missing when the Neuron SDK or a device is absent. `kernel` picks the NKI
+    kernel (`mxcli.kernels.selection`); the same launch path runs it.
     """
+    choice = _third_party(kernel)
+    if choice is not None:
+        values = (
+            hidden_states, gamma, router_weights, router_bias, eps, top_k, router_act_fn,
+            n_group, topk_group, routed_scaling_factor, qmx_output_dtype, pack_scales,
+            pack_affinities, unpadded_hidden_size, residual, emit_norm_bf16, hidden_interleaved,
+        )  # fmt: skip
+        nki_runtime.require_neuron(selection.describe_name(choice))
+        outs = selection.launch_neuron(choice, _api_args(values), lnc=lnc)
+        return _finish(list(outs), hidden_states.device)
     args = _prepare(
         hidden_states,
         gamma,
