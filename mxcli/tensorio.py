@@ -814,6 +814,10 @@ class RunOutcome:
     backend: str
     device: str
     seconds: float
+    # the NKI kernel that ran (`mxcli.kernels.selection.describe`; None for the reference) and,
+    # on mxcli's interpreter, its reads of never-written memory, one line per kernel site
+    nki_kernel: dict[str, Any] | None = None
+    uninit_reads: list[str] = field(default_factory=list)
 
 
 def run_kernel(
@@ -823,16 +827,22 @@ def run_kernel(
     *,
     backend: str = "auto",
     device: str = "cpu",
+    nki_kernel: Any = None,
 ) -> RunOutcome:
     """Call ``kernel`` on ``backend`` with contract-named tensors and parsed kwargs.
 
     ``device`` places the tensors for the reference backend (CPU or CUDA); other backends get
-    CPU tensors and run where they run (``neuron`` on the Trainium device).
+    CPU tensors and run where they run (``neuron`` on the Trainium device). ``nki_kernel``:
+    the NKI kernel the sim / neuron backends run (``mxcli``, ``nkilib``, ``MODULE:FUNCTION`` or
+    a `mxcli.kernels.selection.KernelChoice`).
     """
     import time
 
+    from mxcli.kernels import selection
+
     api = kernel_api(kernel)
     name = resolve_backend(kernel, backend)
+    extra = selection.backend_kwargs(nki_kernel, name, kernel)
     dev = resolve_device(device)
     if name != "reference" and dev.type != "cpu":
         raise InputError(
@@ -840,14 +850,34 @@ def run_kernel(
         )
     moved = {k: v.to(dev) for k, v in tensors.items()}
     t0 = time.perf_counter()
-    result = api(**moved, **kwargs, backend=name)
+    import warnings
+
+    with selection.recording() as launches, warnings.catch_warnings():
+        # reads of never-written memory come back counted per site (RunOutcome.uninit_reads)
+        warnings.filterwarnings("ignore", message=".*reads memory never written")
+        result = api(**moved, **kwargs, backend=name, **extra)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     named = name_outputs(kernel, result, kwargs, moved)
     outputs = {k: storage_form(k, v) for k, v in named.items()}
     label = "neuron" if name == "neuron" else str(dev)
-    return RunOutcome(outputs=outputs, backend=name, device=label, seconds=seconds)
+    info = None
+    if name in ("sim", "neuron"):
+        info = (
+            launches[-1].kernel
+            if launches
+            else selection.describe(selection.parse_kernel(nki_kernel, kernel))
+        )
+    reads = [str(r) for launch in launches for r in launch.uninit_reads]
+    return RunOutcome(
+        outputs=outputs,
+        backend=name,
+        device=label,
+        seconds=seconds,
+        nki_kernel=info,
+        uninit_reads=reads,
+    )
 
 
 def _merge_config(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -892,6 +922,7 @@ def run_file(
     allow_nonfinite: bool = False,
     force: bool = False,
     step: Callable[[str], Any] | None = None,
+    nki_kernel: Any = None,
 ) -> dict[str, Any]:
     """``run-prefill`` / ``run-bwd``: read, check, run, write; returns a JSON-ready summary.
 
@@ -942,7 +973,9 @@ def run_file(
         kwargs = resolve_kwargs(io, *_merge_config(layers))
     timings["read"] = time.perf_counter() - t0
     with step(f"Running {kernel} on {backend}"):
-        outcome = run_kernel(kernel, tensors, kwargs, backend=backend, device=device)
+        outcome = run_kernel(
+            kernel, tensors, kwargs, backend=backend, device=device, nki_kernel=nki_kernel
+        )
     timings["run"] = outcome.seconds
     from mxcli.verification.finite import unexplained_nonfinite
 
@@ -953,6 +986,10 @@ def run_file(
         from mxcli.weightprep.padding import unpad_run_outputs
 
         outputs, extra["padding"] = unpad_run_outputs(kernel, outputs, tensors, pad)
+    if outcome.nki_kernel is not None:
+        extra["nki_kernel"] = outcome.nki_kernel
+    if outcome.uninit_reads:
+        extra["uninit_reads"] = outcome.uninit_reads
     t1 = time.perf_counter()
     with step(f"Writing {out}"):
         meta = outputs_metadata(
@@ -976,6 +1013,8 @@ def run_file(
         "kwargs": dump_kwargs(io, kwargs),
         "outputs": describe_tensors(outputs),
         "nonfinite": nonfinite,  # output -> NaN/Inf count the inputs do not explain
+        **({"nki_kernel": outcome.nki_kernel} if outcome.nki_kernel is not None else {}),
+        **({"uninit_reads": outcome.uninit_reads} if outcome.uninit_reads else {}),
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
         **({"padding": extra["padding"]} if "padding" in extra else {}),
     }

@@ -11,6 +11,8 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    Kernel,
+    KernelPath,
     Quiet,
     Steps,
     complete_backend,
@@ -81,9 +83,13 @@ def _run(
     json_out: bool,
     quiet: bool,
     strict: bool = False,
+    nki_kernel: str = "mxcli",
+    kernel_path: str | None = None,
 ) -> None:
+    from mxcli.kernels.selection import parse_kernel
     from mxcli.tensorio import run_file
 
+    choice = parse_kernel(nki_kernel, kernel, kernel_path)
     with Steps(quiet) as steps:
         summary = run_file(
             kernel,
@@ -97,11 +103,14 @@ def _run(
             allow_nonfinite=allow_nonfinite,
             force=force,
             step=steps.step,
+            nki_kernel=choice,
         )
     if json_out:
         print_json(summary)
     elif not quiet:
         _print_summary(summary)
+    for line in summary.get("uninit_reads", ()):
+        typer.echo(f"warning: never-written memory read at {line}", err=True)
     _check_nonfinite(summary["nonfinite"], strict)
 
 
@@ -124,6 +133,10 @@ def _print_summary(s: dict[str, Any]) -> None:
         f"[bold]{s['kernel']}[/] on [cyan]{s['backend']}[/] ({s['device']}): "
         f"ran in {t['run']:.3f} s (read {t['read']:.3f} s, write {t['write']:.3f} s)"
     )
+    if "nki_kernel" in s:
+        from mxcli.kernels.selection import describe_line
+
+        con.print(f"kernel: {describe_line(s['nki_kernel'])}", markup=False, highlight=False)
     table = Table(show_header=True, header_style="bold", box=None)
     for col in ("output", "dtype", "shape", "sha256"):
         table.add_column(col)
@@ -216,6 +229,8 @@ def run_prefill(
         ),
     ] = None,
     backend: BackendOpt = "auto",
+    kernel: Kernel = "mxcli",
+    kernel_path: KernelPath = None,
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
@@ -260,6 +275,8 @@ def run_prefill(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            nki_kernel=kernel,
+            kernel_path=kernel_path,
         ),
         json_out=json_out,
     )
@@ -286,6 +303,8 @@ def run_bwd(
         ),
     ] = None,
     backend: BackendOpt = "auto",
+    kernel: Kernel = "mxcli",
+    kernel_path: KernelPath = None,
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
@@ -322,6 +341,8 @@ def run_bwd(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            nki_kernel=kernel,
+            kernel_path=kernel_path,
         )
 
     guarded(debug, body, json_out=json_out)

@@ -769,3 +769,42 @@ def backend_kwargs(kernel: Any, backend: str, which: str) -> dict[str, Any]:
             f"backends; backend {backend!r} runs mxcli's torch reference"
         )
     return {"kernel": choice}
+
+
+# parameters that tell the two kernels' API signatures apart
+_SIGNATURE_KEYS = {
+    PREFILL: ("hidden_states", "gamma"),
+    BWD: ("hidden_states", "expert_affinities_masked", "token_position_to_id"),
+}
+
+
+def resolve_for(spec: Any, kernels: list[str], kernel_path: Any = None) -> dict[str, Any]:
+    """For each kernel name: its loaded `KernelChoice`, or a one-line reason it cannot run here
+    (not in this module / not importable). Raises the first load error when none can run, so a
+    missing module is a user error before any work."""
+    out: dict[str, Any] = {}
+    errors: list[KernelLoadError] = []
+    for kernel in kernels:
+        choice = parse_kernel(spec, kernel, kernel_path)
+        if choice.is_own:
+            out[kernel] = choice
+            continue
+        try:
+            params = signature(choice).parameters
+        except KernelLoadError as exc:
+            errors.append(exc)
+            out[kernel] = f"not available: {exc}"
+            continue
+        missing = [p for p in _SIGNATURE_KEYS[kernel] if p not in params]
+        if missing:
+            out[kernel] = (
+                f"not this kernel: {choice.spec} has no parameter {', '.join(missing)} of the "
+                f"{kernel} API"
+            )
+            continue
+        out[kernel] = choice
+    if errors and not any(isinstance(v, KernelChoice) for v in out.values()):
+        raise errors[0]
+    if not any(isinstance(v, KernelChoice) for v in out.values()):
+        raise KernelLoadError(f"kernel: {spec}: {next(iter(out.values()))}")
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from mxcli.errors import MxcliError
 from mxcli.tensorio import (
@@ -29,8 +30,15 @@ def resolve_backends(backend: str, cases: Sequence[Case]) -> dict[str, str]:
     }
 
 
-def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
-    """One case: inputs, reference (on ``device``), backend vs reference, reference vs exact."""
+def run_case(
+    case: Case, backend: str, *, device: str = "cpu", nki_kernel: Any = None
+) -> CaseResult:
+    """One case: inputs, reference (on ``device``), backend vs reference, reference vs exact.
+
+    ``nki_kernel``: the NKI kernel the sim / neuron backend runs (`mxcli.kernels.selection`); a
+    combination it refuses marks the case skipped ("not supported by this kernel")."""
+    from mxcli.kernels.selection import KernelUnsupportedError
+
     result = CaseResult(case=case.name, kernel=case.kernel)
     t0 = time.perf_counter()
     try:
@@ -41,8 +49,19 @@ def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
         result.info["reference_s"] = round(ref.seconds, 4)
         geometry = geometry_args(geometry_metadata(case.kernel, inputs.tensors).get("geometry"))
         if backend != "reference":
-            got = run_kernel(case.kernel, inputs.tensors, kwargs, backend=backend)
+            try:
+                got = run_kernel(
+                    case.kernel, inputs.tensors, kwargs, backend=backend, nki_kernel=nki_kernel
+                )
+            except KernelUnsupportedError as exc:
+                result.skipped = f"not supported by this kernel: {exc}"
+                result.seconds = time.perf_counter() - t0
+                return result
             result.info[f"{backend}_s"] = round(got.seconds, 4)
+            if got.nki_kernel is not None:
+                result.info["nki_kernel"] = got.nki_kernel.get("kernel")
+            if got.uninit_reads:
+                result.info["uninit_reads"] = got.uninit_reads
             result.reports += compare_outputs(
                 case.kernel, got.outputs, ref.outputs, kwargs,
                 profile=profile_for_backend(backend), check=f"{backend} vs reference", **geometry,
@@ -76,14 +95,22 @@ def run_suite(
     *,
     device: str = "cpu",
     on_case: Callable[[Case, CaseResult | None], None] | None = None,
+    nki_kernel: Any = None,
 ) -> list[CaseResult]:
-    """Run ``cases`` on ``backend`` (``auto`` allowed); ``on_case`` is told before and after each."""
+    """Run ``cases`` on ``backend`` (``auto`` allowed) with the NKI kernel ``nki_kernel``
+    (``mxcli``, ``nkilib``, ``MODULE:FUNCTION``); ``on_case`` is told before and after each."""
     names = resolve_backends(backend, cases)
     results = []
     for case in cases:
         if on_case is not None:
             on_case(case, None)
-        res = run_case(case, names[case.kernel], device=device)
+        # a mapping (`mxcli.kernels.selection.resolve_for`): per kernel a choice, or the reason
+        # the chosen implementation cannot run that kernel's cases
+        choice = nki_kernel.get(case.kernel) if isinstance(nki_kernel, dict) else nki_kernel
+        if isinstance(choice, str) and choice.startswith("not "):
+            res = CaseResult(case=case.name, kernel=case.kernel, skipped=choice)
+        else:
+            res = run_case(case, names[case.kernel], device=device, nki_kernel=choice)
         res.info["backend"] = names[case.kernel]
         results.append(res)
         if on_case is not None:
