@@ -562,13 +562,22 @@ def _field_type(cls: type, f: dataclasses.Field[Any]) -> Any:
 def _rebuild(value: Any, cls: type, where: str) -> Any:
     if not dataclasses.is_dataclass(value):
         return value
-    src_default = type(value)()  # mxcli's dataclasses default-construct
     targets = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+    try:  # defaults as mxcli's own validation fills them in (__post_init__)
+        built_default: Any = type(value)()
+    except Exception:
+        built_default = None
     kwargs: dict[str, Any] = {}
     for f in dataclasses.fields(value):
         v = getattr(value, f.name)
         if f.name not in targets:
-            if _same(v, getattr(src_default, f.name)) or v == getattr(src_default, f.name):
+            if built_default is not None:
+                try:
+                    if v == getattr(built_default, f.name):
+                        continue
+                except Exception:
+                    pass
+            elif _is_default(f, v):
                 continue
             raise KernelUnsupportedError(
                 f"{where}.{f.name}: {cls.__module__}.{cls.__qualname__} has no field {f.name} "
@@ -581,6 +590,20 @@ def _rebuild(value: Any, cls: type, where: str) -> Any:
         raise KernelUnsupportedError(
             f"{where}: {cls.__qualname__}(...) refused mxcli's values ({type(exc).__name__}: {exc})"
         ) from None
+
+
+def _is_default(f: dataclasses.Field[Any], v: Any) -> bool:
+    """`v` is the field's own default (a field without one is never dropped)."""
+    if f.default is not dataclasses.MISSING:
+        default = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        default = f.default_factory()  # type: ignore[misc]
+    else:
+        return False
+    try:
+        return bool(v == default)
+    except Exception:
+        return False
 
 
 def _convert_field(v: Any, f: dataclasses.Field[Any], owner: type, where: str) -> Any:
