@@ -508,9 +508,15 @@ def _config_class(choice: KernelChoice) -> type | None:
     fn = _entry(load(choice))
     p = signature(choice).parameters.get("config")
     ann = None if p is None else p.annotation
-    if isinstance(ann, type):
-        return ann
     glb = getattr(fn, "__globals__", {})
+    if isinstance(ann, str):  # postponed annotations: the name in the kernel's module
+        ann = glb.get(ann.rsplit(".", 1)[-1])
+    if (
+        isinstance(ann, type)
+        and ann is not inspect.Parameter.empty
+        and dataclasses.is_dataclass(ann)
+    ):
+        return ann
     cls = glb.get("MXFP8MOEBwdConfig")
     if isinstance(cls, type):
         return cls

@@ -140,3 +140,90 @@ def write_prefill_fork(root: Path, package: str, mutation: str | None = None) ->
     (pkg / "__init__.py").write_text('"""A fork of mxcli\'s NKI kernels (test data)."""\n')
     (pkg / "prefill.py").write_text(_FORK.replace("MUTATION", _MUTATIONS[mutation]))
     return f"{package}.prefill:rmsnorm_mx_prefill"
+
+
+_BWD = '''"""A third-party blockwise_mm_bwd_mxfp8 with the API reference's signature and its own config
+class (written by mxcli's tests). It checks the config it receives and returns zero gradients of
+the API's shapes, with the block size and the number of valid tokens written into the first
+element of the affinity gradient, so a test can see what arrived."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+
+class ShardOption(Enum):
+    SHARD_ON_FREE = 0
+    SHARD_ON_HIDDEN = 1
+
+
+@dataclass
+class MXFP8MOEBwdConfig(nl.NKIObject):
+    compute_dtype: str = nl.bfloat16
+    shard_option: ShardOption = ShardOption.SHARD_ON_FREE
+    accumulate_hidden_states_grad: bool = True
+    single_expert_dense: bool = False
+
+
+def _zeros(t):
+    rows, cols = t.shape[0], t.shape[1]
+    z = nl.ndarray((128, cols), dtype=t.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0)
+    for r0 in range(0, rows, 128):
+        n = min(128, rows - r0)
+        nisa.dma_copy(dst=t[r0 : r0 + n, 0:cols], src=z[0:n, 0:cols])
+
+
+@nki.jit
+def blockwise_mm_bwd_mxfp8(
+    hidden_states,
+    expert_affinities_masked,
+    gate_up_proj_weight,
+    down_proj_weight,
+    token_position_to_id,
+    block_to_expert,
+    output_hidden_states_grad,
+    block_size=4096,
+    gate_up_proj_act_checkpoint_T=None,
+    gate_act_checkpoint_T=None,
+    intermediate_checkpoint_T=None,
+    scaled_intermediate_checkpoint_T=None,
+    down_proj_act_checkpoint=None,
+    config=None,
+    gate_up_weight_scales=None,
+    down_weight_scales=None,
+    num_valid_tokens=None,
+):
+    assert config != None, "config is required"
+    assert config.shard_option == ShardOption.SHARD_ON_FREE, "only SHARD_ON_FREE"
+    assert config.compute_dtype == nl.bfloat16, "only bf16"
+    assert not config.accumulate_hidden_states_grad, "no accumulation"
+    T, H = hidden_states.shape
+    E, _, _, I = gate_up_proj_weight.shape
+    dx = nl.ndarray((T, H), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
+    da = nl.ndarray((T * E, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    dgu = nl.ndarray((E, H, 2, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    dd = nl.ndarray((E, I, H), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    _zeros(dx)
+    _zeros(da)
+    _zeros(dgu.reshape((E * H, 2 * I)))
+    _zeros(dd.reshape((E * I, H)))
+    mark = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=mark, value=float(block_size))
+    if num_valid_tokens != None:
+        nisa.dma_copy(dst=mark[0:1, 1:2], src=num_valid_tokens.reshape((1, 1)))
+    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:2], src=mark)
+    return dx, da, dgu, dd
+'''
+
+
+def write_bwd_kernel(root: Path, package: str) -> str:
+    """Write a third-party bwd kernel package under `root`; returns its kernel spec."""
+    pkg = root / package
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text('"""A third-party MXFP8 MoE backward (test data)."""\n')
+    (pkg / "bwd.py").write_text(_BWD)
+    return f"{package}.bwd:blockwise_mm_bwd_mxfp8"

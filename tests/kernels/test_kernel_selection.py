@@ -290,3 +290,37 @@ def test_neuron_backend_names_the_chosen_kernel_when_unavailable(
         BackendUnavailableError, match=r"cannot run nkilib's blockwise_mm_bwd_mxfp8"
     ):
         bwd_backend.run_neuron(*([None] * 7), kernel="nkilib")
+
+
+def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -> None:
+    """The bwd launch: API argument names, int32 ids, num_valid_tokens as a [1] tensor, and
+    mxcli's MXFP8MOEBwdConfig rebuilt as the module's own class (its kernel asserts on it)."""
+    import mxcli.inputs as inputs
+    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe.config import ShardOption
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
+    ki = inputs.make_bwd_inputs(
+        tokens=128, hidden=256, intermediate=128, experts=2, top_k=1, seed=2
+    )
+    t = dict(ki.tensors)
+    t.pop("config", None)
+    cfg = MXFP8MOEBwdConfig(single_expert_dense=False, shard_option=ShardOption.SHARD_ON_FREE)
+    with selection.recording() as launches:
+        out = blockwise_mm_bwd_mxfp8(
+            **t, block_size=128, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
+        )
+    assert [tuple(o.shape) for o in out] == [(128, 256), (256, 1), (2, 256, 2, 128), (2, 128, 256)]
+    assert out[1][:2, 0].tolist() == [128.0, 100.0]  # block_size and num_valid_tokens arrived
+    assert launches and launches[0].kernel["module"] == "mxbwd_third.bwd"
+    # a field the module lacks, set away from its default, is an error naming it
+    with pytest.raises(KernelUnsupportedError, match=r"config\.bias: .*no field bias"):
+        blockwise_mm_bwd_mxfp8(
+            **t, block_size=128, config=MXFP8MOEBwdConfig(single_expert_dense=False, bias=True),
+            backend="sim", kernel=spec,
+        )  # fmt: skip
+    # the kernel's own assert on a config value it refuses: "not supported", not a crash
+    with pytest.raises(KernelUnsupportedError, match="refused this launch: no accumulation"):
+        acc = MXFP8MOEBwdConfig(single_expert_dense=False, accumulate_hidden_states_grad=True)
+        blockwise_mm_bwd_mxfp8(**t, block_size=128, config=acc, backend="sim", kernel=spec)
