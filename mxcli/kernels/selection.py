@@ -570,7 +570,7 @@ def _rebuild(value: Any, cls: type, where: str) -> Any:
         return value
     targets = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
     try:  # defaults as mxcli's own validation fills them in (__post_init__)
-        built_default: Any = type(value)()
+        built_default: Any = type(value)()  # type: ignore[misc]
     except Exception:
         built_default = None
     kwargs: dict[str, Any] = {}
@@ -645,7 +645,7 @@ def _convert_field(v: Any, f: dataclasses.Field[Any], owner: type, where: str) -
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         if target is None or not dataclasses.is_dataclass(target):
             raise KernelUnsupportedError(f"{where}: cannot tell which class the kernel expects")
-        return _rebuild(v, target, where)
+        return _rebuild(v, target, where)  # type: ignore[arg-type]
     return _nki_dtype(v)
 
 

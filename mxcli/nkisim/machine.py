@@ -18,6 +18,7 @@ from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -413,7 +414,7 @@ _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def _kernel_site() -> str:
     """``file:line`` of the innermost frame outside the interpreter (the kernel's source line)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
         frame = frame.f_back
     if frame is None:
