@@ -160,7 +160,8 @@ class Steps:
 
 
 def complete_backend(incomplete: str) -> list[str]:
-    from mxcli.tensorio import BWD, PREFILL, available_backends
+    from mxcli.kernels.spec import all_specs
+    from mxcli.runs import available_backends
 
-    names = ["auto", *available_backends(PREFILL), *available_backends(BWD)]
+    names = ["auto", *(n for spec in all_specs() for n in available_backends(spec.name))]
     return sorted({n for n in names if n.startswith(incomplete)})

@@ -149,7 +149,8 @@ def _journey(
     """The eight steps for one model; returns one summary row per step (``force``: replace what
     an earlier demo wrote in ``d``)."""
     from mxcli.inputs import inputs_from_weights, write_inputs
-    from mxcli.tensorio import BWD, PREFILL, run_file
+    from mxcli.kernels.spec import all_specs
+    from mxcli.runs import run_file
     from mxcli.verification.golden import check_run, compare_files
     from mxcli.weightprep import PrepOptions, build_checkpoint, prepare_weights
 
@@ -238,7 +239,7 @@ def _journey(
 
         return fn
 
-    for kind, kernel in (("prefill", PREFILL), ("bwd", BWD)):
+    for kind, kernel in ((spec.short, spec.name) for spec in all_specs()):
         extra = f" --weights {prep} --layer {L} --tokens {tokens}" + (
             " --prequantize" if kind == "bwd" else ""
         )

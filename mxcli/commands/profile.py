@@ -251,7 +251,7 @@ def prefill(
             shape, top_k=top_k, router=router, n_group=n_group, topk_group=topk_group,
             pack_affinities=pack_affinities,
         )  # fmt: skip
-        _run(profiling.PREFILL, input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
+        _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path)  # fmt: skip
 
     guarded(debug, body)
@@ -285,7 +285,7 @@ def bwd(
                  "experts": experts}  # fmt: skip
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
-        _run(profiling.BWD, input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
+        _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path)  # fmt: skip
 
     guarded(debug, body)

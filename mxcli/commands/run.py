@@ -87,7 +87,7 @@ def _run(
     kernel_path: str | None = None,
 ) -> None:
     from mxcli.kernels.selection import parse_kernel
-    from mxcli.tensorio import run_file
+    from mxcli.runs import run_file
 
     choice = parse_kernel(nki_kernel, kernel, kernel_path)
     with Steps(quiet) as steps:

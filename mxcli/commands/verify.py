@@ -267,9 +267,8 @@ def _suite(
     kernel_path: str | None = None,
 ) -> int:
     from mxcli.kernels import selection
-    from mxcli.tensorio import resolve_device
+    from mxcli.runs import resolve_backends, resolve_device, run_suite
     from mxcli.verification.cases import select
-    from mxcli.verification.suite import resolve_backends, run_suite
 
     cases = select(suite, pattern)
     if list_cases:

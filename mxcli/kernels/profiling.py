@@ -16,10 +16,13 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.kernels.blockwise_moe import SPEC as BWD
+from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
+from mxcli.kernels.spec import get_spec, read_kernel_file
+from mxcli.nkisim import cost, schedule, trace
 
 __all__ = [
-    "PREFILL",
-    "BWD",
     "PrefillShape",
     "BwdShape",
     "PlanPadding",
@@ -30,8 +33,6 @@ __all__ = [
     "profile_kernel",
 ]
 
-PREFILL = "rmsnorm_mx_prefill"
-BWD = "blockwise_mm_bwd_mxfp8"
 TARGETS = ("trn3", "trn2")
 
 
@@ -118,8 +119,6 @@ def _positive(name: str, v: int) -> None:
 
 def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
     """Zero inputs of the prefill kernel at shape `s` (values do not matter in check-only)."""
-    from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
-
     for k in ("tokens", "hidden", "experts", "top_k", "n_group", "topk_group"):
         _positive(k, getattr(s, k))
     acts = {a.name.lower(): a for a in RouterActFnType}
@@ -146,8 +145,6 @@ def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
 def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
     """Inputs of the backward kernel at shape `s`: zeros, and a round-robin routing with
     `top_k` distinct experts per token (even expert loads: the padding is the plan's own)."""
-    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
-
     for k in ("tokens", "hidden", "intermediate", "experts", "top_k", "block_size"):
         _positive(k, getattr(s, k))
     if s.top_k > s.experts:
@@ -174,21 +171,13 @@ def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def file_inputs(kernel: str, path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Tensors and kwargs of a ``make-inputs`` file (``.safetensors``) for `kernel`."""
-    from mxcli.tensorio import (
-        check_tensors,
-        kernel_io,
-        metadata_kwargs,
-        read_file,
-        resolve_kwargs,
-    )
-
-    io = kernel_io(kernel)
-    f = read_file(path)
-    if f.kernel not in (None, kernel):
-        raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
+    spec = get_spec(kernel)
+    f = read_kernel_file(path)
+    if f.kernel not in (None, spec.name):
+        raise InputError(f"{f.path}: input file is for {f.kernel}, not {spec.name}")
     tensors = dict(f.tensors)
-    check_tensors(io, tensors, str(f.path), allow_nonfinite=True)
-    kwargs = resolve_kwargs(io, metadata_kwargs(io, f.metadata))
+    spec.check_tensors(tensors, str(f.path))
+    kwargs = spec.resolve_kwargs(spec.metadata_kwargs(f.metadata))
     return tensors, kwargs
 
 
@@ -214,12 +203,11 @@ def profile_kernel(
 ) -> KernelProfile:
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
-    `nki_kernel`: the NKI kernel to profile (``mxcli`` default, ``nkilib``, ``MODULE:FUNCTION``
-    or a `mxcli.kernels.selection.KernelChoice`)."""
+    `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`)."""
     import warnings
 
     from mxcli.kernels import selection
-    from mxcli.nkisim import cost, schedule, trace
 
     if target not in TARGETS:
         raise InputError(f"target: expected trn3 or trn2, got {target!r}")
@@ -230,13 +218,11 @@ def profile_kernel(
         )
     if lnc not in (1, 2):
         raise InputError(f"lnc: expected 1 or 2, got {lnc}")
-    if kernel == PREFILL:
-        from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import launch_sim
-    elif kernel == BWD:
-        from mxcli.kernels.blockwise_moe.nki_backend import launch_sim  # type: ignore[no-redef]
-    else:
-        raise InputError(f"kernel: expected {PREFILL} or {BWD}, got {kernel!r}")
-    choice = selection.parse_kernel(nki_kernel, kernel)
+    spec = get_spec(kernel)
+    choice = selection.parse_kernel(nki_kernel, spec.name)
+    # mxcli's launcher adapts to the chosen implementation (its ``kernel=``)
+    launch_sim = spec.implementation("mxcli").load_launcher()
+    assert launch_sim is not None
     t0 = time.perf_counter()
     with trace.recording() as recorders, selection.recording() as launches:
         with warnings.catch_warnings():  # counted per site below instead
@@ -244,12 +230,12 @@ def profile_kernel(
             launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True, kernel=choice)
     secs = time.perf_counter() - t0
     prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
-    padding = _padding(tensors, kwargs) if kernel == BWD else None
+    padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     info = launches[-1].kernel if launches else selection.describe(choice)
     reads = tuple(str(r) for launch in launches for r in launch.uninit_reads)
-    return KernelProfile(kernel, prof, shape, padding, secs, info, reads)
+    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads)
 
 
 def _sample_bwd_inputs(
@@ -257,8 +243,6 @@ def _sample_bwd_inputs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A plan of `n_blocks` full blocks (block b: expert b mod `n_experts`, tokens b*B.. mod T)
     at the shape's T, H, I and B with `n_experts` experts and the shape's top-K config."""
-    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
-
     T, H, I, E, B = s.tokens, s.hidden, s.intermediate, n_experts, s.block_size  # noqa: E741
     bf = torch.bfloat16
     tpi = (torch.arange(n_blocks * B, dtype=torch.int64) % T).to(torch.int32)
@@ -312,13 +296,18 @@ def profile_bwd_scaled(
     runs = []
     for nb, ne in ((n1, e1), (n2, e1), (n1, e2)):
         tensors, kwargs = _sample_bwd_inputs(s, nb, ne)
-        runs.append(profile_kernel(BWD, tensors, kwargs, lnc=lnc, target=target))
+        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target))
     pad = _padding(*bwd_inputs(s))
     base, pb, pe = (r.summary(10) for r in runs)
     db = (pad.blocks - n1) / (n2 - n1)
     de = (s.experts - e1) / (e2 - e1)
     keys = ("busy_us", "dma_queue_us", "schedule_us", "pe_flops", "dma", "instructions")
-    out: dict[str, Any] = {"kernel": BWD, "shape": dict(s.__dict__), "target": target, "lnc": lnc}
+    out: dict[str, Any] = {
+        "kernel": BWD.name,
+        "shape": dict(s.__dict__),
+        "target": target,
+        "lnc": lnc,
+    }
     for k in keys:
         out[k] = _extrapolate(base[k], pb[k], pe[k], db, de)
     busy = out["busy_us"]

@@ -19,8 +19,8 @@ On mxcli's interpreter, a third-party kernel runs as the real simulator would: a
 never-written memory is a warning that names its kernel sites and is counted
 (`SimResult.report.uninit_reads`); mxcli's own kernels stay under ``uninit="error"``.
 
-This module is the implementation registry of a kernel spec in the making (issue 19): the
-implementations are keyed by kind and kernel name in `IMPLEMENTATIONS`.
+The implementations are those of each kernel's `mxcli.kernels.spec.KernelSpec` (``mxcli``,
+``nkilib``; ``MODULE:FUNCTION`` ad hoc); this module loads and launches the non-mxcli ones.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from mxcli.errors import InputError
 
 __all__ = [
     "BWD",
-    "IMPLEMENTATIONS",
+    "NKILIB_TARGETS",
     "KernelChoice",
     "KernelLoadError",
     "KernelUnsupportedError",
@@ -71,36 +71,38 @@ NKILIB = "nkilib"
 MODULE = "module"
 
 
-@dataclass(frozen=True)
-class Implementation:
-    """Where one kind of implementation of a kernel lives: import candidates, first that imports.
-
-    ``candidates``: ``(module, attribute)`` pairs; the API reference names the function by its
-    package path (``nkilib.core.rmsnorm.rmsnorm_mx_prefill``), which is either the function
-    re-exported by the package or a submodule holding it, so both forms are tried.
-    """
-
-    candidates: tuple[tuple[str, str], ...]
-
-
-# The documented import paths (api/rmsnorm_mx_prefill.txt, api/blockwise_mm_bwd_mxfp8.txt).
-IMPLEMENTATIONS: dict[tuple[str, str], Implementation] = {
-    (NKILIB, PREFILL): Implementation(
-        (
-            ("nkilib.core.rmsnorm", "rmsnorm_mx_prefill"),
-            ("nkilib.core.rmsnorm.rmsnorm_mx_prefill", "rmsnorm_mx_prefill"),
-        )
-    ),
-    (NKILIB, BWD): Implementation(
-        (
-            ("nkilib.experimental.moe_mxfp8.bwd", "blockwise_mm_bwd_mxfp8"),
-            (
-                "nkilib.experimental.moe_mxfp8.bwd.blockwise_mm_backward_mxfp8",
-                "blockwise_mm_bwd_mxfp8",
-            ),
-        )
-    ),
+# The documented import paths (api/rmsnorm_mx_prefill.txt, api/blockwise_mm_bwd_mxfp8.txt), as
+# registered in each kernel's spec (`mxcli.kernels.spec.Implementation`, name "nkilib"). The API
+# reference names the function by its package path, which is either the function re-exported by
+# the package or a submodule holding it: both forms are tried (`_candidates`).
+NKILIB_TARGETS = {
+    PREFILL: "nkilib.core.rmsnorm:rmsnorm_mx_prefill",
+    BWD: "nkilib.experimental.moe_mxfp8.bwd:blockwise_mm_bwd_mxfp8",
 }
+# where the newest NKI Library versions define them (submodules of the documented packages)
+_NKILIB_FILES = {
+    PREFILL: "nkilib.core.rmsnorm.rmsnorm_mx_prefill",
+    BWD: "nkilib.experimental.moe_mxfp8.bwd.blockwise_mm_backward_mxfp8",
+}
+
+
+def nkilib_probe(kernel: str) -> str | None:
+    """None when AWS's NKI Library is importable here (found on the path), else why not."""
+    try:
+        found = importlib.util.find_spec("nkilib") is not None
+    except Exception as exc:  # detection never raises
+        return f"nkilib cannot be looked up ({type(exc).__name__}: {exc})"
+    return None if found else "nkilib (AWS's NKI Library) is not installed"
+
+
+def _spec_target(kind: str, kernel: str) -> str | None:
+    """The ``module:function`` the kernel's spec registers for implementation `kind`."""
+    from mxcli.kernels.spec import find_spec
+
+    spec = find_spec(kernel)
+    impl = None if spec is None else spec.implementations.get(kind)
+    target = None if impl is None else impl.kernel
+    return target if isinstance(target, str) else None
 
 
 class KernelLoadError(InputError):
@@ -164,7 +166,9 @@ def parse_kernel(
     if path is not None and not Path(path).is_dir():
         raise InputError(f"kernel-path: {kernel_path} is not a folder")
     if kernel not in (PREFILL, BWD):
-        raise InputError(f"kernel: unknown kernel {kernel!r}")
+        from mxcli.kernels.spec import get_spec
+
+        kernel = get_spec(kernel).name  # a short name (prefill, bwd)
     if text == MXCLI:
         if path is not None:
             raise InputError(
@@ -172,8 +176,8 @@ def parse_kernel(
             )
         return KernelChoice(MXCLI, MXCLI, kernel)
     if text == NKILIB:
-        impl = IMPLEMENTATIONS[(NKILIB, kernel)]
-        mod, fn = impl.candidates[0]
+        target = _spec_target(NKILIB, kernel) or NKILIB_TARGETS[kernel]
+        mod, _, fn = target.partition(":")
         return KernelChoice(NKILIB, NKILIB, kernel, mod, fn, path)
     module, sep, function = text.partition(":")
     ident = all(p.isidentifier() for p in module.split(".")) and function.isidentifier()
@@ -209,8 +213,9 @@ def _import(choice: KernelChoice) -> tuple[types.ModuleType, Any, str]:
         sys.path.insert(0, choice.path)
     importlib.invalidate_caches()
     nkisim.activate()  # no-op when a real nki is importable: the SDK is never shadowed
-    impl = IMPLEMENTATIONS.get((choice.kind, choice.kernel))
-    candidates = impl.candidates if impl is not None else ((choice.module, choice.function),)
+    candidates: list[tuple[str, str]] = [(choice.module, choice.function)]
+    if choice.kind == NKILIB:
+        candidates.append((_NKILIB_FILES[choice.kernel], choice.function))
     last: str = ""
     for module_name, function in candidates:
         try:
@@ -418,7 +423,7 @@ _REFUSALS = {(NKILIB, PREFILL): _nkilib_prefill_refusal}
 
 def refusal(choice: KernelChoice, args: Mapping[str, Any]) -> str | None:
     """Why the chosen kernel refuses these (API-named) arguments, or None: the known refusals
-    of `IMPLEMENTATIONS`, and mxcli-only arguments the kernel has no parameter for."""
+    of the implementation (`_REFUSALS`), and mxcli-only arguments the kernel has no parameter for."""
     if choice.is_own:
         return None
     check = _REFUSALS.get((choice.kind, choice.kernel))

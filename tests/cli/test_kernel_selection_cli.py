@@ -39,7 +39,7 @@ def _mxcli(
 def test_verify_kernel_fails_a_mutated_fork_through_the_cli(tmp_path: Path) -> None:
     """run-prefill --kernel MODULE:FUNCTION and verify --kernel MODULE:FUNCTION in fresh processes."""
     from mxcli.inputs import make_prefill_inputs, write_inputs
-    from mxcli.tensorio import run_file
+    from mxcli.runs import run_file
     from mxcli.verification.golden import recorded_kernel
 
     spec = write_prefill_fork(tmp_path / "src", "mxfork_cli_scale", "scale")

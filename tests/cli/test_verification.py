@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from mxcli.inputs import make_bwd_inputs, make_prefill_inputs
-from mxcli.tensorio import BWD_IO, PREFILL, PREFILL_IO, resolve_kwargs, run_kernel
+from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_SPEC
+from mxcli.runs import run_case, run_kernel, run_suite
 from mxcli.verification.cases import CASES, select
 from mxcli.verification.compare import Tolerance, compare_tensors
 from mxcli.verification.exact import check_bwd, check_prefill
 from mxcli.verification.policy import compare_outputs
 from mxcli.verification.report import CaseResult, junit_xml, render_table, to_json
-from mxcli.verification.suite import run_case, run_suite
+
+PREFILL = PREFILL_SPEC.name
 
 
 def test_exact_comparison_counts_differing_bits() -> None:
@@ -68,7 +71,7 @@ def test_masked_comparison() -> None:
 
 def _prefill_case(**kw):
     made = make_prefill_inputs(**kw)
-    kwargs = resolve_kwargs(PREFILL_IO, made.kwargs)
+    kwargs = PREFILL_SPEC.resolve_kwargs(made.kwargs)
     return made, kwargs, run_kernel(PREFILL, made.tensors, kwargs).outputs
 
 
@@ -141,7 +144,7 @@ def test_bwd_exact_check_passes_and_catches_a_scale_error() -> None:
         clamp=(-1.0, 1.0, None, 0.75),
         seed=9,
     )
-    kwargs = resolve_kwargs(BWD_IO, made.kwargs)
+    kwargs = BWD_SPEC.resolve_kwargs(made.kwargs)
     out = run_kernel("blockwise_mm_bwd_mxfp8", made.tensors, kwargs).outputs
     reports = check_bwd(made.tensors, kwargs, out, made.extras["weights"])
     assert len(reports) == 6 and all(r.passed for r in reports), [

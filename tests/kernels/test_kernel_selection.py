@@ -25,14 +25,14 @@ NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
 
 def _inputs(**params):
     import mxcli.inputs as inputs
-    from mxcli.tensorio import kernel_io, resolve_kwargs
+    from mxcli.kernels.spec import get_spec
 
     ki = inputs.make_prefill_inputs(**params)
-    return ki.tensors, resolve_kwargs(kernel_io(PREFILL), ki.kwargs)
+    return ki.tensors, get_spec(PREFILL).resolve_kwargs(ki.kwargs)
 
 
 def _run(tensors, kwargs, backend="sim", nki_kernel=None):
-    from mxcli.tensorio import run_kernel
+    from mxcli.runs import run_kernel
 
     return run_kernel(PREFILL, tensors, kwargs, backend=backend, nki_kernel=nki_kernel)
 

@@ -1,10 +1,10 @@
 """The ``sim`` and ``neuron`` backends of ``rmsnorm_mx_prefill``: the NKI kernel (`nki_kernel`)
 launched through `mxcli.kernels.nki_runtime`.
 
-Both take the reference's parameters (same order, same defaults) and return the reference's
-list of torch tensors (prefill spec §2.2): the packed rows as ``torch.float8_e4m3fn`` (the kernel
-writes raw bytes), then index / affinities / residual / norm as the reference does, on the device
-of ``hidden_states``. Arguments are validated with the contract (`contract.validate`) and the
+Both take the validated `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`, validated
+with `contract.validate`) and return the reference's list of torch tensors (prefill spec §2.2):
+the packed rows as ``torch.float8_e4m3fn`` (the kernel writes raw bytes), then index /
+affinities / residual / norm as the reference does, on the device of ``hidden_states``. The
 launch is planned (`kernel_config`) here, on the host, once and before the kernel is traced: the
 kernel receives tensors and a `PrefillKernelConfig` NKIObject, as NKI 0.6 requires (issue 11).
 """
@@ -17,7 +17,7 @@ import torch
 
 from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
-from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 
 KERNEL_MODULE = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel"
@@ -30,7 +30,7 @@ def _nki_dtype(dt: torch.dtype) -> DTypeName:
     return DTypeName(str(dt).removeprefix("torch."))
 
 
-def kernel_config(cfg: PrefillConfig) -> KernelObject:
+def kernel_config(cfg: PrefillCall) -> KernelObject:
     """The kernel's launch plan (`nki_kernel.PrefillKernelConfig`) from a validated
     configuration: shapes, row geometry (prefill spec §2.4), router mode and ``nki`` dtypes."""
     geo = cfg.geometry
@@ -60,82 +60,46 @@ def kernel_config(cfg: PrefillConfig) -> KernelObject:
     return KernelObject(KERNEL_CONFIG, tuple(fields.items()))
 
 
-def _prepare(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None,
-    router_bias: torch.Tensor | None,
-    eps: float,
-    top_k: int,
-    router_act_fn: Any,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    qmx_output_dtype: Any,
-    pack_scales: bool,
-    pack_affinities: bool,
-    unpadded_hidden_size: int | None,
-    residual: torch.Tensor | None,
-    emit_norm_bf16: bool,
-    hidden_interleaved: bool,
-) -> list[Any]:
-    """Validate (prefill spec §2.3), plan, and build the kernel's positional arguments."""
-    cfg = validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    # the kernel's positional parameters: tensors, the plan, optional tensors
-    return [hidden_states, gamma, kernel_config(cfg), router_weights, router_bias, residual]
+def kernel_args(call: PrefillCall) -> list[Any]:
+    """The kernel's positional parameters for a validated call: tensors, the plan, optional
+    tensors."""
+    return [
+        call.hidden_states,
+        call.gamma,
+        kernel_config(call),
+        call.router_weights,
+        call.router_bias,
+        call.residual,
+    ]
 
 
-_API_NAMES = (
-    "hidden_states",
-    "gamma",
-    "router_weights",
-    "router_bias",
-    "eps",
-    "top_k",
-    "router_act_fn",
-    "n_group",
-    "topk_group",
-    "routed_scaling_factor",
-    "qmx_output_dtype",
-    "pack_scales",
-    "pack_affinities",
-    "unpadded_hidden_size",
-    "residual",
-    "emit_norm_bf16",
-    "hidden_interleaved",
-)
+def api_arguments(call: PrefillCall) -> dict[str, Any]:
+    """A validated call's arguments by the API reference's names, for a third-party kernel
+    (`mxcli.kernels.selection`): the router mode as `RouterActFnType`, the MX dtype by name."""
+    return {
+        "hidden_states": call.hidden_states,
+        "gamma": call.gamma,
+        "router_weights": call.router_weights,
+        "router_bias": call.router_bias,
+        "eps": call.eps,
+        "top_k": call.top_k,
+        "router_act_fn": call.act,
+        "n_group": call.n_group,
+        "topk_group": call.topk_group,
+        "routed_scaling_factor": call.routed_scaling_factor,
+        "qmx_output_dtype": call.qmx.value,
+        "pack_scales": call.pack_scales,
+        "pack_affinities": call.pack_affinities,
+        "unpadded_hidden_size": call.unpadded_hidden_size,
+        "residual": call.residual,
+        "emit_norm_bf16": call.emit_norm_bf16,
+        "hidden_interleaved": call.hidden_interleaved,
+    }
 
 
 def _third_party(kernel: Any) -> selection.KernelChoice | None:
     choice = selection.parse_kernel(kernel, selection.PREFILL)
     return None if choice.is_own else choice
-
-
-def _api_args(values: tuple[Any, ...]) -> dict[str, Any]:
-    """mxcli's positional arguments by their API reference names, validated by the contract
-    first (mxcli's own messages), with the router mode as `RouterActFnType`."""
-    validate(*values)
-    args = dict(zip(_API_NAMES, values, strict=True))
-    args["router_act_fn"] = RouterActFnType.coerce(args["router_act_fn"])
-    return args
 
 
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -147,193 +111,85 @@ def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Ten
 
 
 def launch_sim(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
+    *args: Any,
     lnc: int = 1,
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
     kernel: Any = selection.MXCLI,
+    **kwargs: Any,
 ) -> SimResult:
     """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
     reference's form, the interpreter's counters, the engine that ran).
 
-    `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every hardware
-    rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are zeros).
-    `kernel`: ``"mxcli"`` (default), ``"nkilib"``, ``"MODULE:FUNCTION"`` or a
-    `selection.KernelChoice` (`mxcli.kernels.selection`).
+    Arguments: a `PrefillCall`, or those of `rmsnorm_mx_prefill` (validated here, prefill spec
+    §2.3). `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every
+    hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are
+    zeros). `kernel`: ``"mxcli"`` (default), ``"nkilib"``, ``"MODULE:FUNCTION"`` or a
+    `selection.KernelChoice`: the third-party ones take the API reference's arguments.
     """
-    values = (
-        hidden_states, gamma, router_weights, router_bias, eps, top_k, router_act_fn, n_group,
-        topk_group, routed_scaling_factor, qmx_output_dtype, pack_scales, pack_affinities,
-        unpadded_hidden_size, residual, emit_norm_bf16, hidden_interleaved,
-    )  # fmt: skip
+    call = as_call(*args, **kwargs)
     choice = _third_party(kernel)
     if choice is not None:
         res = selection.launch_sim(
-            choice, _api_args(values), lnc=lnc, check_only=check_only, check_capacity=check_capacity
+            choice,
+            api_arguments(call),
+            lnc=lnc,
+            check_only=check_only,
+            check_capacity=check_capacity,
         )
-        res.outputs = _finish(res.outputs, hidden_states.device)
+        res.outputs = _finish(res.outputs, call.hidden_states.device)
         return res
-    args = _prepare(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
     res = nki_runtime.run_sim(
         KERNEL,
-        args,
+        kernel_args(call),
         lnc=lnc,
         check_only=check_only,
         engine=engine,
         check_capacity=check_capacity,
     )
-    selection.record(
-        selection.parse_kernel(selection.MXCLI, selection.PREFILL), res.engine.value, res.report
-    )
-    res.outputs = _finish(res.outputs, hidden_states.device)
+    selection.record(selection.parse_kernel(None, selection.PREFILL), res.engine.value, res.report)
+    res.outputs = _finish(res.outputs, call.hidden_states.device)
     return res
 
 
+def launch_nkilib(*args: Any, **kwargs: Any) -> SimResult:
+    """`launch_sim` of AWS's NKI Library kernel (the spec's ``nkilib`` implementation)."""
+    return launch_sim(*args, kernel=selection.NKILIB, **kwargs)
+
+
 def run_sim(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
+    *args: Any,
     lnc: int = 1,
     engine: SimEngine | str = SimEngine.AUTO,
     kernel: Any = selection.MXCLI,
+    **kwargs: Any,
 ) -> list[torch.Tensor]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
-    Same parameters and outputs as `rmsnorm_mx_prefill_reference`; `lnc` (1 or 2) splits the
-    tokens over two programs, `engine` forces a simulator (`SimEngine`), `kernel` picks the
-    NKI kernel (`mxcli.kernels.selection`: mxcli's, nkilib's or MODULE:FUNCTION).
+    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`) and returns the
+    reference's outputs; `lnc` (1 or 2) splits the tokens over two programs, `engine` forces a
+    simulator (`SimEngine`), `kernel` picks the NKI kernel (`mxcli.kernels.selection`).
     """
-    return launch_sim(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-        lnc=lnc,
-        engine=engine,
-        kernel=kernel,
-    ).outputs
+    return launch_sim(*args, lnc=lnc, engine=engine, kernel=kernel, **kwargs).outputs
 
 
 def run_neuron(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
-    lnc: int | None = None,
-    kernel: Any = selection.MXCLI,
+    *args: Any, lnc: int | None = None, kernel: Any = selection.MXCLI, **kwargs: Any
 ) -> list[torch.Tensor]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
 
-    `lnc` defaults to ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError`
-    naming what is missing when the Neuron SDK or a device is absent. `kernel` picks the NKI
-    kernel (`mxcli.kernels.selection`); the same launch path runs it.
+    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`). `lnc` defaults to
+    ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError` naming what is
+    missing when the Neuron SDK or a device is absent. `kernel` picks the NKI kernel
+    (`mxcli.kernels.selection`); the same launch path runs it.
     """
     choice = _third_party(kernel)
     if choice is not None:
-        values = (
-            hidden_states, gamma, router_weights, router_bias, eps, top_k, router_act_fn,
-            n_group, topk_group, routed_scaling_factor, qmx_output_dtype, pack_scales,
-            pack_affinities, unpadded_hidden_size, residual, emit_norm_bf16, hidden_interleaved,
-        )  # fmt: skip
-        nki_runtime.require_neuron(selection.describe_name(choice))
-        outs = selection.launch_neuron(choice, _api_args(values), lnc=lnc)
-        return _finish(list(outs), hidden_states.device)
-    args = _prepare(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    outputs = nki_runtime.run_neuron(KERNEL, args, lnc=lnc)
-    return _finish(outputs, hidden_states.device)
+        nki_runtime.require_neuron(selection.describe_name(choice))  # before validating anything
+        call = as_call(*args, **kwargs)
+        outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
+        return _finish(list(outs), call.hidden_states.device)
+    call = as_call(*args, **kwargs)
+    outputs = nki_runtime.run_neuron(KERNEL, kernel_args(call), lnc=lnc)
+    return _finish(outputs, call.hidden_states.device)

@@ -25,11 +25,7 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels.rmsnorm_mx_prefill.contract import (
-    PrefillConfig,
-    RouterActFnType,
-    validate,
-)
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.router import (
     LogitAccumulation,
     noaux_tc_affinities,
@@ -74,7 +70,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.view(T, 4, H // 4).transpose(1, 2).reshape(T, H)
 
 
-def _fused_chain(cfg: PrefillConfig, hidden_states: torch.Tensor) -> Any:
+def _fused_chain(cfg: PrefillCall, hidden_states: torch.Tensor) -> Any:
     """The `_fused` kernels module when they apply (numba installed and not turned off with
     ``MXCLI_FUSED=0``, CPU, bf16 input and compute dtype, a fixed bf16 NaN pattern), else None."""
     if cfg.compute_dtype != torch.bfloat16 or hidden_states.dtype != torch.bfloat16:
@@ -96,31 +92,16 @@ def _sequential_sum(v: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm_mx_prefill_reference(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: RouterActFnType | str | int = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
+    *args: Any,
     emulate_upstream_ref_bias_bug: bool = False,
     hole_fill: HoleFill = HoleFill.ZERO,
     scale_rule: ScaleRule = ScaleRule.NEURON,
     logit_accumulation: LogitAccumulation = LogitAccumulation.FLAT,
     token_chunk: int | None = None,
+    **kwargs: Any,
 ) -> list[torch.Tensor]:
-    """The ``reference`` backend of `rmsnorm_mx_prefill` (same positional signature).
+    """The ``reference`` backend of `rmsnorm_mx_prefill`: takes its `PrefillCall`, or the
+    arguments of `rmsnorm_mx_prefill` (validated here into one).
 
     Keyword-only extras, all defaulting to the kernel's behaviour:
 
@@ -133,35 +114,17 @@ def rmsnorm_mx_prefill_reference(
       norm outputs do not depend on it; router logits come from a BLAS fp32 matmul whose
       summation order may change with the chunk (last-bit differences, spec §5.1).
     """
-    cfg = validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
+    cfg = as_call(*args, **kwargs)
     hole = HoleFill(hole_fill)
     rule = ScaleRule(scale_rule)
     acc = LogitAccumulation(logit_accumulation)
     return _run(
         cfg,
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        residual,
+        cfg.hidden_states,
+        cfg.gamma,
+        cfg.router_weights,
+        cfg.router_bias,
+        cfg.residual,
         emulate_upstream_ref_bias_bug=bool(emulate_upstream_ref_bias_bug),
         hole=hole,
         rule=rule,
@@ -171,7 +134,7 @@ def rmsnorm_mx_prefill_reference(
 
 
 def _run(
-    cfg: PrefillConfig,
+    cfg: PrefillCall,
     hidden_states: torch.Tensor,
     gamma: torch.Tensor,
     router_weights: torch.Tensor | None,
