@@ -166,6 +166,7 @@ class MXFP8MOEBwdConfig(nl.NKIObject):
     shard_option: ShardOption = ShardOption.SHARD_ON_FREE
     accumulate_hidden_states_grad: bool = True
     single_expert_dense: bool = False
+    skip_grad_initialization: bool = False
 
 
 def _zeros(t):
@@ -200,7 +201,7 @@ def blockwise_mm_bwd_mxfp8(
     assert config != None, "config is required"
     assert config.shard_option == ShardOption.SHARD_ON_FREE, "only SHARD_ON_FREE"
     assert config.compute_dtype == nl.bfloat16, "only bf16"
-    assert not config.accumulate_hidden_states_grad, "no accumulation"
+    assert not config.skip_grad_initialization, "no skipped init"
     T, H = hidden_states.shape
     E, _, _, I = gate_up_proj_weight.shape
     dx = nl.ndarray((T, H), dtype=hidden_states.dtype, buffer=nl.shared_hbm)

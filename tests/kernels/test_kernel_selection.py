@@ -296,31 +296,35 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
     """The bwd launch: API argument names, int32 ids, num_valid_tokens as a [1] tensor, and
     mxcli's MXFP8MOEBwdConfig rebuilt as the module's own class (its kernel asserts on it)."""
     import mxcli.inputs as inputs
-    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, blockwise_mm_bwd_mxfp8
-    from mxcli.kernels.blockwise_moe.config import ShardOption
+    from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
     spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
     ki = inputs.make_bwd_inputs(
-        tokens=128, hidden=256, intermediate=128, experts=2, top_k=1, seed=2
+        tokens=128,
+        hidden=256,
+        intermediate=128,
+        experts=1,
+        top_k=1,
+        block_size=128,
+        dense=True,
+        seed=2,
     )
-    t = dict(ki.tensors)
-    t.pop("config", None)
-    cfg = MXFP8MOEBwdConfig(single_expert_dense=False, shard_option=ShardOption.SHARD_ON_FREE)
+    kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
+    cfg = kw.pop("config")
     with selection.recording() as launches:
         out = blockwise_mm_bwd_mxfp8(
-            **t, block_size=128, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
+            **ki.tensors, **kw, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
         )
-    assert [tuple(o.shape) for o in out] == [(128, 256), (256, 1), (2, 256, 2, 128), (2, 128, 256)]
+    assert [tuple(o.shape) for o in out] == [(128, 256), (128, 1), (1, 256, 2, 128), (1, 128, 256)]
     assert out[1][:2, 0].tolist() == [128.0, 100.0]  # block_size and num_valid_tokens arrived
     assert launches and launches[0].kernel["module"] == "mxbwd_third.bwd"
-    # a field the module lacks, set away from its default, is an error naming it
-    with pytest.raises(KernelUnsupportedError, match=r"config\.bias: .*no field bias"):
-        blockwise_mm_bwd_mxfp8(
-            **t, block_size=128, config=MXFP8MOEBwdConfig(single_expert_dense=False, bias=True),
-            backend="sim", kernel=spec,
-        )  # fmt: skip
+    # a field the module lacks, set away from mxcli's default, is an error naming it
+    with pytest.raises(KernelUnsupportedError, match=r"config\.fast_dma_transpose: .*no field"):
+        fast = dataclasses.replace(cfg, fast_dma_transpose=True)
+        blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, config=fast, backend="sim", kernel=spec)
     # the kernel's own assert on a config value it refuses: "not supported", not a crash
-    with pytest.raises(KernelUnsupportedError, match="refused this launch: no accumulation"):
-        acc = MXFP8MOEBwdConfig(single_expert_dense=False, accumulate_hidden_states_grad=True)
-        blockwise_mm_bwd_mxfp8(**t, block_size=128, config=acc, backend="sim", kernel=spec)
+    with pytest.raises(KernelUnsupportedError, match="refused this launch: no skipped init"):
+        skip = dataclasses.replace(cfg, skip_grad_initialization=True)
+        blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, config=skip, backend="sim", kernel=spec)

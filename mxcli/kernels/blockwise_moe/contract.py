@@ -460,11 +460,11 @@ def blockwise_mm_bwd_mxfp8(
     (fresh zero outputs); LNC2-only launch checks do not apply to the reference; with
     ``emulate="exact"`` pre-quantized weights enter with their dequantized values.
     """
-    from mxcli.kernels import selection
-
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
     arguments.pop("kernel")
+    from mxcli.kernels import selection
+
     name = backends.resolve_name(blockwise_mm_bwd_mxfp8.__name__, backend)
     fn = backends.get(blockwise_mm_bwd_mxfp8.__name__, name)
     extra = selection.backend_kwargs(kernel, name, selection.BWD)

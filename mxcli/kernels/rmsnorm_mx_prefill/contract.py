@@ -482,11 +482,11 @@ def rmsnorm_mx_prefill(
     Library) or ``"MODULE:FUNCTION"`` (`mxcli.kernels.selection`). Invalid arguments raise
     `PrefillValidationError` (a ``ValueError``).
     """
-    from mxcli.kernels import selection
-
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
     arguments.pop("kernel")
+    from mxcli.kernels import selection
+
     call = validate(**arguments)
     name = backends.resolve_name(rmsnorm_mx_prefill.__name__, backend)
     extra = selection.backend_kwargs(kernel, name, selection.PREFILL)
