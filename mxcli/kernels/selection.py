@@ -169,11 +169,7 @@ def parse_kernel(
         from mxcli.kernels.spec import get_spec
 
         kernel = get_spec(kernel).name  # a short name (prefill, bwd)
-    if text == MXCLI:
-        if path is not None:
-            raise InputError(
-                "kernel-path: --kernel-path applies to --kernel nkilib or MODULE:FUNCTION"
-            )
+    if text == MXCLI:  # its own kernel: --kernel-path does not apply
         return KernelChoice(MXCLI, MXCLI, kernel)
     if text == NKILIB:
         target = _spec_target(NKILIB, kernel) or NKILIB_TARGETS[kernel]

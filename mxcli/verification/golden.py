@@ -186,10 +186,9 @@ def recorded_kernel(
     f = read_kernel_file(path)
     meta = f.meta_json("nki_kernel")
     info = dict(meta) if isinstance(meta, Mapping) else None
-    if expected in (None, "", selection.MXCLI) and kernel_path is None:
+    choice = selection.parse_kernel(expected, f.kernel or selection.PREFILL, kernel_path)
+    if choice.is_own:
         return info
-    kernel = f.kernel or selection.PREFILL
-    choice = selection.parse_kernel(expected, kernel, kernel_path)
     if info is None:
         raise InputError(
             f"{path}: records no NKI kernel (a reference run), not --kernel {expected}"

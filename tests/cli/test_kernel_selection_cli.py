@@ -168,3 +168,29 @@ def test_real_nkilib_prefill_passes_the_quick_suite(tmp_path: Path) -> None:
     skipped = [c for c in report["cases"] if c["skipped"]]
     # NOAUX_TC + pack_affinities: refused by nkilib, reported as not supported
     assert all("not supported by this kernel" in c["skipped"] for c in skipped)
+
+
+def test_profile_compares_two_kernels_side_by_side(tmp_path: Path, cli) -> None:
+    spec = write_prefill_fork(tmp_path / "src", "mxfork_profile")
+    trace = tmp_path / "pf.json"
+    args = ["profile", "prefill", "--tokens", "128", "--hidden", "512", "--experts", "16",
+            "--top-k", "2", "--router", "softmax", "--lnc", "1", "--kernel-path", str(tmp_path / "src"),
+            "--kernel", "mxcli", "--kernel", spec, "--trace", str(trace)]  # fmt: skip
+    res = cli(*args, "--json")
+    assert res.exit_code == 0, res.stderr
+    out = json.loads(res.stdout)
+    first, second = out["profiles"]
+    assert first["nki_kernel"]["kernel"] == "mxcli" and second["nki_kernel"]["kernel"] == spec
+    # the fork runs mxcli's kernel: the same instruction stream, so the same estimate
+    rows = out["comparison"]["kernels"]
+    assert [r["kernel"] for r in rows] == ["mxcli", spec]
+    assert rows[1]["schedule_ratio"] == pytest.approx(1.0) and rows[0]["schedule_ratio"] == 1.0
+    traces = [Path(p["trace"]) for p in out["profiles"]]
+    assert [t.name for t in traces] == [
+        "pf.1-mxcli.json",
+        f"pf.2-{spec.replace('.', '_').replace(':', '_')}.json",
+    ]
+    for t in traces:
+        assert json.loads(t.read_text())["traceEvents"]
+    again = cli(*args)  # the traces exist: refused without --force, before any work
+    assert again.exit_code == 2 and "--force" in again.stderr
