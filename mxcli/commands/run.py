@@ -17,9 +17,14 @@ from mxcli.commands._shared import (
     Steps,
     complete_backend,
     guarded,
+    kernel_defaults,
     print_json,
     stdout_console,
 )
+
+# the defaults the help texts show: those of the kernels' public signatures
+_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
+_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
 
 # ---- options shared by both run commands ----
 InputArg = Annotated[
@@ -150,33 +155,47 @@ def run_prefill(
     input: InputArg,
     output: OutputOpt,
     eps: Annotated[
-        float | None, typer.Option(help="RMSNorm epsilon (default: 1e-6).", show_default=False)
+        float | None,
+        typer.Option(help=f"RMSNorm epsilon (default: {_PRE['eps']}).", show_default=False),
     ] = None,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", help="Experts per token, <= 8 (default: 1).", show_default=False),
+        typer.Option(
+            "--top-k",
+            help=f"Experts per token, <= 8 (default: {_PRE['top_k']}).",
+            show_default=False,
+        ),
     ] = None,
     router_act: Annotated[
         str | None,
         typer.Option(
             "--router-act",
-            help="Router activation: sigmoid, softmax or noaux_tc (default: sigmoid).",
+            help="Router activation: sigmoid, softmax or noaux_tc "
+            f"(default: {_PRE['router_act_fn']}).",
             show_default=False,
         ),
     ] = None,
     n_group: Annotated[
         int | None,
-        typer.Option("--n-group", help="NOAUX_TC expert groups (default: 1).", show_default=False),
+        typer.Option(
+            "--n-group",
+            help=f"NOAUX_TC expert groups (default: {_PRE['n_group']}).",
+            show_default=False,
+        ),
     ] = None,
     topk_group: Annotated[
         int | None,
-        typer.Option("--topk-group", help="NOAUX_TC groups kept (default: 1).", show_default=False),
+        typer.Option(
+            "--topk-group",
+            help=f"NOAUX_TC groups kept (default: {_PRE['topk_group']}).",
+            show_default=False,
+        ),
     ] = None,
     routed_scaling_factor: Annotated[
         float | None,
         typer.Option(
             "--routed-scaling-factor",
-            help="NOAUX_TC affinity multiplier (default: 1.0).",
+            help=f"NOAUX_TC affinity multiplier (default: {_PRE['routed_scaling_factor']}).",
             show_default=False,
         ),
     ] = None,
@@ -184,7 +203,7 @@ def run_prefill(
         str | None,
         typer.Option(
             "--qmx-output-dtype",
-            help="float8_e4m3fn_x4 or float8_e5m2_x4 (default: e4m3fn).",
+            help=f"float8_e4m3fn_x4 or float8_e5m2_x4 (default: {_PRE['qmx_output_dtype']}).",
             show_default=False,
         ),
     ] = None,
@@ -192,7 +211,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-scales/--no-pack-scales",
-            help="Fold scale tiles (default: on).",
+            help=f"Fold scale tiles (default: {_PRE['pack_scales']}).",
             show_default=False,
         ),
     ] = None,
@@ -200,7 +219,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-affinities/--no-pack-affinities",
-            help="Affinities in the row tail (default: off).",
+            help=f"Affinities in the row tail (default: {_PRE['pack_affinities']}).",
             show_default=False,
         ),
     ] = None,
@@ -216,7 +235,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--emit-norm-bf16/--no-emit-norm-bf16",
-            help="Also write norm_bf16 (default: off).",
+            help=f"Also write norm_bf16 (default: {_PRE['emit_norm_bf16']}).",
             show_default=False,
         ),
     ] = None,
@@ -224,7 +243,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--hidden-interleaved/--no-hidden-interleaved",
-            help="Inputs stored 4-way interleaved (default: off).",
+            help=f"Inputs stored 4-way interleaved (default: {_PRE['hidden_interleaved']}).",
             show_default=False,
         ),
     ] = None,
@@ -262,7 +281,7 @@ def run_prefill(
     guarded(
         debug,
         lambda: _run(
-            "rmsnorm_mx_prefill",
+            "prefill",
             overrides,
             input=input,
             output=output,
@@ -289,7 +308,7 @@ def run_bwd(
         int | None,
         typer.Option(
             "--block-size",
-            help="Tokens per block (128 ... 4096) (default: 4096).",
+            help=f"Tokens per block (128 ... 4096) (default: {_BWD['block_size']}).",
             show_default=False,
         ),
     ] = None,
@@ -328,7 +347,7 @@ def run_bwd(
             refuse_inputs(output, [("--config file", config)])
             overrides["config"] = _read_config(config)
         _run(
-            "blockwise_mm_bwd_mxfp8",
+            "bwd",
             overrides,
             input=input,
             output=output,

@@ -29,14 +29,20 @@ def coerce_enum(
     name: str,
     *,
     aliases: Mapping[Any, E] | None = None,
+    expected: str | None = None,
     error: type[Exception] = InputError,
+    type_error: type[Exception] | None = None,
 ) -> E:
-    """`value` as a member of `cls`, or `error` naming `name`, the value and the choices.
+    """`value` as a member of `cls`: the one enum coercer of mxcli.
 
-    Accepted: a member; a member of another enum with a member of the same name (another
-    project's copy of the enum, e.g. nkilib's); the member's value (not a bool); its name or
-    string value in any case, also qualified (``"RouterActFnType.SOFTMAX"``); and `aliases`
-    (hashable values or lower-case strings -> member).
+    Accepted: a member; an alias (`aliases`: hashable values, or lower-case strings matched
+    against the value and its last dotted part); a member of another enum with a member of the
+    same name (another project's copy of the enum, e.g. nkilib's); the member's value (not a
+    bool); its name or string value in any case, also qualified (``"RouterActFnType.SOFTMAX"``).
+
+    Otherwise `error` with ``"{name}: expected {expected}, got {value!r}"`` (``expected``
+    defaults to ``one of`` the member names); with `type_error`, a value that is neither a
+    string nor an enum member raises that instead (``"{name}": expected {cls}, got {type}``).
     """
     if isinstance(value, cls):
         return value
@@ -46,26 +52,30 @@ def coerce_enum(
         except TypeError:  # unhashable
             hit = None
         if hit is None and isinstance(value, str):
-            hit = aliases.get(value.strip().lower())
+            text = str.strip(value).lower()
+            hit = aliases.get(text, aliases.get(text.split(".")[-1]))
         if hit is not None:
             return hit
     if isinstance(value, enum.Enum):
-        if str(value.name).upper() in {m.upper() for m in cls.__members__}:
-            return _by_name(cls, str(value.name))
-    elif isinstance(value, str):
-        key = value.strip().split(".")[-1]
+        member = _by_name(cls, str(value.name))
+        if member is not None:
+            return member  # type: ignore[no-any-return]
+    if isinstance(value, str):
+        key = str.strip(value).split(".")[-1]
         member = _by_name(cls, key)
         if member is not None:
-            return member
+            return member  # type: ignore[no-any-return]
         for m in cls:
             if key.lower() == str(m.value).lower():
                 return m
-    elif not isinstance(value, bool):
+    elif type_error is not None and not isinstance(value, enum.Enum):
+        raise type_error(f"{name}: expected {cls.__name__}, got {type(value).__name__}")
+    elif not isinstance(value, (bool, enum.Enum)):
         for m in cls:
             if not isinstance(m.value, bool) and m.value == value and type(m.value) is type(value):
                 return m
-    choices = ", ".join(cls.__members__)
-    raise error(f"{name}: expected one of {choices}, got {value!r}")
+    choices = expected or "one of " + ", ".join(cls.__members__)
+    raise error(f"{name}: expected {choices}, got {value!r}")
 
 
 def _by_name(cls: type[E], key: str) -> Any:
@@ -74,11 +84,6 @@ def _by_name(cls: type[E], key: str) -> Any:
         if n.upper() == upper:
             return m
     return None
-
-
-def enum_parser(cls: type[E], name: str, **options: Any) -> Callable[[Any], E]:
-    """A kwarg parser: `coerce_enum` of `cls` for kwarg `name`."""
-    return lambda v: coerce_enum(cls, v, name, **options)
 
 
 def enum_dump(v: Any) -> Any:
@@ -213,7 +218,6 @@ __all__ = [
     "coerce_hint",
     "dataclass_from_dict",
     "enum_dump",
-    "enum_parser",
     "json_object",
     "json_or_raw",
     "to_jsonable",

@@ -184,7 +184,7 @@ def file_inputs(kernel: str, path: str | os.PathLike[str]) -> tuple[dict[str, An
 def _padding(tensors: dict[str, Any], kwargs: dict[str, Any]) -> PlanPadding:
     tpi = torch.as_tensor(tensors["token_position_to_id"]).reshape(-1)
     b2e = torch.as_tensor(tensors["block_to_expert"]).reshape(-1)
-    B = int(kwargs.get("block_size") or 4096)
+    B = int(BWD.value(kwargs, "block_size"))
     valid = tpi.reshape(-1, B) >= 0 if tpi.numel() % B == 0 else None
     pairs = int((tpi >= 0).sum())
     needed = int(valid.any(dim=1).sum()) if valid is not None else int(b2e.numel())

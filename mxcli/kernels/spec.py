@@ -287,9 +287,9 @@ class KernelSpec:
         return self.signature.parameters[name].default
 
     def value(self, kwargs: Mapping[str, Any], name: str) -> Any:
-        """``kwargs[name]``, or the signature's default when not given."""
+        """``kwargs[name]``, or the signature's default when not given (absent or None)."""
         v = kwargs.get(name)
-        return self.default(name) if v is None and name not in kwargs else v
+        return self.default(name) if v is None else v
 
     def check_tensors(
         self,

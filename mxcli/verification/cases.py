@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mxcli.errors import InputError
 from mxcli.inputs import KernelInputs, make_inputs
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
@@ -426,8 +427,6 @@ def select(
     """Cases of ``suite`` (``quick`` or ``full``), optionally filtered by a name substring or
     glob and by kernel."""
     import fnmatch
-
-    from mxcli.errors import InputError
 
     if suite not in SUITES:
         raise InputError(f"suite: expected one of {', '.join(SUITES)}, got {suite!r}")

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mxcli.errors import InputError, MxcliError
+from mxcli.io.files import tensor_sha256
 
 if TYPE_CHECKING:
     from mxcli.weightprep.padding import Padding
@@ -191,8 +192,6 @@ def load_layer_tensors(
     """
     from safetensors import safe_open
 
-    from mxcli.weightprep.writer import sha256_tensor
-
     m = _as_manifest(path)
     entry = m.rank_entry(layer, rank)
     specs = entry["tensors"]
@@ -219,7 +218,7 @@ def load_layer_tensors(
             raise ManifestError(
                 f"{fpath}: {k} has shape {list(t.shape)}, manifest says {specs[k]['shape']}"
             )
-        if verify and sha256_tensor(t) != specs[k]["sha256"]:
+        if verify and tensor_sha256(t) != specs[k]["sha256"]:
             raise ManifestError(f"{fpath}: {k} does not match its sha256 in the manifest")
     return out
 

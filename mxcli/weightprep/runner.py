@@ -30,6 +30,7 @@ from typing import Any
 from mxcli import __version__
 from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
 from mxcli.fsutil import default_mode, refuse_inputs, remove_stale_temporaries
+from mxcli.io.files import tensor_sha256
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
     FORMAT,
@@ -39,7 +40,7 @@ from mxcli.weightprep.manifest import (
     read_manifest_json,
 )
 from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
-from mxcli.weightprep.writer import sha256_tensor, write_index, write_json
+from mxcli.weightprep.writer import write_index, write_json
 
 LOCK_NAME = ".prep-weights.lock"
 
@@ -359,7 +360,7 @@ def layer_is_complete(out: Path, record: dict[str, Any] | None, plan: Plan) -> b
         try:
             with open_safetensors(path) as f:
                 for t in fe["tensors"].values():
-                    if sha256_tensor(f.get_tensor(t["name"])) != t["sha256"]:
+                    if tensor_sha256(f.get_tensor(t["name"])) != t["sha256"]:
                         return False
         except Exception:
             return False

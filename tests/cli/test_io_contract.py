@@ -203,3 +203,30 @@ def test_write_file_is_atomic_and_needs_force(tmp_path: Path) -> None:
     write_file(p, {"a": torch.ones(2)}, {}, force=True)
     assert read_file(p).tensors["a"].tolist() == [1.0, 1.0]
     assert [q.name for q in tmp_path.iterdir()] == ["x.safetensors"]
+
+
+@pytest.mark.parametrize("io", [PREFILL_IO, BWD_IO], ids=["prefill", "bwd"])
+def test_help_defaults_are_read_from_the_kernel_signature(io) -> None:
+    """run-prefill / run-bwd help texts show the signature's defaults, read from the source
+    without importing the kernel (mxcli --help stays torch-free)."""
+    import enum
+
+    from mxcli.commands._shared import kernel_defaults
+
+    source = Path(inspect.getsourcefile(io.api)).relative_to(
+        Path(inspect.getsourcefile(backends)).parent.parent
+    )
+    shown = kernel_defaults(str(source), io.name)
+    assert set(shown) == {s.name for s in io.scalars} | {
+        t.name for t in io.tensors if not t.required
+    }
+    for s in io.scalars:
+        d, text = s.default, shown[s.name]
+        if isinstance(d, bool):
+            assert text == ("on" if d else "off")
+        elif isinstance(d, enum.Enum):
+            assert text == d.name.lower()
+        elif isinstance(d, (int, float)):
+            assert float(text) == d
+        else:
+            assert text == str(d), s.name

@@ -16,9 +16,11 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.kwargs import coerce_enum
 from mxcli.kernels import backends
 from mxcli.kernels.spec import bind_arguments
 from mxcli.mx import ElemFormat, prefill_scale_region_size
+from mxcli.mx.formats import as_elem_format
 
 # prefill spec §2.3: hardware limits checked by the kernel itself.
 MAX_EXPERTS = 512
@@ -56,24 +58,9 @@ class RouterActFnType(enum.IntEnum):
 
     @classmethod
     def coerce(cls, value: Any, name: str = "router_act_fn") -> RouterActFnType:
-        """Accept the enum, its int value, or its name (any case, e.g. ``"noaux_tc"``)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            key = value.strip().upper().split(".")[-1]
-            if key in cls.__members__:
-                return cls[key]
-        elif isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return cls(value)
-            except ValueError:
-                pass
-        elif isinstance(value, enum.Enum) and str(value.name).upper() in cls.__members__:
-            # another project's RouterActFnType (e.g. nkilib's) with the same member names
-            return cls[str(value.name).upper()]
-        raise PrefillValidationError(
-            f"{name}: expected one of {', '.join(cls.__members__)}, got {value!r}"
-        )
+        """Accept the enum, its int value, its name (any case, e.g. ``"noaux_tc"``) or another
+        project's RouterActFnType (e.g. nkilib's) with the same member names (`coerce_enum`)."""
+        return coerce_enum(cls, value, name, error=PrefillValidationError)
 
 
 class QmxOutputDtype(str, enum.Enum):
@@ -93,21 +80,17 @@ class QmxOutputDtype(str, enum.Enum):
 
     @classmethod
     def coerce(cls, value: Any) -> QmxOutputDtype:
-        """Accept the enum, ``"float8_e4m3fn_x4"``/``"e4m3fn"``, the e5m2 names, or torch fp8 dtypes."""
+        """Accept the enum or any name of its element format: ``"float8_e4m3fn_x4"``,
+        ``"e4m3fn"``, `ElemFormat`, the torch fp8 dtypes, the e5m2 names (`as_elem_format`)."""
         if isinstance(value, cls):
             return value
-        if value is torch.float8_e4m3fn:
-            return cls.FLOAT8_E4M3FN_X4
-        if value is torch.float8_e5m2:
-            return cls.FLOAT8_E5M2_X4
-        name = str(value).lower().split(".")[-1].removeprefix("float8_").removesuffix("_x4")
-        if name == "e4m3fn":
-            return cls.FLOAT8_E4M3FN_X4
-        if name == "e5m2":
-            return cls.FLOAT8_E5M2_X4
-        raise PrefillValidationError(
-            f"qmx_output_dtype: expected 'float8_e4m3fn_x4' or 'float8_e5m2_x4', got {value!r}"
+        elem = as_elem_format(
+            value,
+            "qmx_output_dtype",
+            error=PrefillValidationError,
+            expected="'float8_e4m3fn_x4' or 'float8_e5m2_x4'",
         )
+        return cls.FLOAT8_E4M3FN_X4 if elem is ElemFormat.E4M3FN else cls.FLOAT8_E5M2_X4
 
 
 @dataclass(frozen=True)
