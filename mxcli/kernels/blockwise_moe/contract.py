@@ -118,7 +118,7 @@ def validate(*args: Any, **kwargs: Any) -> BwdCall:
         a["output_hidden_states_grad"], a["block_size"], a["gate_up_weight_scales"],
         a["down_weight_scales"], cfg, act_dtypes,
     )  # fmt: skip
-    N, I, B, H = inp.N, inp.I, inp.B, inp.H  # noqa: E741
+    N, I, B, H = inp["N"], inp["I"], inp["B"], inp["H"]  # noqa: E741
     shapes = {
         "gate_up_proj_act_checkpoint_T": (N, 2, I, B),
         "gate_act_checkpoint_T": (N, I, B),
@@ -135,18 +135,15 @@ def validate(*args: Any, **kwargs: Any) -> BwdCall:
     _check_combinations(
         cfg, on_i, ckpts["gate_up_proj_act_checkpoint_T"], ckpts["gate_act_checkpoint_T"],
         ckpts["intermediate_checkpoint_T"], ckpts["scaled_intermediate_checkpoint_T"],
-        ckpts["down_proj_act_checkpoint"], inp.gu_scales,
+        ckpts["down_proj_act_checkpoint"], inp["gu_scales"],
     )  # fmt: skip
     ckpt_s = ckpts["scaled_intermediate_checkpoint_T"]
     nv = check_launch_rules(cfg, inp, a["num_valid_tokens"], ckpt_s is not None)
     return BwdCall(
-        config=cfg, emulate=emulate, x=inp.x, dy=inp.dy, ea=inp.ea, wgu=inp.wgu, wd=inp.wd,
-        tpi=inp.tpi, b2e=inp.b2e, gu_scales=inp.gu_scales, d_scales=inp.d_scales,
+        config=cfg, emulate=emulate, **inp,
         ckpt_gu=ckpts["gate_up_proj_act_checkpoint_T"], ckpt_act=ckpts["gate_act_checkpoint_T"],
         ckpt_h=ckpts["intermediate_checkpoint_T"], ckpt_s=ckpt_s,
-        ckpt_dys=ckpts["down_proj_act_checkpoint"], num_valid_tokens=a["num_valid_tokens"],
-        nv=nv, B=inp.B, T=inp.T, H=inp.H, E=inp.E, I=inp.I, N=inp.N,
-        gu_layout=inp.gu_layout, d_layout=inp.d_layout,
+        ckpt_dys=ckpts["down_proj_act_checkpoint"], num_valid_tokens=a["num_valid_tokens"], nv=nv,
     )  # fmt: skip
 
 
@@ -155,30 +152,6 @@ def as_call(*args: Any, **kwargs: Any) -> BwdCall:
     if len(args) == 1 and not kwargs and isinstance(args[0], BwdCall):
         return args[0]
     return validate(*args, **kwargs)
-
-
-@dataclass(frozen=True, eq=False)
-class _CheckedInputs:
-    """The required tensors of one call (as torch tensors) and its dimensions, checked against
-    bwd spec §10 "Inputs" by `check_inputs`."""
-
-    x: torch.Tensor
-    dy: torch.Tensor
-    ea: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
-    tpi: torch.Tensor
-    b2e: torch.Tensor
-    gu_scales: torch.Tensor | None
-    d_scales: torch.Tensor | None
-    B: int
-    T: int
-    H: int
-    E: int
-    I: int  # noqa: E741 (spec notation I = I_TP)
-    N: int
-    gu_layout: ScaleLayout  # scale layout of a pre-quantized gate/up weight (phase 2)
-    d_layout: ScaleLayout  # ... of a pre-quantized down weight (phase 1)
 
 
 def check_inputs(
@@ -194,9 +167,12 @@ def check_inputs(
     down_weight_scales: Any,
     cfg: MXFP8MOEBwdConfig,
     act_dtypes: tuple[torch.dtype, ...] | None,
-) -> _CheckedInputs:
+) -> dict[str, Any]:
     """The required tensors, weights and scales against bwd spec §10 "Inputs" (checkpoints
-    excepted); `act_dtypes`: the allowed activation dtypes (None: any floating dtype)."""
+    excepted); `act_dtypes`: the allowed activation dtypes (None: any floating dtype).
+
+    Returns the `BwdCall` fields they give: the tensors (``x``, ``dy``, ``ea``, ``wgu``, ``wd``,
+    ``tpi``, ``b2e``, ``gu_scales``, ``d_scales``), the dims and the scale layouts."""
     B = ck.check_block_size(block_size)
     x = ck.tensor("hidden_states", hidden_states)
     dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
@@ -248,21 +224,22 @@ def check_inputs(
     N = ck.check_block_plan(tpi, b2e, B)
     ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
     ck.check_float("expert_affinities_masked", ea, None)
-    return _CheckedInputs(
-        x, dy, ea, wgu, wd, tpi, b2e, gu_s, d_s, B, T, H, E, I, N, gu_layout, d_layout
-    )
+    return dict(
+        x=x, dy=dy, ea=ea, wgu=wgu, wd=wd, tpi=tpi, b2e=b2e, gu_scales=gu_s, d_scales=d_s,
+        B=B, T=T, H=H, E=E, I=I, N=N, gu_layout=gu_layout, d_layout=d_layout,
+    )  # fmt: skip
 
 
 def check_launch_rules(
     cfg: MXFP8MOEBwdConfig,
-    inp: _CheckedInputs,
+    inp: dict[str, Any],
     num_valid_tokens: Any,
     has_scaled_intermediate_checkpoint: bool,
 ) -> int | None:
     """The path rules of bwd spec §10 (config/launch) and §9, including the data-dependent
     ones (expert ids in range, padding ids need ``skip_token``). Returns ``num_valid_tokens``
     clamped to ``[0, T]`` (None when not given)."""
-    E, T, B, N = inp.E, inp.T, inp.B, inp.N
+    E, T, B, N = inp["E"], inp["T"], inp["B"], inp["N"]
     if E > 1:
         for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
             if getattr(cfg, f) is SwizzleMode.PE:
@@ -292,7 +269,7 @@ def check_launch_rules(
                 f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
             )
         return nv
-    b2e, tpi = inp.b2e, inp.tpi
+    b2e, tpi = inp["b2e"], inp["tpi"]
     if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
         raise BwdValidationError(
             f"block_to_expert: expected expert ids in [0, {E}), got "

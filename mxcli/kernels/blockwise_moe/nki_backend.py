@@ -34,6 +34,7 @@ from mxcli.kernels.blockwise_moe.config import (
 )
 from mxcli.kernels.blockwise_moe.contract import BwdCall, as_call
 from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.blockwise_moe.spec import MXCLI_KERNEL
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
 from mxcli.mx import QuantScheme, wrapx_chunks
 
@@ -47,8 +48,8 @@ __all__ = [
     "run_sim",
 ]
 
-KERNEL = "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit"
-KERNEL_CONFIG = "mxcli.kernels.blockwise_moe.nki_kernel:BwdKernelConfig"
+KERNEL = str(MXCLI_KERNEL.kernel)  # the jit entry, "module:function"
+KERNEL_CONFIG = f"{KERNEL.partition(':')[0]}:BwdKernelConfig"
 P = 128  # partitions
 QUAD = 32  # partitions per SBUF quadrant
 # the kernel's tensor parameters (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`)

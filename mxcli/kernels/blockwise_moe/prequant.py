@@ -39,6 +39,7 @@ from mxcli.mx import (
     unpack_x4,
 )
 from mxcli.mx.formats import as_tensor
+from mxcli.mx.quantize import as_rule
 
 __all__ = [
     "PrequantizedWeights",
@@ -300,7 +301,7 @@ def prequantize_weights(
         d_x4, d_s = quantize_weight_x4(dw.transpose(1, 2), g_d, lay_d, rule)  # [E, H, I]
     return PrequantizedWeights(
         gu_x4, gu_s, d_x4, d_s, g_gu, g_d, lay_gu, lay_d,
-        rule if isinstance(rule, ScaleRule) else ScaleRule(str(rule).lower()),
+        as_rule(rule),
     )  # fmt: skip
 
 

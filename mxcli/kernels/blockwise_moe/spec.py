@@ -33,6 +33,23 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 INTS = (torch.int32, torch.int64)
 
 
+# mxcli's own NKI kernel; `--kernel` registers others (nkilib, MODULE:FUNCTION) beside it
+MXCLI_KERNEL = Implementation(
+    "mxcli",
+    "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
+    "mxcli.kernels.blockwise_moe.nki_backend:launch_sim",
+    doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
+)
+# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
+NKILIB_KERNEL = Implementation(
+    "nkilib",
+    selection.NKILIB_TARGETS[selection.BWD],
+    "mxcli.kernels.blockwise_moe.nki_backend:launch_nkilib",
+    probe=functools.partial(selection.nkilib_probe, selection.BWD),
+    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
+)
+
+
 def config_to_dict(config: Any) -> dict[str, Any]:
     """JSON-ready dict of an ``MXFP8MOEBwdConfig`` (enums by name, nested configs as dicts)."""
     return to_jsonable(config)  # type: ignore[no-any-return]
@@ -132,22 +149,15 @@ SPEC = register_spec(
         ),
         # the backward mixes every token and expert: any non-finite input explains every output
         nonfinite=NonfiniteRule(token_inputs=None),
-        implementations=(
-            Implementation(
-                "mxcli",
-                "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
-                "mxcli.kernels.blockwise_moe.nki_backend:launch_sim",
-                doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
-            ),
-            Implementation(
-                "nkilib",
-                selection.NKILIB_TARGETS[selection.BWD],
-                "mxcli.kernels.blockwise_moe.nki_backend:launch_nkilib",
-                probe=functools.partial(selection.nkilib_probe, selection.BWD),
-                doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
-            ),
-        ),
+        implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
     )
 )
 
-__all__ = ["SPEC", "config_from_dict", "config_to_dict", "expert_intermediate_size"]
+__all__ = [
+    "MXCLI_KERNEL",
+    "NKILIB_KERNEL",
+    "SPEC",
+    "config_from_dict",
+    "config_to_dict",
+    "expert_intermediate_size",
+]

@@ -19,9 +19,10 @@ from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
 from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
+from mxcli.kernels.rmsnorm_mx_prefill.spec import MXCLI_KERNEL
 
-KERNEL_MODULE = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel"
-KERNEL = f"{KERNEL_MODULE}:rmsnorm_mx_prefill_kernel"
+KERNEL = str(MXCLI_KERNEL.kernel)  # the jit entry, "module:function"
+KERNEL_MODULE = KERNEL.partition(":")[0]
 KERNEL_CONFIG = f"{KERNEL_MODULE}:PrefillKernelConfig"
 
 

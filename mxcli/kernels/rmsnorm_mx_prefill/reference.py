@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from mxcli.io.kwargs import coerce_enum
 from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.router import (
     LogitAccumulation,
@@ -35,7 +36,7 @@ from mxcli.kernels.rmsnorm_mx_prefill.router import (
 )
 from mxcli.kernels.rmsnorm_mx_prefill.router_weights import unarrange_router_weights
 from mxcli.mx import ScaleRule, prefill_scale_offsets, quantize_mx
-from mxcli.mx.quantize import uses_fused_kernels
+from mxcli.mx.quantize import as_rule, uses_fused_kernels
 
 # Tokens per work chunk on CPU: at least 128 (the router matmul loses efficiency below that),
 # more for small H so per-op overhead stays small. Results do not depend on it.
@@ -115,9 +116,9 @@ def rmsnorm_mx_prefill_reference(
       summation order may change with the chunk (last-bit differences, spec §5.1).
     """
     cfg = as_call(*args, **kwargs)
-    hole = HoleFill(hole_fill)
-    rule = ScaleRule(scale_rule)
-    acc = LogitAccumulation(logit_accumulation)
+    hole = coerce_enum(HoleFill, hole_fill, "hole_fill")
+    rule = as_rule(scale_rule)
+    acc = coerce_enum(LogitAccumulation, logit_accumulation, "logit_accumulation")
     return _run(
         cfg,
         cfg.hidden_states,

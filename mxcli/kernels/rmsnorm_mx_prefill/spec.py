@@ -45,6 +45,23 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 PACKED = "norm_quant_packed"
 
 
+# mxcli's own NKI kernel; `--kernel` registers others (nkilib, MODULE:FUNCTION) beside it
+MXCLI_KERNEL = Implementation(
+    "mxcli",
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel",
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
+    doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
+)
+# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
+NKILIB_KERNEL = Implementation(
+    "nkilib",
+    selection.NKILIB_TARGETS[selection.PREFILL],
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_nkilib",
+    probe=functools.partial(selection.nkilib_probe, selection.PREFILL),
+    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
+)
+
+
 def decode_packed(
     packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
 ) -> DecodedRows:
@@ -197,22 +214,8 @@ SPEC = register_spec(
             PACKED, decode_packed, packed_geometry, packed_bytes, defined=packed_defined
         ),
         geometry=_geometry,
-        implementations=(
-            Implementation(
-                "mxcli",
-                "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel",
-                "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
-                doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
-            ),
-            Implementation(
-                "nkilib",
-                selection.NKILIB_TARGETS[selection.PREFILL],
-                "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_nkilib",
-                probe=functools.partial(selection.nkilib_probe, selection.PREFILL),
-                doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
-            ),
-        ),
+        implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
     )
 )
 
-__all__ = ["SPEC", "decode_packed", "packed_geometry"]
+__all__ = ["MXCLI_KERNEL", "NKILIB_KERNEL", "SPEC", "decode_packed", "packed_geometry"]
