@@ -513,7 +513,9 @@ def inputs_from_weights(
     K = int(pre_kwargs["top_k"])
     index = out.get("expert_index")
     if index is None:  # NOAUX_TC returns dense affinities only
-        index = torch.topk(aff, K, dim=1).indices
+        # ties in ascending expert order, as the kernel selects (api spec §8.14); torch.topk's
+        # order among equal affinities is unspecified
+        index = torch.sort(aff, dim=1, descending=True, stable=True).indices[:, :K]
     w = load_backward_weights(m, layer, fmt="bf16")
     gu, d = w["gate_up_proj_weight"], w["down_proj_weight"]
     E_r, H = int(gu.shape[0]), int(gu.shape[1])

@@ -14,10 +14,13 @@ prefill (``check_prefill``), per token, in float64:
   bit-exact on every group whose ``amax_g`` is not within 2% of a power of two (there the
   kernel's 16-bit roundings may move ``amax`` into the neighbouring binade).
 - router logits ``y @ W (+ bias)`` with ``W`` in natural row order: ``expert_index`` bit-exact and
-  affinities within ``3e-2`` (cosine >= 0.999) on every token whose top-(K+1) logits are separated
-  by more than ``1e-2 * rms(logits) + 1e-3`` (for NOAUX_TC: group scores and the masked
-  selection scores separated by more than ``5e-3``); tokens with such near-ties are skipped and
-  counted in the message.
+  affinities within ``3e-2`` (cosine >= 0.999) on every token whose top-(K+1) logits are either
+  exactly equal or separated by more than ``1e-2 * rms(logits) + 1e-3`` (for NOAUX_TC: the group
+  scores at the topk_group boundary and the masked selection scores at the K boundary, with
+  ``5e-3``). Exact ties (padding tokens, all-zero router columns) are decided as the hardware
+  does (``nc_find_index8``: the k-th of equal values takes the k-th occurrence, api spec §8.14),
+  i.e. in ascending expert order, which a stable sort gives. Near-ties (``0 < gap <= tau``),
+  whose order the kernel's fp32 rounding may flip, are skipped and counted in the message.
 - ``norm_bf16`` and ``output_residual``: one bf16 rounding of ``y`` and ``hidden + residual``
   (``rtol 2^-7``).
 
@@ -113,7 +116,8 @@ def _group_amax(y: torch.Tensor) -> torch.Tensor:
 
 
 def _routing_exact(ex: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """Exact top-K routing: indices [T, K], dense affinities [T, E], token mask without near-ties."""
+    """Exact top-K routing: indices [T, K] (ties in ascending expert order), dense affinities
+    [T, E], and the mask of tokens without near-ties."""
     logits: torch.Tensor = ex["logits"]
     bias = ex.get("bias")
     T, E = logits.shape
@@ -130,7 +134,7 @@ def _routing_exact(ex: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str
     gaps = (
         (top[:, :-1] - top[:, 1:]) if top.shape[1] > 1 else torch.full((T, 1), math.inf, dtype=F64)
     )
-    ok = (gaps > tau[:, None]).all(-1)
+    ok = _decided(gaps, tau[:, None]).all(-1)  # exact ties are compared, near-ties skipped
     sel = lg.gather(1, idx)
     if act == "SOFTMAX":
         w = torch.softmax(sel, dim=-1)
@@ -138,6 +142,12 @@ def _routing_exact(ex: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str
         w = torch.sigmoid(sel)
     dense = torch.zeros(T, E, dtype=F64).scatter_(1, idx, w)
     return {"index": idx.to(torch.int32), "affinities": dense, "ok": ok}
+
+
+def _decided(gap: torch.Tensor, tau: float | torch.Tensor) -> torch.Tensor:
+    """A selection boundary both sides decide alike: an exact tie (the lower index wins) or a
+    gap wider than fp32 rounding can close."""
+    return (gap > tau) | (gap == 0)
 
 
 def _noaux_exact(
@@ -160,14 +170,14 @@ def _noaux_exact(
     tau = 5e-3
     ok = torch.ones(T, dtype=torch.bool)
     if TG < G:
-        ok &= (g_order.values[:, TG - 1] - g_order.values[:, TG]) > tau
+        ok &= _decided(g_order.values[:, TG - 1] - g_order.values[:, TG], tau)
     gmask = torch.zeros(T, G, dtype=torch.bool).scatter_(1, kept, True)
     emask = gmask.repeat_interleave(epg, dim=1)
     masked = torch.where(emask, sfc, sfc - 30000.0)
     e_order = torch.sort(masked, dim=-1, descending=True, stable=True)
     sel = e_order.indices[:, :K]
     if K < E:
-        ok &= (e_order.values[:, K - 1] - e_order.values[:, K]) > tau
+        ok &= _decided(e_order.values[:, K - 1] - e_order.values[:, K], tau)
     w = s.gather(1, sel)
     aff = rsf * w / (w.sum(-1, keepdim=True) + 1e-20)
     dense = torch.zeros(T, E, dtype=F64).scatter_(1, sel, aff)

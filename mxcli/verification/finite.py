@@ -9,8 +9,11 @@ output afterwards and name what they find.
 *Explained* non-finite values are those an input already carries (only possible with
 ``--allow-nonfinite``): for the prefill kernel, tokens are independent, so a token's outputs are
 explained by a non-finite value in its own ``hidden_states`` / ``residual`` row, and every token's
-by a non-finite ``gamma``, ``router_weights`` or ``router_bias``. The backward mixes all tokens
-and experts, so any non-finite input explains every output.
+by a non-finite ``gamma``, ``router_weights`` or ``router_bias``. This holds on the NKI kernel
+too: its only cross-token step, the inv_rms broadcast, is a PE transpose, i.e. a "Bit-exact copy
+of elements" (api spec §7.4), not a matmul against the identity (whose NaN * 0 would reach the
+whole 128-token tile); see step 4 of `mxcli.kernels.rmsnorm_mx_prefill.nki_kernel`. The backward
+mixes all tokens and experts, so any non-finite input explains every output.
 """
 
 from __future__ import annotations

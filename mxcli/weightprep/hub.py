@@ -10,6 +10,7 @@ rest of prep-weights reads like a local checkpoint whose other shards are absent
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from dataclasses import dataclass
@@ -38,14 +39,22 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE
 
 
-def _hub() -> Any:
+def _hub() -> tuple[Any, Any]:
+    """``(huggingface_hub, its errors module)``.
+
+    The errors are imported as a submodule: the package resolves its attributes lazily, and
+    ``huggingface_hub.errors`` / ``.utils`` are not among them (2.x raises ``AttributeError``
+    until something else has imported the submodule), so attribute access fails in a fresh
+    process."""
     try:
         import huggingface_hub
+
+        errors = importlib.import_module("huggingface_hub.errors")
     except Exception:  # missing, or a broken install
         raise InputError(
             "reading a Hugging Face repo id needs huggingface_hub: pip install 'mxcli[hub]'"
         ) from None
-    return huggingface_hub
+    return huggingface_hub, errors
 
 
 @dataclass
@@ -58,8 +67,7 @@ class HubSource:
     has_index: bool = False
 
     def _download(self, filename: str, *, optional: bool = False) -> Path | None:
-        hub = _hub()
-        errors = hub.errors if hasattr(hub, "errors") else hub.utils
+        hub, errors = _hub()
         kwargs: dict[str, Any] = {"revision": self.revision, "local_files_only": offline()}
         cache = os.environ.get("HF_HUB_CACHE")
         if cache:

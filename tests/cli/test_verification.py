@@ -238,3 +238,49 @@ def test_junit_written_atomically(tmp_path: Path) -> None:
     assert "mxcli.verify.b" in p.read_text() and "mxcli.verify.a" not in p.read_text()
     assert ET.parse(p).getroot().tag == "testsuites"
     assert [q.name for q in tmp_path.iterdir()] == ["r.xml"]
+
+
+@pytest.mark.parametrize(
+    "act,extra",
+    [("SOFTMAX", {}), ("NOAUX_TC", {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5})],
+)
+def test_verify_inputs_checks_exact_tie_tokens(act: str, extra: dict, tmp_path: Path, cli) -> None:
+    """Padding tokens (all zero) tie every logit exactly: verify --inputs compares them (the
+    hardware order: experts 0, 1 at 1/2 each, api spec §8.14) instead of skipping them as
+    near-ties, so a duplicated index there (the old first-occurrence reference) fails."""
+    from mxcli.inputs import write_inputs
+    from mxcli.tensorio import read_file, write_file
+
+    made = make_prefill_inputs(seq=16, hidden=512, experts=16, top_k=2, router_act_fn=act, **extra)
+    made.tensors["hidden_states"][:, 8:] = 0.0  # eight padding tokens
+    if "router_bias" in made.tensors:
+        made.tensors["router_bias"].zero_()  # NOAUX_TC: every padding score 0.5, groups tie
+    inp, out, bad = tmp_path / "in.safetensors", tmp_path / "out.safetensors", tmp_path / "bad.st"
+    write_inputs(made, inp)
+    for backend in ("reference", "sim"):
+        r = cli("run-prefill", inp, "-o", out, "--backend", backend, "--force")
+        assert r.exit_code == 0, r.output
+        r = cli("verify", out, "--inputs", inp, "--json")
+        assert r.exit_code == 0, r.output
+        reps = {t["name"]: t for t in json.loads(r.stdout)["cases"][0]["tensors"]}
+        aff = next(v for k, v in reps.items() if "affinities" in k)
+        assert "skipped" not in json.dumps(aff)  # no padding token skipped (the others: random)
+    o = read_file(out)
+    expect = torch.zeros(8, 16)
+    expect[:, :2] = 0.5 if act == "SOFTMAX" else 1.25  # softmax 1/2; 2.5 * 0.5 / (0.5 + 0.5)
+    tensors = dict(o.tensors)
+    aff_name = "expert_affinities"
+    assert torch.equal(tensors[aff_name][8:].float(), expect)
+    dup = tensors[aff_name].clone()
+    dup[8:] = 0
+    dup[8:, 0] = 1.0 if act == "SOFTMAX" else 2.5  # what a duplicated index 0 gave
+    tensors[aff_name] = dup
+    if act == "SOFTMAX":
+        assert tensors["expert_index"][8:].tolist() == [[0, 1]] * 8
+        tensors["expert_index"] = tensors["expert_index"].clone()
+        tensors["expert_index"][8:] = 0
+    write_file(bad, tensors, o.metadata)
+    r = cli("verify", bad, "--inputs", inp)
+    assert r.exit_code == 1
+    failed = {"expert_affinities"} | ({"expert_index"} if act == "SOFTMAX" else set())
+    assert all(n in r.output for n in failed), r.output

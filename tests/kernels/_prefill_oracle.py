@@ -122,11 +122,17 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b) + 1e-30))
 
 
-def first_occurrence_topk_loop(row: list[float], k: int, pad: float) -> list[int]:
-    """max8 + find_index8 on one row, plainly: sorted values, each to its first index."""
+def hardware_topk_loop(row: list[float], k: int, pad: float) -> list[int]:
+    """max8 + nc_find_index8 on one row, plainly as api spec §8.13/§8.14 word them: the 8
+    largest values in descending order; each to the position of its r-th occurrence in the row,
+    where r counts the equal values before it in the 8 (the k-th duplicate gets the k-th match)."""
     vals = list(row) + [pad] * max(0, 8 - len(row))
-    top = sorted(vals, reverse=True)[:k]
-    return [vals.index(v) for v in top]
+    top = sorted(vals, reverse=True)[:8]
+    out = []
+    for i, v in enumerate(top[:k]):
+        r = sum(1 for u in top[:i] if u == v)
+        out.append([j for j, x in enumerate(vals) if x == v][r])
+    return out
 
 
 def noaux_loop(
@@ -151,12 +157,12 @@ def noaux_loop(
                 sfc[g * epg : (g + 1) * epg] + [f(-30000.0)] * max(0, 8 - epg), reverse=True
             )
             gs.append(f(vals[0]) + f(vals[1]))
-        kept = first_occurrence_topk_loop(gs, TG, f(-30000.0))
+        kept = hardware_topk_loop(gs, TG, f(-30000.0))
         masked = []
         for e in range(E):
             m = sum(1 for j in kept if j == e // epg)
             masked.append(f(sfc[e]) + f(f(m - 1) * f(30000.0)))
-        sel = first_occurrence_topk_loop(masked, K, f(-3.4028234663852886e38))
+        sel = hardware_topk_loop(masked, K, f(-3.4028234663852886e38))
         w = [f(score[t, e]) * f(sum(1 for s in sel if s == e)) for e in range(E)]
         den = f(0.0)
         for e in range(E):

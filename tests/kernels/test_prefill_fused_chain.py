@@ -142,9 +142,9 @@ def test_fused_noaux_tc_same_bytes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """NOAUX_TC routing, fused vs torch. Logits from a handful of values give exact ties in
-    the scores, in the group scores and in the masked scores (first-occurrence indices,
-    duplicate selections); ±0, huge logits (sigmoid 0 or 1), tiny scores, and rows with
-    NaN/±Inf (which the fused path hands to the torch path) are mixed in."""
+    the scores, in the group scores and in the masked scores (successive occurrences: K
+    distinct experts, lower index first); ±0, huge logits (sigmoid 0 or 1), tiny scores, and
+    rows with NaN/±Inf (which the fused path hands to the torch path) are mixed in."""
     from mxcli.kernels.rmsnorm_mx_prefill.router import noaux_tc_affinities
 
     g = torch.Generator().manual_seed(E + n_group + top_k)

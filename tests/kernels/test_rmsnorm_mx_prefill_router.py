@@ -17,7 +17,7 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
     rmsnorm_mx_prefill_reference,
 )
 from mxcli.kernels.rmsnorm_mx_prefill.router import (
-    first_occurrence_topk,
+    hardware_topk,
     noaux_tc_affinities,
     topk_affinities,
 )
@@ -81,16 +81,23 @@ def test_bias_added_after_inv_rms_scale():
     assert out[2][0, 1] == expect and out[2][0, 0] == 0
 
 
-def test_exact_tie_gives_duplicate_index():
-    """§5.2: max8 returns (3, 3, 1); find_index8 maps both 3s to the first occurrence."""
+def test_exact_tie_takes_successive_occurrences():
+    """api spec §8.14: max8 returns (3, 3, 1); nc_find_index8 gives the first 3 the first
+    occurrence (1) and the second 3 the second (2): distinct experts, lower index first."""
     out = _exact_logit_call([1.0, 3.0, 3.0, 0.5], SIG, 3)
-    assert out[1].tolist() == [[1, 1, 0]]
-    s3 = torch.sigmoid(torch.tensor(3.0)).to(torch.bfloat16).float()
-    dup = (s3 + s3).to(torch.bfloat16)  # duplicate slots accumulate in bf16
+    assert out[1].tolist() == [[1, 2, 0]]
+    s3 = torch.sigmoid(torch.tensor(3.0)).to(torch.bfloat16)
     s1 = torch.sigmoid(torch.tensor(1.0)).to(torch.bfloat16)
-    assert out[2][0].tolist() == [s1.item(), dup.item(), 0.0, 0.0]
+    assert out[2][0].tolist() == [s1.item(), s3.item(), s3.item(), 0.0]
     soft = _exact_logit_call([1.0, 3.0, 3.0, 0.5], SOFT, 2)
-    assert soft[1].tolist() == [[1, 1]] and soft[2][0].float().tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert soft[1].tolist() == [[1, 2]] and soft[2][0].float().tolist() == [0.0, 0.5, 0.5, 0.0]
+    # a tie across the K boundary: the lower index wins the last slot
+    soft = _exact_logit_call([2.0, 1.0, 0.0, 1.0, 1.0], SOFT, 2)
+    assert soft[1].tolist() == [[0, 1]]
+    # rows shorter than 8: the -FLT_MAX pads are equal too, and take successive pad columns
+    vals, idx = hardware_topk(torch.tensor([[0.5, 0.25], [0.0, -0.0]]), 4)
+    assert idx.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]  # -0 == +0 in the fp32 compare
+    assert vals[0].tolist() == [0.5, 0.25, -3.4028234663852886e38, -3.4028234663852886e38]
 
 
 def test_fp16_router_sets_compute_dtype():
@@ -173,14 +180,12 @@ def _tied_logits(T, E, seed):
 
 
 @pytest.mark.parametrize("E", [5, 8, 64])
-def test_first_occurrence_topk_vs_loop(E):
+def test_hardware_topk_vs_loop(E):
     x = _tied_logits(200, E, E)
     for k in (1, 3, min(E, 8)):
-        vals, idx = first_occurrence_topk(x, k)
+        vals, idx = hardware_topk(x, k)
         for t in range(x.shape[0]):
-            assert idx[t].tolist() == O.first_occurrence_topk_loop(
-                x[t].tolist(), k, -3.4028234663852886e38
-            )
+            assert idx[t].tolist() == O.hardware_topk_loop(x[t].tolist(), k, -3.4028234663852886e38)
         assert torch.equal(vals, torch.topk(x, k).values)
 
 
@@ -190,7 +195,7 @@ def test_topk_affinities_vs_loop(act):
     lg = _tied_logits(T, E, 3)
     idx, aff = topk_affinities(lg, K, act)
     for t in range(T):
-        sel = O.first_occurrence_topk_loop(lg[t].tolist(), K, -3.4028234663852886e38)
+        sel = O.hardware_topk_loop(lg[t].tolist(), K, -3.4028234663852886e38)
         assert idx[t].tolist() == sel
         v = lg[t, sel]
         if act is SIG:

@@ -203,6 +203,32 @@ def test_nc_matmul_is_transpose_and_nc_transpose_bit_exact(rng) -> None:
         run(too_big, x)
 
 
+def test_broadcast_by_transpose_keeps_nan_in_its_column_matmul_spreads_it() -> None:
+    """A column broadcast to 128 partitions (the prefill kernel's inv_rms, one value per token).
+    As a PE transpose of the stride-0 view it is a data move (api spec §7.4 "Bit-exact copy of
+    elements"): a NaN stays in its token's column. As a matmul against the identity it is fp32
+    arithmetic (§7.1 "Products and accumulation in fp32"): NaN * 0 = NaN reaches every column."""
+    col = np.arange(1, 9, dtype=np.float32).reshape(8, 1)
+    col[3, 0] = np.nan
+
+    def k(c):
+        t = _load(c)
+        by_transpose = nl.ndarray((128, 8), nl.float32, buffer=nl.psum)
+        nisa.nc_transpose(dst=by_transpose, data=t.broadcast(1, 128))
+        ident = nl.shared_identity_matrix(128, dtype=nl.float32)
+        by_matmul = nl.ndarray((128, 8), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(
+            dst=by_matmul, stationary=t.broadcast(1, 128), moving=ident[0:8, 0:8],
+            is_moving_onezero=True,
+        )  # fmt: skip
+        return _store(by_transpose), _store(by_matmul)
+
+    tr, mm = run(k, col)
+    expect = np.broadcast_to(col.T, (128, 8))
+    assert np.array_equal(tr, expect, equal_nan=True)  # NaN in column 3 only
+    assert np.isnan(mm).all()  # 0 * NaN in every column
+
+
 def test_fp8_pe_transpose_into_step2_psum_view() -> None:
     codes = np.arange(128 * 128, dtype=np.uint8).reshape(128, 128)
 

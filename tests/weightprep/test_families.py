@@ -274,3 +274,22 @@ def test_compare_routing_counts_disagreeing_tokens() -> None:
     aff[3, 6], aff[3, 7] = 0.7, 0.3
     r = compare_routing(aff, ref_i, ref_w, 2)
     assert r["topk_agreement"] == 0.75 and abs(r["max_weight_error"] - 0.01) < 1e-6
+
+
+def test_route_fp32_breaks_exact_ties_as_the_kernel() -> None:
+    """An all-zero router ties every logit (and every group score): the oracle picks experts in
+    ascending index order, as max8 + nc_find_index8 do (api spec §8.14); torch.topk would pick
+    an arbitrary pair (on CPU: [6, 5] for eight equal values)."""
+    T, H, E = 3, 32, 8
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(0))
+    soft = RouterMath("softmax", 2, E, renormalize=True)
+    idx, wt = route_fp32(x, torch.ones(H), 1e-6, torch.zeros(E, H), None, soft)
+    assert idx.tolist() == [[0, 1]] * T and wt.tolist() == [[0.5, 0.5]] * T
+    grouped = RouterMath("sigmoid", 2, E, renormalize=True, bias="selection", scale=2.5,
+                         n_group=4, topk_group=2)  # fmt: skip
+    idx, wt = route_fp32(x, torch.ones(H), 1e-6, torch.zeros(E, H), torch.zeros(E), grouped)
+    assert idx.tolist() == [[0, 1]] * T and wt.tolist() == [[1.25, 1.25]] * T
+    # the kernel's dense affinities of such a token name the same set
+    aff = torch.zeros(T, E)
+    aff[:, :2] = 0.5
+    assert compare_routing(aff, idx, torch.full((T, 2), 0.5), 2)["topk_agreement"] == 1.0

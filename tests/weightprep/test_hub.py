@@ -123,3 +123,22 @@ def test_cli_hub_errors_are_one_line(
     r = CliRunner().invoke(app, ["prep-weights", "Org/Tiny-MoE", "--dry-run"])
     assert r.exit_code == 2 and "pip install 'mxcli[hub]'" in r.output
     assert len(r.output.strip().splitlines()) == 1
+
+
+def test_cli_fresh_process_cached_and_uncached(cache: Path, tmp_path: Path) -> None:
+    """A fresh interpreter (nothing has imported ``huggingface_hub.errors`` yet): a cached repo
+    plans, an uncached one is one line and exit 2 (once an AttributeError traceback, exit 1)."""
+    from tests import procs
+
+    cached = procs.start(["prep-weights", "Org/Tiny-MoE", "--dry-run", "--json"])
+    missing = procs.start(["prep-weights", "Org/Nope", "--dry-run"])  # both at once: ~3 s
+    out, err = cached.communicate(timeout=120)
+    assert cached.returncode == 0, err
+    plan = json.loads(out)
+    assert plan["hub"] == {"repo_id": "Org/Tiny-MoE", "revision": None, "commit": COMMIT}
+    assert plan["layers"] == [0, 1, 2]
+    out, err = missing.communicate(timeout=120)
+    assert missing.returncode == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "error: Org/Nope: config.json is not in the Hugging Face cache and HF_HUB_OFFLINE is set"
+    ]

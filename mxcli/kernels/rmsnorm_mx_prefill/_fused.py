@@ -175,14 +175,14 @@ def rms_chain(
 
 
 @njit(inline="always")
-def _top_k_first(x, n, k, pad, pad_count, vals, cols, idx):  # type: ignore[no-untyped-def]
-    """``max8`` + ``nc_find_index8`` (§5.2) on ``x[:n]`` followed by `pad_count` pad columns of
-    value `pad`: the `k` largest values (with multiplicity) into ``vals`` in descending order and
-    ``idx[j]`` = the first column holding ``vals[j]`` (duplicates on exact ties). Finite inputs.
+def _top_k_hw(x, n, k, pad, pad_count, vals, idx):  # type: ignore[no-untyped-def]
+    """``max8`` + ``nc_find_index8`` (§5.2, api spec §8.14) on ``x[:n]`` followed by `pad_count`
+    pad columns of value `pad`: the `k` largest values (with multiplicity) into ``vals`` in
+    descending order and their columns into ``idx``, equal values in ascending column order (the
+    k-th of equal values takes the k-th occurrence), so the columns are distinct. Finite inputs.
 
-    One pass keeps the k best in order, equal values in column order, so the first column of
-    every value still in the list is in it: when it came, nothing equal was ahead of it, and an
-    eviction drops the latest of equal tail entries first.
+    One pass keeps the k best in order, a new value behind those equal to it (strict compares),
+    and an eviction drops the latest of equal tail entries: `router.hardware_topk`'s stable sort.
     """
     count = 0
     for c in range(n + pad_count):
@@ -196,16 +196,10 @@ def _top_k_first(x, n, k, pad, pad_count, vals, cols, idx):  # type: ignore[no-u
             continue
         while p > 0 and vals[p - 1] < v:
             vals[p] = vals[p - 1]
-            cols[p] = cols[p - 1]
+            idx[p] = idx[p - 1]
             p -= 1
         vals[p] = v
-        cols[p] = c
-    for j in range(k):
-        first = cols[j]
-        for i in range(k):
-            if vals[i] == vals[j] and cols[i] < first:
-                first = cols[i]
-        idx[j] = first
+        idx[p] = c
 
 
 _ROUTE_ROWS = 64  # tokens per parallel work item (its scratch buffers are allocated once)
@@ -222,7 +216,6 @@ def _noaux_rows(score, bias, n_group, topk_group, top_k, scale, sentinel, lowest
         gs = np.empty(n_group, dtype=np.float32)
         gcount = np.empty(n_group, dtype=np.float32)
         vals = np.empty(8, dtype=np.float32)
-        cols = np.empty(8, dtype=np.int64)
         kept = np.empty(8, dtype=np.int64)
         sel = np.empty(8, dtype=np.int64)
         for t in range(item * _ROUTE_ROWS, min(T, (item + 1) * _ROUTE_ROWS)):
@@ -247,7 +240,7 @@ def _noaux_rows(score, bias, n_group, topk_group, top_k, scale, sentinel, lowest
                     elif v > m2:
                         m2 = v
                 gs[g] = m1 + m2
-            _top_k_first(gs, n_group, topk_group, -sentinel, max(0, 8 - n_group), vals, cols, kept)
+            _top_k_hw(gs, n_group, topk_group, -sentinel, max(0, 8 - n_group), vals, kept)
             gcount[:] = 0.0
             for j in range(topk_group):
                 if kept[j] < n_group:
@@ -255,21 +248,18 @@ def _noaux_rows(score, bias, n_group, topk_group, top_k, scale, sentinel, lowest
             # kept: sfc; dropped: sfc - sentinel (errata 4: both adds in fp32)
             for e in range(E):
                 masked[e] = sfc[e] + (gcount[e // epg] - np.float32(1.0)) * sentinel
-            _top_k_first(masked, E, top_k, lowest, max(0, 8 - E), vals, cols, sel)
+            _top_k_hw(masked, E, top_k, lowest, max(0, 8 - E), vals, sel)
             onehot[:] = 0.0
             for j in range(top_k):
                 if sel[j] < E:
                     onehot[sel[j]] += np.float32(1.0)
             for e in range(E):
                 o[e] = s[e] * onehot[e]  # w, scaled in place below
-            # den: the selected columns in ascending order, each once (errata 4), from 0
+            # den: the (distinct) selected columns in ascending order (errata 4), from 0
             order = np.sort(sel[:top_k])
             den = np.float32(0.0)
             for j in range(top_k):
-                if j == 0 or order[j] != order[j - 1]:
-                    den += o[order[j]]
-                else:
-                    den += np.float32(0.0)
+                den += o[order[j]]
             den += eps
             c = scale * (np.float32(1.0) / den)
             for e in range(E):

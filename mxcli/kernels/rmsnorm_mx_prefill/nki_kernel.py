@@ -19,8 +19,8 @@ Dataflow of one tile of ``n <= 128`` tokens (prefill spec §3, §4, §5):
    ``h = h512*512 + 4p + q``): bf16 pairs are read as fp32 words, even and odd words transposed
    by the PE into the two halves of each x4 lane quad (bit-exact), copied to SBUF as fp32 words
    by the Scalar engine;
-4. ``inv_rms`` broadcast to all 128 partitions by a matmul of a stride-0 stationary against the
-   identity (exact), rounded to cd;
+4. ``inv_rms`` broadcast to all 128 partitions by a PE transpose of its stride-0 free broadcast
+   (a bit-exact data move, so a NaN stays in its token; see `_scale_inv`), rounded to cd;
 5. the three-rounding chain ``a = R_cd(x*gamma)``, ``y = R_cd(a * R_cd(inv_rms))`` (§3.3);
 6. ``quantize_mx`` per H512 block: one scale per 8 partitions x 4 lanes = 32 contiguous natural
    elements; scales land in quadrant layout, shifted by ``(h512 % 4)*4`` rows when folded (§4.2);
@@ -170,7 +170,6 @@ def rmsnorm_mx_prefill_nki(
     gamma1 = _flat_1d(gamma, H)
 
     # --- per-program constants ---
-    ident = nl.shared_identity_matrix(P, dtype=nl.float32)
     # gamma in the swizzled layout [128 p, NB, 4 q] = gamma[h512*512 + 4p + q], in its own dtype
     # when that is 2-byte (a bit copy; the x * gamma pass then streams at VectorE's 2-byte rate),
     # else fp32 (exact)
@@ -232,7 +231,7 @@ def rmsnorm_mx_prefill_nki(
         if i + 1 < len(tiles):
             x_next = _load(cfg, tiles[i + 1][0], tiles[i + 1][1], hs2, res2, out_res)
         a_sw = _swizzle_gamma(cfg, n, x, gamma_sw)
-        y_sw = _scale_inv(cfg, n, a_sw, inv, ident)
+        y_sw = _scale_inv(cfg, n, a_sw, inv)
         if E > 0 and routing:
             prev = routing[0]
             prev[4] = _router_logits(cfg, prev[1], prev[2], prev[3], w_sb)
@@ -353,19 +352,22 @@ def _swizzle_gamma(cfg: PrefillKernelConfig, n: int, x: Any, gamma_sw: Any) -> A
     return a_sw
 
 
-def _scale_inv(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any, ident: Any) -> Any:
+def _scale_inv(cfg: PrefillKernelConfig, n: int, a_sw: Any, inv: Any) -> Any:
     """Steps 4 + 5b: ``y = R_cd(a * R_cd(inv_rms))`` in the swizzled layout, prefill spec §3.3
     (apart from `_swizzle_gamma`, which does not need inv_rms)."""
     NB, cd = cfg.NB, cfg.compute_dtype
-    # 4. inv_rms broadcast to the swizzled layout [128, n]: stride-0 stationary x identity
+    # 4. inv_rms broadcast to the swizzled layout [128, n]: the PE transposes the stride-0 free
+    # broadcast [n, 128] of the column. A transpose is a data move: "Bit-exact copy of elements
+    # (dst.dtype == data.dtype required); on v2 the PE path is not NaN/Inf-safe (irrelevant for
+    # v3/v4)" (api spec §7.4; §2.4: a same-dtype "PE transpose on v3+ ... is bit-exact: copy
+    # raw bytes, never go through float math"). The broadcast was once a matmul of that view
+    # against the identity (upstream's form), which is fp32 arithmetic (§7.1: "Products and
+    # accumulation in fp32"; is_moving_onezero is a hint with "No semantic effect"): there one
+    # token's NaN inv_rms gave NaN * 0 = NaN in every column, i.e. NaN codes for all n tokens
+    # of the tile, while tokens are independent everywhere else (the reference, verify's
+    # non-finite rules in mxcli.verification.finite).
     inv_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="inv_bcast")
-    nisa.nc_matmul(
-        dst=inv_ps,
-        stationary=inv.broadcast(1, P),
-        moving=ident[0:n, 0:n],
-        is_moving_onezero=True,
-        accumulate=False,
-    )
+    nisa.nc_transpose(dst=inv_ps, data=inv.broadcast(1, P))
     r_sw = nl.ndarray((P, n), dtype=cd, buffer=nl.sbuf, name="inv_cd")
     nisa.tensor_copy(dst=r_sw, src=inv_ps, engine=nisa.engine.scalar)  # R_cd(inv_rms), §3.3
 

@@ -1,9 +1,10 @@
 """Kernel-faithful torch reference of ``rmsnorm_mx_prefill`` (prefill spec §3-§5).
 
 Reproduces the Trn3 kernel's numerics (every rounding point of §3.3, the NEURON MX scale rule,
-first-occurrence top-K, NOAUX_TC in fp32) and its byte layout (§4). Arithmetic runs in fp32 with
-explicit rounds to the compute dtype ``cd`` where the kernel rounds. Tokens are independent, so
-the work runs in chunks of tokens: memory is linear in T and intermediates stay cache-sized.
+the hardware's top-K tie order, NOAUX_TC in fp32) and its byte layout (§4). Arithmetic runs in
+fp32 with explicit rounds to the compute dtype ``cd`` where the kernel rounds. Tokens are
+independent, so the work runs in chunks of tokens: memory is linear in T and intermediates stay
+cache-sized.
 
 Not bit-exact by nature (spec §1, §9): the hardware's rsqrt / sigmoid / exp approximations and
 its fp32 accumulation orders (sum of squares, router matmul).

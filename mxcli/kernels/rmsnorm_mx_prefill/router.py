@@ -1,8 +1,12 @@
 """Router of ``rmsnorm_mx_prefill``: logits, top-K (SIGMOID / SOFTMAX) and NOAUX_TC (spec §5).
 
 Pure functions on token-major fp32 tensors; every selection emulates the hardware's ``max8`` +
-``nc_find_index8`` pair, i.e. the K largest values in descending order, each mapped to the index
-of its *first* occurrence in the row (exact ties give duplicate indices, §5.2).
+``nc_find_index8`` pair (`hardware_topk`): the K largest values in descending order, and for
+each the index of its occurrence in the row, where the k-th of equal values takes the k-th
+occurrence (api spec §8.14: "duplicate values in ``vals`` take successive occurrences in
+ascending position order (the k-th duplicate gets the k-th match)"). Exact ties therefore give
+K distinct experts, the lower index first; this replaces the prefill spec's first-occurrence
+reading (§5.2 step 3, marked [UNCONFIRMED]), under which a tie repeated one index.
 """
 
 from __future__ import annotations
@@ -77,30 +81,33 @@ def router_raw_logits(
     return raw if out is None else out.copy_(raw)
 
 
-def first_occurrence_topk(
+def hardware_topk(
     x: torch.Tensor, k: int, pad_value: float = FP32_LOWEST
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``max8`` + ``nc_find_index8`` on each row of ``x [T, N]`` (fp32), first `k` results.
 
     Rows shorter than 8 are padded with `pad_value` (pad column ``j`` has index ``j``).
-    Returns ``(values [T, k] descending, index [T, k] int64)`` where ``index[t, j]`` is the
-    first column holding ``values[t, j]`` — duplicates on exact ties, as the hardware does.
+    Returns ``(values [T, k] descending, index [T, k] int64)``: equal values take successive
+    occurrences (api spec §8.14), so ``index`` is the first `k` of a stable descending sort
+    (ties in ascending column order; -0 equals +0, as the fp32 compare has it) and its entries
+    are distinct.
     """
     T, N = x.shape
     if N < MAX_TOP_K:
         pad = torch.full((T, MAX_TOP_K - N), pad_value, dtype=x.dtype, device=x.device)
         x = torch.cat([x, pad], dim=1)
     values, index = torch.topk(x, k, dim=1, largest=True, sorted=True)  # [T, k]
-    # torch.topk's index is the first occurrence unless a selected value occurs twice in the
-    # row: a tie among the selected values, or another element equal to the k-th value.
+    # torch.topk orders equal values arbitrarily: only rows where a selected value occurs twice
+    # (a tie among the selected values, or another element equal to the k-th value) need the
+    # stable sort, which is much slower on many rows
     tied = (x >= values[:, -1:]).sum(dim=1) > k
     if k > 1:
         tied |= (values[:, 1:] == values[:, :-1]).any(dim=1)
     rows = tied.nonzero().squeeze(1)
     if rows.numel():
-        # first occurrence = argmax of the bool match row (torch returns the first maximum)
-        hit = x[rows].unsqueeze(1) == values[rows].unsqueeze(2)  # [r, k, N']
-        index[rows] = torch.argmax(hit.to(torch.uint8), dim=2)
+        order = torch.sort(x[rows], dim=1, descending=True, stable=True)
+        values[rows] = order.values[:, :k]
+        index[rows] = order.indices[:, :k]
     return values, index
 
 
@@ -118,8 +125,8 @@ def topk_affinities(
     """SIGMOID / SOFTMAX top-K (§5.2) on fp32 ``logits [T, E]`` (bias already added).
 
     Returns ``(expert_index [T, K] int32, affinities [T, E] bf16)``. Affinities are dense: each
-    slot adds ``R_bf16(s_k)`` at its column with a bf16 rounding per add (duplicate indices
-    accumulate), all other experts are exactly 0.
+    slot adds ``R_bf16(s_k)`` at its own column (the K indices are distinct, `hardware_topk`),
+    all other experts are exactly 0.
 
     Non-finite logits (an overflow, see `reference`) follow IEEE arithmetic and the decisions of
     the NKI interpreter (api spec §12 #25): ``max8`` sorts NaN as the largest value and
@@ -128,7 +135,7 @@ def topk_affinities(
     ``exp(inf - inf)`` in the softmax) makes every column NaN (``0 * NaN``).
     """
     T, E = logits.shape
-    vals, idx = first_occurrence_topk(logits, top_k)  # [T, K]
+    vals, idx = hardware_topk(logits, top_k)  # [T, K]
     nan_slot = torch.isnan(vals)
     idx = idx.masked_fill(nan_slot, -1)
     if act is RouterActFnType.SIGMOID:
@@ -216,25 +223,21 @@ def _noaux_tc_from_scores(
     top1, at = grouped.max(dim=2, keepdim=True)  # [T, G, 1]
     top2 = grouped.scatter(2, at, float("-inf")).amax(dim=2)  # [T, G]
     gs = top1.squeeze(2) + top2  # [T, G]
-    _, kept = first_occurrence_topk(gs, topk_group, pad_value=-NOAUX_SENTINEL)  # [T, TG]
-    # mask[e] = number of kept slots naming group(e) (normally 0/1; 2 on an exact tie)
+    _, kept = hardware_topk(gs, topk_group, pad_value=-NOAUX_SENTINEL)  # [T, TG]
+    # mask[e] = 1 for the experts of a kept group, else 0 (the kept groups are distinct)
     ones = torch.ones((T, max(topk_group, top_k)), dtype=torch.float32, device=dev)
     gmask = torch.zeros((T, max(n_group, MAX_TOP_K)), dtype=torch.float32, device=dev)
     gmask.scatter_add_(1, kept, ones[:, :topk_group])  # pad groups (index >= G) fall off below
     mask = gmask[:, :n_group].repeat_interleave(epg, dim=1)  # [T, E]
     # kept: sfc; dropped: sfc - 30000 (both adds in fp32, errata 4)
     masked = sfc + (mask - 1.0) * NOAUX_SENTINEL
-    _, sel = first_occurrence_topk(masked, top_k)  # [T, K]
+    _, sel = hardware_topk(masked, top_k)  # [T, K]
     onehot = torch.zeros((T, E), dtype=torch.float32, device=dev)
-    onehot.scatter_add_(1, sel, ones[:, :top_k])  # counts (2 on a duplicated index)
+    onehot.scatter_add_(1, sel, ones[:, :top_k])  # 0/1: the selected experts are distinct
     w = score * onehot  # pre-bias scores of the selected experts
     # den = sum over all E columns in ascending expert order (errata 4): only the selected
-    # columns are nonzero, so add them in ascending order, each distinct column once.
-    sel_sorted = torch.sort(sel, dim=1).values
-    picked = w.gather(1, sel_sorted)
-    if top_k > 1:
-        dup = sel_sorted[:, 1:] == sel_sorted[:, :-1]
-        picked[:, 1:] = picked[:, 1:].masked_fill(dup, 0.0)
+    # columns are nonzero, so add them in ascending order
+    picked = w.gather(1, torch.sort(sel, dim=1).values)
     zero = torch.zeros((T, 1), dtype=torch.float32, device=dev)
     den = _sequential_sum(torch.cat([zero, picked], dim=1)) + NOAUX_DEN_EPS
     c = torch.tensor(routed_scaling_factor, dtype=torch.float32, device=dev) * (1.0 / den)

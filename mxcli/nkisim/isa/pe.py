@@ -234,6 +234,10 @@ def nc_matmul(
     else:
         sv = s.read_f32().reshape(K, M)
         mvv = m.read_f32().reshape(K, N)
+    # IEEE fp32 products and sums (api spec §7.1 "Products and accumulation in fp32"; the
+    # onezero flags are hints with "No semantic effect"): a NaN or Inf operand meets the zeros
+    # of the other, so a matmul against the identity spreads NaN * 0 = NaN over its row. Use a
+    # transpose (below, and `is_transpose=True` above) to move data bit-exactly.
     res = sv.T @ mvv  # [M, N], fp32
     _accumulate_write(op, d, res, accumulate)
     return NkiInstruction(op)
@@ -521,6 +525,10 @@ def nc_transpose(
         raise NkiValidationError(
             f"{op}: dst must have {F} partitions x {P} elements (got {d.shape})"
         )
+    # a data move, not a matmul against the identity: api spec §7.4 "Bit-exact copy of elements
+    # (dst.dtype == data.dtype required); on v2 the PE path is not NaN/Inf-safe (irrelevant for
+    # v3/v4)", and §2.4: a same-dtype "PE transpose on v3+ ... is bit-exact: copy raw bytes,
+    # never go through float math". So NaN/Inf (and every NaN payload) stay where they were.
     d.write(x.read().reshape(P, F).T.reshape(d.shape))
     prog.counters.transpose_elements += P * F
     return NkiInstruction(op)

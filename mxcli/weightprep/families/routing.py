@@ -174,6 +174,16 @@ def with_backward(spec: RouterSpec, notes: tuple[str, ...]) -> RouterSpec:
 # -- the fp32 oracle ----------------------------------------------------------------------------
 
 
+def _top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the `k` largest entries of each row, descending; exact ties in ascending
+    index order. The families' own code calls ``torch.topk``, whose order among equal values is
+    unspecified (on CPU it is neither ascending nor stable); the hardware's ``max8`` +
+    ``nc_find_index8`` give the k-th of equal values the k-th occurrence (api spec §8.14), so
+    the oracle decides ties as the kernel does, and a tie (an all-zero router, a padding token)
+    cannot fail the check."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
 def route_fp32(
     x: torch.Tensor,
     gamma: torch.Tensor,
@@ -205,10 +215,10 @@ def route_fp32(
     if math.n_group > 1:
         g = choice.view(T, math.n_group, E // math.n_group)
         group_score = g.topk(min(2, g.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
-        keep = group_score.topk(math.topk_group, dim=-1).indices
+        keep = _top(group_score, math.topk_group)
         mask = torch.zeros(T, math.n_group, dtype=torch.bool).scatter_(1, keep, True)
         choice = choice.masked_fill(~mask.repeat_interleave(E // math.n_group, dim=1), -torch.inf)
-    index = choice.topk(K, dim=-1).indices  # [T, K]
+    index = _top(choice, K)  # [T, K]
     w = scores.gather(1, index)
     if math.renormalize:
         w = w / (w.sum(dim=-1, keepdim=True) + math.renorm_eps)
@@ -229,7 +239,7 @@ def compare_routing(
     """
     aff = kernel_affinities.to(torch.float32)
     T = aff.shape[0]
-    k_index = aff.topk(top_k, dim=-1).indices
+    k_index = _top(aff, top_k)
     k_set = torch.zeros_like(aff, dtype=torch.bool).scatter_(1, k_index, True)
     r_set = torch.zeros_like(aff, dtype=torch.bool).scatter_(1, ref_index, True)
     agree = (k_set == r_set).all(dim=1)
