@@ -482,9 +482,15 @@ def get_spec(kernel: str | KernelSpec) -> KernelSpec:
 
 
 def all_specs() -> list[KernelSpec]:
-    """Every kernel's spec, in registration order."""
+    """Every kernel's spec: those of `KERNEL_PACKAGES` in that order, then any other."""
     _load_all()
-    return list(dict.fromkeys(_SPECS.values()))
+
+    def rank(spec: KernelSpec) -> int:
+        module = spec.api.__module__
+        hits = [i for i, p in enumerate(KERNEL_PACKAGES) if module.startswith(p + ".")]
+        return hits[0] if hits else len(KERNEL_PACKAGES)
+
+    return sorted(dict.fromkeys(_SPECS.values()), key=rank)
 
 
 def kernel_order(kernel: str | None, names: Iterable[str]) -> list[str]:

@@ -222,7 +222,7 @@ def test_nan_token_on_sim_stays_in_its_row(cli, tmp_path: Path) -> None:
         r = cli("run-prefill", src, "-o", out, "--backend", backend, "--allow-nonfinite",
                 "--strict", "--quiet")  # fmt: skip
         assert r.exit_code == 0 and "warning" not in r.stderr, (backend, r.stderr)
-        outs[backend] = read_file(out).tensors
+        outs[backend] = read_kernel_file(out).tensors
     ref, sim = outs["reference"], outs["sim"]
     dr = decode_packed_rows(ref["norm_quant_packed"], 512)
     ds = decode_packed_rows(sim["norm_quant_packed"], 512)

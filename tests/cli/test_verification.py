@@ -249,7 +249,8 @@ def test_verify_inputs_checks_exact_tie_tokens(act: str, extra: dict, tmp_path: 
     hardware order: experts 0, 1 at 1/2 each, api spec §8.14) instead of skipping them as
     near-ties, so a duplicated index there (the old first-occurrence reference) fails."""
     from mxcli.inputs import write_inputs
-    from mxcli.tensorio import read_file, write_file
+    from mxcli.io.files import write_file
+    from mxcli.kernels.spec import read_kernel_file
 
     made = make_prefill_inputs(seq=16, hidden=512, experts=16, top_k=2, router_act_fn=act, **extra)
     made.tensors["hidden_states"][:, 8:] = 0.0  # eight padding tokens
@@ -265,7 +266,7 @@ def test_verify_inputs_checks_exact_tie_tokens(act: str, extra: dict, tmp_path: 
         reps = {t["name"]: t for t in json.loads(r.stdout)["cases"][0]["tensors"]}
         aff = next(v for k, v in reps.items() if "affinities" in k)
         assert "skipped" not in json.dumps(aff)  # no padding token skipped (the others: random)
-    o = read_file(out)
+    o = read_kernel_file(out)
     expect = torch.zeros(8, 16)
     expect[:, :2] = 0.5 if act == "SOFTMAX" else 1.25  # softmax 1/2; 2.5 * 0.5 / (0.5 + 0.5)
     tensors = dict(o.tensors)
