@@ -22,6 +22,7 @@ import ctypes
 import errno
 import fcntl
 import os
+import signal
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
@@ -100,6 +101,18 @@ def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
     if not os.access(parent, os.W_OK):
         raise MxcliError(f"{p}: output folder {parent} is not writable")
     return p
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM back for the block: their handlers raise, and one raised after
+    a temporary file exists but before its owner's clean-up is armed would leave it behind."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _locked_temporary(final: Path) -> tuple[int, Path]:
@@ -188,16 +201,19 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
     while writing (a full disk) becomes an `MxcliError` naming the output.
     """
     final = check_output_path(path, force)
-    fd, tmp = _locked_temporary(final)
+    fd, tmp = -1, None
     try:
         try:
+            with _signals_deferred():  # an interrupt cannot land between creating and owning it
+                fd, tmp = _locked_temporary(final)
             yield tmp
             if os.stat(tmp).st_mode & 0o777 != default_mode():  # a writer that replaced the file
                 os.chmod(tmp, default_mode())
             publish(tmp, final, replace=force)
         except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+            if tmp is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
             raise
     except OSError as exc:
         if isinstance(exc, MxcliError) or exc.errno not in _WRITE_ERRNOS:
@@ -206,7 +222,8 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
             f"{final}: cannot write ({exc.strerror or exc}); nothing written"
         ) from None
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
 
 
 def remove_stale_temporaries(folder: Path) -> list[Path]:
