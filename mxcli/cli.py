@@ -59,6 +59,7 @@ def _root(
 
 # Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
 from mxcli.commands import demo as _demo  # noqa: E402
+from mxcli.commands import emulate as _emulate  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
 from mxcli.commands import make_inputs as _make_inputs  # noqa: E402
 from mxcli.commands import prep_weights  # noqa: E402
@@ -72,6 +73,7 @@ app.command("run-bwd")(_run.run_bwd)
 app.command("verify")(_verify.verify)
 app.command("inspect")(_inspect.inspect)
 app.command("demo")(_demo.demo)
+app.command("emulate")(_emulate.emulate)
 app.command("prep-weights")(prep_weights.main)
 app.add_typer(_profile.app, name="profile")
 

@@ -182,8 +182,8 @@ def _train(
                     "down_proj": m.down_proj.grad.detach().cpu().clone(),
                 }
         opt.step()
-        losses.append(float(loss))
-        on_step(run, step, float(loss))
+        losses.append(float(loss.detach()))
+        on_step(run, step, losses[-1])
     for h in hooks:
         h.remove()
     model.eval()
