@@ -62,16 +62,20 @@ def main() -> None:
         "emulated MXFP8 neuron": lambda xx, ww: experts_forward(xx, idx, ww, gu, dn, "neuron"),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
-    for k, fn in cases.items():
+    for fn in cases.values():
         step(fn)  # warm-up (numba JIT, allocator)
     for _ in range(a.repeats):
         for k, fn in cases.items():
             times[k].append(step(fn))
-    print(f"T={T} E={E} top-{K} H={H} I={I}, {torch.get_num_threads()} threads, median of {a.repeats}")
+    print(
+        f"T={T} E={E} top-{K} H={H} I={I}, {torch.get_num_threads()} threads, median of {a.repeats}"
+    )
     med = {k: statistics.median(v) for k, v in times.items()}
     for k, v in med.items():
         print(f"  {k:<24} {v:8.3f} s")
-    print(f"ratio MXFP8-neuron / plain: {med['emulated MXFP8 neuron'] / med['plain fp32 autograd']:.2f}x")
+    print(
+        f"ratio MXFP8-neuron / plain: {med['emulated MXFP8 neuron'] / med['plain fp32 autograd']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

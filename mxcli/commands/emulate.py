@@ -95,7 +95,8 @@ def emulate(
             check_output_path(plot, force)  # refuse before minutes of training, not after
 
         from mxcli.emulate.patch import PatchRefused
-        from mxcli.emulate.study import RUNS, StudyOptions, plot as plot_png, run_study
+        from mxcli.emulate.study import RUNS, StudyOptions, run_study
+        from mxcli.emulate.study import plot as plot_png
 
         opts = StudyOptions(steps=steps, batch=batch, seq_len=seq_len, lr=lr, seed=seed,
                             device=device)  # fmt: skip
@@ -130,14 +131,20 @@ def _summary(r: dict[str, Any]) -> None:
     con = stdout_console()
     con.print(f"model: {r['model']}\ndata: {r['data']} ({r['tokens']} tokens)")
     for run, v in r["runs"].items():
-        con.print(f"  {run:<11} final train loss {v['losses'][-1]:.4f}  held-out {v['eval_loss']:.4f}")
+        con.print(
+            f"  {run:<11} final train loss {v['losses'][-1]:.4f}  held-out {v['eval_loss']:.4f}"
+        )
     spread = r["seed_spread"]
     for run, gap in r["final_loss_gap"].items():
         inside = "within" if r["within_seed_spread"][run] else "OUTSIDE"
-        con.print(f"  {run} - bf16 held-out gap {gap:+.4f} ({inside} the bf16 seed spread {spread:.4f})")
+        con.print(
+            f"  {run} - bf16 held-out gap {gap:+.4f} ({inside} the bf16 seed spread {spread:.4f})"
+        )
     for run, layers in r["expert_grad_sqnr_db"].items():
         worst = min(min(v.values()) for v in layers.values())
-        con.print(f"  {run} expert-gradient SQNR vs bf16 (step 1), worst layer/tensor: {worst:.1f} dB")
+        con.print(
+            f"  {run} expert-gradient SQNR vs bf16 (step 1), worst layer/tensor: {worst:.1f} dB"
+        )
     for rule, s in r["mx_value_stats"].items():
         con.print(
             f"  {rule} rule: saturated {100 * s['saturated_fraction']:.4f}%, flushed "

@@ -44,7 +44,7 @@ _CORPUS_MODULES = (
     "shlex", "string", "calendar", "difflib", "pprint",
 )  # fmt: skip
 # Default built-in model: a tiny qwen3_moe with byte tokens (vocab 256), see `default_model`.
-_TINY_QWEN3 = dict(
+_TINY_QWEN3: dict[str, Any] = dict(
     vocab_size=256, hidden_size=128, intermediate_size=256, moe_intermediate_size=128,
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
     num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
@@ -249,7 +249,9 @@ def run_study(
     if tokens.numel() and int(tokens.max()) >= vocab:
         raise ValueError(f"data: token id {int(tokens.max())} >= the model's vocab_size {vocab}")
     split = int(tokens.numel() * 0.9)
-    held_out = batches(tokens, opts.eval_batches, opts.batch, opts.seq_len, 10_000, (split, tokens.numel()))
+    held_out = batches(
+        tokens, opts.eval_batches, opts.batch, opts.seq_len, 10_000, (split, tokens.numel())
+    )
     patched = patch(base, "bf16", opts.block_size)
     init = copy.deepcopy(base.state_dict())
     runs: dict[str, Any] = {}
