@@ -6,15 +6,24 @@ as its writer lives, so a cleaner can tell a stale temporary (its writer was kil
 released the lock) from one still being written by another process (`remove_stale_temporaries`).
 Outputs get the mode a plain ``open(path, "w")`` would give (0644 under umask 022), not
 ``mkstemp``'s 0600.
+
+Without ``force`` the finished temporary is published with an operation that fails when the
+target exists (`publish`: ``renameat2(RENAME_NOREPLACE)``, else a hard link), so of two writers
+racing for one new output exactly one wins and the other reports it; the existence check made
+before the work only saves that work. With ``force`` the output is replaced atomically
+(``rename``). `hold_folder` gives a run exclusive (or, for runs that share a folder on disjoint
+parts, shared) use of an output folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import os
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -113,9 +122,66 @@ def _locked_temporary(final: Path) -> tuple[int, Path]:
         os.close(fd)
 
 
+_AT_FDCWD = -100
+_RENAME_NOREPLACE = 1  # linux/fs.h
+# what a kernel, libc or file system without renameat2's flag (or hard links) answers
+_UNSUPPORTED = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EPERM}
+
+
+def _renameat2_noreplace(src: Path, dst: Path) -> bool:
+    """Rename `src` to `dst` unless `dst` exists (FileExistsError); False when unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):  # not glibc >= 2.28 (musl has it too; macOS does not)
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    if renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(dst))
+
+
+def publish(tmp: Path, final: Path, *, replace: bool) -> None:
+    """Move the finished `tmp` onto `final`: replacing it atomically with `replace`, else only
+    if `final` does not exist yet, atomically too (`OutputExistsError` when it does: another
+    writer published first). Falls back to a hard link + unlink where renameat2 is missing, and
+    to a checked rename on a file system that has neither."""
+    if replace:
+        os.replace(tmp, final)
+        return
+    try:
+        if _renameat2_noreplace(tmp, final):
+            return
+        try:
+            os.link(tmp, final)
+        except OSError as exc:
+            if exc.errno not in _UNSUPPORTED:
+                raise
+            if final.exists():  # no atomic way on this file system: the best check there is
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(final)) from None
+            os.rename(tmp, final)
+            return
+        os.unlink(tmp)
+    except FileExistsError:
+        raise OutputExistsError(
+            f"{final}: output exists, written meanwhile by another process "
+            "(use --force to overwrite)"
+        ) from None
+
+
 @contextlib.contextmanager
 def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; on success rename it onto `path`.
+    """Yield a temporary path beside `path`; on success move it onto `path` (`publish`:
+    without `force` only while `path` does not exist, so a racing writer cannot be replaced).
 
     On any exception (an interrupt included) the temporary file is removed, so an interrupted
     run never leaves a partial output under the final name nor a temporary one. An `OSError`
@@ -128,7 +194,7 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
             yield tmp
             if os.stat(tmp).st_mode & 0o777 != default_mode():  # a writer that replaced the file
                 os.chmod(tmp, default_mode())
-            os.replace(tmp, final)
+            publish(tmp, final, replace=force)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -168,3 +234,53 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+class FolderBusyError(MxcliError):
+    """Another live process holds the folder (`hold_folder`)."""
+
+
+@contextlib.contextmanager
+def hold_folder(folder: Path, lock_name: str, *, shared: bool, busy: str) -> Iterator[None]:
+    """Hold an flock on ``folder/lock_name`` for the block, or fail at once with `busy`.
+
+    Exclusive by default: a run that rewrites the folder; ``shared``: runs that share it on
+    disjoint parts (they exclude the exclusive kind only). The lock file is removed at the end
+    when no other process holds it; one that a finishing run removed between our open and our
+    lock is no lock, so it is taken again on the file the path names now. A killed holder's
+    lock is released by the kernel: its file is left, unlocked, and taken by the next run.
+    """
+    path = folder / lock_name
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    tries = 0
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, default_mode())
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            tries += 1
+            if tries > 3:
+                raise FolderBusyError(f"{folder}: {busy}") from None
+            time.sleep(0.05)  # a finishing holder takes it exclusively for a moment to remove it
+            continue
+        except BaseException:
+            os.close(fd)
+            raise
+        try:
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        try:  # the last holder removes the file (an upgrade fails while others hold it)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                path.unlink()
+        except OSError:
+            pass
+        finally:
+            os.close(fd)

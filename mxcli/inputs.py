@@ -43,7 +43,14 @@ class KernelInputs:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+# the seeded bwd router draws from numpy's legacy RNG, which takes 32-bit seeds; one range for
+# every kind keeps a seed valid whatever it is used for
+SEED_MAX = 2**32 - 1
+
+
 def _gen(seed: int) -> torch.Generator:
+    if not 0 <= int(seed) <= SEED_MAX:
+        raise InputError(f"seed (--seed): expected an integer in [0, {SEED_MAX}], got {seed}")
     return torch.Generator().manual_seed(int(seed))
 
 
@@ -55,6 +62,29 @@ def _normal(
 
 def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
     return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
+
+
+def _check_memory(what: str, need: int) -> None:
+    """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
+    from mxcli.memory import check_fits
+
+    check_fits(f"tokens: {what}", need)
+
+
+def _prefill_bytes(T: int, H: int, residual: bool) -> int:
+    """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
+    and kept in bf16 (6 bytes an element)."""
+    return 6 * T * H * (2 if residual else 1)
+
+
+def _bwd_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
+    """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
+    bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
+    hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
+    for `drawn` weights, the moment the gate/up stack exists in fp32 and bf16 beside the bf16
+    down stack."""
+    held = 6 * E * H * I + 6 * T * E + 4 * T * H + 4 * T * K * I
+    return max(held, 14 * E * H * I if drawn else 0)
 
 
 def _check_positive(**values: int | None) -> None:
@@ -105,6 +135,8 @@ def make_prefill_inputs(
     N = H if unpadded_hidden_size is None else int(unpadded_hidden_size)
     if not 0 < N <= H:
         raise InputError(f"unpadded_hidden_size: expected a value in (0, {H}], got {N}")
+    T = int(batch) * int(seq)
+    _check_memory(f"{T} tokens x hidden {H}", _prefill_bytes(T, H, residual))
     g = _gen(seed)
     shape = (int(batch), int(seq), H)
     hs = _normal(g, shape, 0.5)
@@ -272,6 +304,10 @@ def make_bwd_inputs(
     if router not in ("seeded", "prefill"):
         raise InputError(f"router: expected seeded or prefill, got {router!r}")
     limits = _clamp_limits(clamp)
+    _check_memory(
+        f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
+        _bwd_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
+    )
     g = _gen(seed)
     # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY
     if weights is None:
@@ -397,7 +433,7 @@ def _prefill_routing(
         top_k=K,
         router_act_fn="SOFTMAX",
         emit_norm_bf16=True,
-        seed=seed + 1,
+        seed=(seed + 1) % (SEED_MAX + 1),
     )
     kwargs = resolve_kwargs(kernel_io(PREFILL), pre.kwargs)
     out = run_kernel(PREFILL, pre.tensors, kwargs, backend="reference").outputs
@@ -410,7 +446,7 @@ def _prefill_routing(
 
 
 def layer_run_inputs(
-    kernel: str, weights: str | os.PathLike[str], layer: int
+    kernel: str, weights: str | os.PathLike[str], layer: int, *, verify_hashes: bool = True
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Tensors and kwargs a prepared layer supplies to a run command (``--weights --layer``).
 
@@ -420,7 +456,7 @@ def layer_run_inputs(
     """
     from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
 
-    m = load_manifest(Path(weights))
+    m = load_manifest(Path(weights), verify_hashes=verify_hashes)
     if kernel == PREFILL:
         tensors, pre_kwargs = load_prefill_inputs(m, layer)
         return dict(tensors), dict(pre_kwargs)
@@ -448,6 +484,7 @@ def inputs_from_weights(
     seed: int = 0,
     residual: bool = False,
     prequantize: bool = False,
+    verify_hashes: bool = True,
 ) -> KernelInputs:
     """Inputs for one layer of a prepared checkpoint, with seeded ``0.5*N(0,1)`` hidden states.
 
@@ -463,11 +500,12 @@ def inputs_from_weights(
     _check_positive(tokens=tokens, batch=batch)
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
-    m = load_manifest(Path(weights))
+    m = load_manifest(Path(weights), verify_hashes=verify_hashes)  # checked against its files
     padding = m.padding()
     w_tensors, kw = load_prefill_inputs(m, layer)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
+    _check_memory(f"{tokens} tokens x hidden {Hp}", _prefill_bytes(tokens, Hp, residual))
     g = _gen(seed)
     hs = _normal(g, (batch, tokens // batch, Hp), 0.5)
     hs[..., N:] = 0.0

@@ -195,13 +195,19 @@ def inspect_file(path: str | os.PathLike[str], *, stats: bool = True) -> dict[st
 
 
 def inspect_dir(
-    path: str | os.PathLike[str], *, layer: int | None = None, rank: int = 0, stats: bool = True
+    path: str | os.PathLike[str],
+    *,
+    layer: int | None = None,
+    rank: int = 0,
+    stats: bool = True,
+    verify_hashes: bool = True,
 ) -> dict[str, Any]:
-    """A prep-weights output folder: its manifest, and one layer file in detail with ``layer``.
+    """A prep-weights output folder: its manifest, and one layer file in detail with ``layer``,
+    checked against the manifest first (shapes, padding, sha256 unless not `verify_hashes`).
 
     Any other folder: the safetensors files in it, each described without data statistics.
     """
-    from mxcli.weightprep.manifest import MANIFEST_NAME, load_manifest
+    from mxcli.weightprep.manifest import MANIFEST_NAME, load_manifest, verify_layer_file
 
     p = Path(path)
     if not (p / MANIFEST_NAME).exists():
@@ -213,7 +219,7 @@ def inspect_dir(
             "kind": "folder",
             "files": [inspect_file(x, stats=False) for x in files],
         }
-    m = load_manifest(p)
+    m = load_manifest(p, verify_hashes=verify_hashes)
     d = m.data
     out: dict[str, Any] = {
         "path": str(p),
@@ -247,19 +253,25 @@ def inspect_dir(
             "check": entry.get("check"),
         }
     if layer is not None:
+        verify_layer_file(m, layer, rank)
         detail = inspect_file(m.file(layer, rank), stats=stats)  # records its scale_layout
         out["layer_detail"] = {"layer": layer, "rank": rank, **detail}
     return out
 
 
 def inspect_path(
-    path: str | os.PathLike[str], *, layer: int | None = None, rank: int = 0, stats: bool = True
+    path: str | os.PathLike[str],
+    *,
+    layer: int | None = None,
+    rank: int = 0,
+    stats: bool = True,
+    verify_hashes: bool = True,
 ) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise InputError(f"{p}: no such file or folder")
     if p.is_dir():
-        return inspect_dir(p, layer=layer, rank=rank, stats=stats)
+        return inspect_dir(p, layer=layer, rank=rank, stats=stats, verify_hashes=verify_hashes)
     if layer is not None:
         raise InputError("layer: --layer applies to a prep-weights folder, not a file")
     return inspect_file(p, stats=stats)

@@ -525,6 +525,11 @@ def check_tensors(
     missing = [f"{t.name} {t.shape}" for t in io.tensors if t.required and t.name not in tensors]
     if missing:
         raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {io.kernel}")
+    hs = tensors.get("hidden_states")
+    if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
+        # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate [0, ...]
+        # tiles, and a run of no token is never what a file meant
+        raise InputError(f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}")
     for arg in io.tensors:
         t = tensors.get(arg.name)
         if t is None:
@@ -617,6 +622,24 @@ def bwd_output_names(n_returned: int) -> list[str]:
     if n_returned not in (4, 6):
         raise MxcliError(f"{BWD} returned {n_returned} tensors, expected 4 or 6")
     return list(BWD_IO.outputs[:n_returned])
+
+
+def required_output_names(
+    kernel: str, kwargs: Mapping[str, Any], input_names: Any = None
+) -> list[str]:
+    """The outputs a run of `kernel` with `kwargs` must have written (what `verify` requires).
+
+    prefill: :func:`prefill_output_names`, the router and residual read from `input_names`
+    (the names of the run's input tensors; when unknown, only those the kwargs alone decide);
+    bwd: the four gradients, and the two bias gradients with ``config.bias``.
+    """
+    if kernel == PREFILL:
+        names = set(input_names or ())
+        return prefill_output_names(
+            kwargs, has_router="router_weights" in names, has_residual="residual" in names
+        )
+    config = kwargs.get("config")
+    return bwd_output_names(6 if getattr(config, "bias", False) else 4)
 
 
 def name_outputs(
@@ -892,8 +915,12 @@ def run_file(
     allow_nonfinite: bool = False,
     force: bool = False,
     step: Callable[[str], Any] | None = None,
+    verify_hashes: bool = True,
 ) -> dict[str, Any]:
     """``run-prefill`` / ``run-bwd``: read, check, run, write; returns a JSON-ready summary.
+
+    The ``--weights`` layer is checked against its manifest (shapes, zero padding and, unless
+    not `verify_hashes`, sha256: `mxcli.weightprep.manifest`).
 
     Kwargs: kernel defaults < the ``--weights`` manifest < the input file's metadata <
     ``overrides`` (the flags). Every check runs before the kernel, and the output is written
@@ -916,13 +943,15 @@ def run_file(
             raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
         tensors = dict(f.tensors)
         layers: list[dict[str, Any]] = []
-        pad = _recorded_padding(f, weights)
+        pad = _recorded_padding(kernel, f, weights)
         if weights is not None:
             from mxcli.inputs import layer_run_inputs
 
             if layer is None:
                 raise InputError("layer: --weights needs --layer L")
-            w_tensors, w_kwargs = layer_run_inputs(kernel, weights, layer)
+            w_tensors, w_kwargs = layer_run_inputs(
+                kernel, weights, layer, verify_hashes=verify_hashes
+            )
             both = sorted(set(w_tensors) & set(tensors))
             if both:
                 raise InputError(
@@ -981,10 +1010,11 @@ def run_file(
     }
 
 
-def _recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> Any:
+def _recorded_padding(kernel: str, f: TensorFile, weights: str | os.PathLike[str] | None) -> Any:
     """The zero padding of prepared weights (`mxcli.weightprep.padding.Padding`): from the
     ``--weights`` manifest, else as recorded by ``make-inputs --weights``; None when nothing is
-    padded."""
+    padded. The hidden states must have the true or the padded H it gives (outputs are cut to
+    the true sizes: a padding that does not describe the file would cut real values)."""
     from mxcli.weightprep.padding import Padding
 
     pad = None
@@ -999,4 +1029,25 @@ def _recorded_padding(f: TensorFile, weights: str | os.PathLike[str] | None) -> 
                 pad = Padding.from_dict(gen["padding"])
             except (KeyError, TypeError, ValueError):
                 raise InputError(f"{f.path}: __metadata__ generator.padding is malformed") from None
-    return pad if pad is not None and pad.any else None
+    if pad is None or not pad.any:
+        return None
+    from mxcli.weightprep.manifest import padding_problem
+
+    where = f"the --weights manifest {weights}" if weights else f"{f.path}'s generator.padding"
+    problem = padding_problem(pad, "padding")
+    if problem is not None:
+        raise InputError(f"{f.path}: {problem}, in {where}")
+    hs = f.tensors.get("hidden_states")
+    H = pad.hidden_size
+    padded = pad.prefill_hidden_size if kernel == PREFILL else pad.backward_hidden_size
+    if hs is not None and hs.dim():
+        if int(hs.shape[-1]) not in (H, padded):
+            raise InputError(
+                f"hidden_states: expected H {H} (padded {padded}) as {where} says, "
+                f"got {int(hs.shape[-1])}"
+            )
+        if int(hs.shape[-1]) > H and bool(hs[..., H:].any()):
+            raise InputError(
+                f"hidden_states: not zero past column {H}, where {where} says it is padding"
+            )
+    return pad

@@ -23,6 +23,11 @@ block, and its per-launch work is per token or per expert). The real plans take 
 instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
 weights as inputs, 10-25 GB of memory.
 
+AWS's measured point: the backward at AWS's tuned shape (H 4096, I 1536, one block of B = T =
+4096 tokens of one expert, LNC 2; `mxcli.nkisim.measured.BWD_MXFP8`, from nki-library's
+tuned_blocking.py) is profiled in full (one block, no extrapolation) and printed beside AWS's
+measured 2.190 ms (PE transposes) and 2.342 ms (DMA transposes), with the ratios.
+
 Last line: the minimum over kernels of the estimated Tensor-engine utilization at the
 bottleneck (useful PE time at peak / the lower bound), given the plan (padded positions count).
 """
@@ -36,6 +41,7 @@ import time
 from typing import Any
 
 from mxcli.kernels import profiling as prof
+from mxcli.nkisim import measured
 
 
 def _report(s: dict[str, Any], top: int) -> float:
@@ -84,6 +90,7 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5, help="source lines listed per kernel")
     ap.add_argument("--skip-bwd", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
+    ap.add_argument("--skip-aws", action="store_true", help="skip AWS's measured bwd point")
     ap.add_argument("--json", help="also write every summary to this JSON file")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -103,7 +110,33 @@ def main() -> None:
                 s = prof.profile_bwd_scaled(prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc)
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
+    aws = None
+    if not args.skip_aws:
+        m = measured.BWD_MXFP8
+        shape = prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
+        kp = prof.profile_kernel(
+            prof.BWD, *prof.bwd_inputs(shape), lnc=m.lnc, shape={"model": "AWS tuned shape",
+                                                                   **shape.__dict__},
+        )  # fmt: skip
+        aws = kp.summary(args.top)
+        summaries.append(aws)
     utils = [_report(s, args.top) for s in summaries]
+    if aws is not None:
+        m = measured.BWD_MXFP8
+        est_ms = aws["schedule_us"] / 1e3
+        print(f"== AWS's measured MXFP8 MoE backward ({measured.BWD_SOURCE})")
+        print(
+            f"   H={m.hidden} I={m.intermediate} B=T={m.tokens} E={m.experts} LNC={m.lnc}: AWS "
+            f"{m.us_pe_transposes / 1e3:.3f} ms (PE transposes), "
+            f"{m.us_dma_transposes / 1e3:.3f} ms (DMA transposes); mxcli estimate "
+            f"{est_ms:.3f} ms (lower bound {aws['lower_bound_us'] / 1e3:.3f} ms, "
+            f"{aws['bottleneck']})"
+        )
+        print(
+            f"   mxcli estimate / AWS measured: {est_ms * 1e3 / m.us_pe_transposes:.3f} (PE), "
+            f"{est_ms * 1e3 / m.us_dma_transposes:.3f} (DMA); schedule / lower bound "
+            f"{aws['schedule_us'] / aws['lower_bound_us']:.3f} (same run)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summaries, f, indent=1, default=str)

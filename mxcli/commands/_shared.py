@@ -26,6 +26,14 @@ Json = Annotated[
     bool, typer.Option("--json", help="Print a JSON summary on stdout; progress stays on stderr.")
 ]
 Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing output files.")]
+NoVerifyHashes = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify-hashes",
+        help="--weights: skip the sha256 check of the layer file against the manifest (for "
+        "huge layers; shapes and padding are still checked).",
+    ),
+]
 
 
 @contextlib.contextmanager

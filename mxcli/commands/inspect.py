@@ -31,6 +31,14 @@ def inspect(
             help="Read the data: min/max/mean, NaN/Inf counts and MX decoding.",
         ),
     ] = True,
+    no_verify_hashes: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify-hashes",
+            help="Folder with --layer: skip the sha256 check of the layer file against the "
+            "manifest (for huge layers; shapes and padding are still checked).",
+        ),
+    ] = False,
     json_out: Json = False,
     quiet: Quiet = False,
     debug: Debug = False,
@@ -45,7 +53,9 @@ def inspect(
         from mxcli.inspection import inspect_path
 
         with Steps(quiet) as steps, steps.step(f"Reading {path}"):
-            data = inspect_path(path, layer=layer, rank=rank, stats=stats)
+            data = inspect_path(
+                path, layer=layer, rank=rank, stats=stats, verify_hashes=not no_verify_hashes
+            )
         if json_out:
             print_json(data)
         elif not quiet:

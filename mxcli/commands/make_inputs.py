@@ -12,6 +12,7 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    NoVerifyHashes,
     Quiet,
     Steps,
     guarded,
@@ -127,6 +128,7 @@ def make_inputs(
         ),
     ] = None,
     layer: Annotated[int | None, _opt("--layer", "Layer of --weights.", show_default=False)] = None,
+    no_verify_hashes: NoVerifyHashes = False,
     seed: Annotated[int, _opt("--seed", "Random seed: the same flags give the same bytes.")] = 0,
     force: Force = False,
     json_out: Json = False,
@@ -165,6 +167,7 @@ def make_inputs(
                         seed=seed,
                         residual=residual,
                         prequantize=prequantize,
+                        verify_hashes=not no_verify_hashes,
                     )
                 elif kind is Kind.prefill:
                     if tokens % batch:

@@ -31,13 +31,29 @@ def main(
         1, "--ep", help="Expert-parallel ranks: experts are split contiguously."
     ),
     formats: str = typer.Option(
-        "bf16,mxfp8", "--formats", help="Backward weight formats: bf16, mxfp8 or both."
+        "auto",
+        "--formats",
+        help="Expert weight formats: bf16, mxfp8 or both; auto = both for mxcli, mxfp8 for "
+        "compressed-tensors, bf16 for nxdi.",
     ),
     scale_layout: str = typer.Option(
         "packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."
     ),
     scale_rule: str = typer.Option(
-        "neuron", "--scale-rule", help="E8M0 scale rule: neuron (Trn3) or ocp."
+        "auto",
+        "--scale-rule",
+        help="E8M0 scale rule: neuron (Trn3) or ocp; auto = ocp for compressed-tensors, else neuron.",
+    ),
+    output_format: str = typer.Option(
+        "mxcli",
+        "--output-format",
+        help="mxcli (the kernels' layout), compressed-tensors (HF checkpoint, MXFP8 experts: "
+        "vLLM) or nxdi (NxD Inference per-rank files).",
+    ),
+    fp8_range: int = typer.Option(
+        448,
+        "--fp8-range",
+        help="FP8 target range: 448 (OCP E4M3FN) or 240 (Neuron FP8: codes saturated at 240).",
     ),
     workers: int = typer.Option(
         1, "--workers", help="Layers converted in parallel (memory grows with it)."
@@ -70,10 +86,20 @@ def main(
     from mxcli.weightprep.summary import format_plan, format_result
 
     def body() -> None:
+        fmt = output_format.lower()
+        rule = scale_rule.lower()
+        if rule == "auto":
+            rule = "ocp" if fmt == "compressed-tensors" else "neuron"
+        auto = {"mxcli": "bf16,mxfp8", "compressed-tensors": "mxfp8", "nxdi": "bf16"}
+        if formats.strip().lower() == "auto":
+            fmts = parse_formats(auto.get(fmt, "bf16,mxfp8"))
+        else:
+            fmts = parse_formats(formats)
         opts = PrepOptions(
-            tp=tp, ep=ep, formats=parse_formats(formats), scale_layout=scale_layout.lower(),
-            scale_rule=scale_rule.lower(), layers=layers, model_type=model_type, workers=workers,
-            threads=threads, check=check, allow_nonfinite=allow_nonfinite,
+            tp=tp, ep=ep, formats=fmts, scale_layout=scale_layout.lower(),
+            scale_rule=rule, layers=layers, model_type=model_type, workers=workers,
+            threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
+            output_format=fmt,
         )  # fmt: skip
         reporter = None
         if not dry_run and not quiet:
@@ -86,6 +112,10 @@ def main(
         )  # fmt: skip
         if json_out:
             print_json(res.get("plan", res))
+        elif not quiet and "output_format" in res:
+            from mxcli.weightprep.export.summary import format_export
+
+            typer.echo(format_export(res))
         elif not quiet:
             typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
 

@@ -100,11 +100,12 @@ def print_report(s: dict[str, Any]) -> None:
 
 def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, Any], lnc: int,
          target: str, trace: Path | None, force: bool, json_out: bool, top: int) -> None:  # fmt: skip
-    from mxcli.fsutil import check_output_path
+    from mxcli.fsutil import check_output_path, refuse_inputs
     from mxcli.kernels import profiling
 
     if trace is not None:
         check_output_path(trace, force)  # fail before the (long) run
+        refuse_inputs(trace, [("input file", input)])
     if top < 0:
         raise InputError(f"top: expected a non-negative integer, got {top}")
     if input is not None:

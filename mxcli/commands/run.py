@@ -11,6 +11,7 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    NoVerifyHashes,
     Quiet,
     Steps,
     complete_backend,
@@ -81,6 +82,7 @@ def _run(
     json_out: bool,
     quiet: bool,
     strict: bool = False,
+    verify_hashes: bool = True,
 ) -> None:
     from mxcli.tensorio import run_file
 
@@ -97,6 +99,7 @@ def _run(
             allow_nonfinite=allow_nonfinite,
             force=force,
             step=steps.step,
+            verify_hashes=verify_hashes,
         )
     if json_out:
         print_json(summary)
@@ -219,6 +222,7 @@ def run_prefill(
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
+    no_verify_hashes: NoVerifyHashes = False,
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
@@ -260,6 +264,7 @@ def run_prefill(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            verify_hashes=not no_verify_hashes,
         ),
         json_out=json_out,
     )
@@ -289,6 +294,7 @@ def run_bwd(
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
+    no_verify_hashes: NoVerifyHashes = False,
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
@@ -322,6 +328,7 @@ def run_bwd(
             json_out=json_out,
             quiet=quiet,
             strict=strict,
+            verify_hashes=not no_verify_hashes,
         )
 
     guarded(debug, body, json_out=json_out)

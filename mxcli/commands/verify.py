@@ -120,6 +120,21 @@ def verify(
         ),
     ] = None,
     exact: Annotated[bool, typer.Option("--exact", help="Require every tensor bit-exact.")] = False,
+    checkpoint: Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint",
+            help="A prep-weights or exported weight folder to check against --against SRC: key "
+            "coverage per family, shapes, TP/EP divisibility, SQNR / exactness.",
+            show_default=False,
+        ),
+    ] = None,
+    against: Annotated[
+        Path | None,
+        typer.Option(
+            "--against", help="The source checkpoint of --checkpoint.", show_default=False
+        ),
+    ] = None,
     junit: Annotated[
         Path | None,
         typer.Option(
@@ -135,7 +150,8 @@ def verify(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Verify kernel outputs: OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full.
+    """Verify kernel outputs: OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full;
+    or a weight folder: --checkpoint OUT --against SRC.
 
     Per tensor: max abs/rel error, cosine, mismatch count, bit-exactness (codes, scales,
     indices). Exit code 1 when any check fails, 2 on a user error.
@@ -145,6 +161,8 @@ def verify(
         from mxcli.errors import InputError
         from mxcli.fsutil import check_output_path, refuse_inputs
 
+        if checkpoint is not None or against is not None:
+            return _checkpoint(checkpoint, against, json_out, quiet)
         if junit is not None:  # before any work: the report must be writable
             check_output_path(junit, force)
             refuse_inputs(
@@ -177,6 +195,21 @@ def verify(
     code = guarded(debug, body, json_out=json_out)
     if code:
         raise typer.Exit(code)
+
+
+def _checkpoint(checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool) -> int:
+    """``verify --checkpoint OUT --against SRC`` (`mxcli.verification.checkpoints`)."""
+    from mxcli.errors import InputError
+    from mxcli.verification.checkpoints import format_report, verify_checkpoint
+
+    if checkpoint is None or against is None:
+        raise InputError("verify: --checkpoint OUT needs --against SRC (and the other way round)")
+    rep = verify_checkpoint(checkpoint, against)
+    if json_out:
+        print_json(rep)
+    elif not quiet or not rep["passed"]:
+        typer.echo(format_report(rep))
+    return 0 if rep["passed"] else 1
 
 
 def _fraction(v: float | None) -> float | None:

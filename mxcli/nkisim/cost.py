@@ -121,7 +121,11 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         "dma_engine_bytes_per_ns", 23, 33, "B/ns",
-        f"{_DMA_OV}, {_DMA_BW}: BW per engine (aggregate 368 / 528 GB/s per core)",
+        f"{_DMA_OV}, {_DMA_BW}: BW per engine (aggregate 368 / 528 GB/s per core). CHOSEN over "
+        f"the 27.2 / 38.4 GB/s {_DMA_OV} calls 'theoretical': the bandwidth guide's table "
+        "gives the per-engine rate large payloads sustain, which is what the model charges; "
+        "the measured bf16 matmuls (mxcli.nkisim.measured) are PE-bound and cannot tell the "
+        "two apart",
     ),
     Figure(
         "dma_descriptor_overhead_bytes", 512, 512, "B-equivalent",
@@ -150,7 +154,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         "hbm_tbps_chip", 2.9, 4.9, "TB/s per chip (8 cores)",
         "about-neuron/arch/neuron-hardware/trainium3.rst (HBM Bandwidth 2.9 / 4.9 TB/sec); "
-        f"{_ARCH3} says 4.7 TB/s",
+        f"{_ARCH3} says 4.7 TB/s. CHOSEN: the hardware page; with either figure a core's HBM "
+        "share (612 / 588 GB/s) exceeds its 16 DMA engines' 528 GB/s, so no estimate here "
+        "changes",
     ),
     Figure("cores_per_chip", 8, 8, "cores", f"{_ARCH2}, {_ARCH3}: 8 NeuronCores per device"),
 )  # fmt: skip
@@ -318,13 +324,21 @@ def _descriptors(size: int, runs: list[int]) -> int:
     return math.ceil(size / a) + math.ceil(size / b) - size // math.lcm(a, b)
 
 
+def _is_offset(o: Operand) -> bool:
+    """An index operand of a DMA (a gather/scatter's ``vector_offset``, or the 1-element tensor
+    read for a ``scalar_offset``): it addresses the transfer and moves no data."""
+    return o.name.endswith("vector_offset") or o.name == "offset tensor"
+
+
 def _dma_cost(ins: Instr, hw: Hardware) -> Cost:
     ops = ins.operands
     queue = _queue(ins, ops)
     if ins.op == "core_barrier":
         return Cost("sync", 0.0, "control", {})
     dst = ins.get("dst")
-    srcs = [o for o in ins.reads() if not o.name.endswith("vector_offset")]
+    # (a scalar-offset tensor read as a source made a 128 x 512 weight-gradient read-modify-
+    # write cost 2 bytes on one DMA engine)
+    srcs = [o for o in ins.reads() if not _is_offset(o)]
     if dst is None or not srcs:
         return Cost(queue, 0.0, "dma", {})
     moved = dst.rows * dst.per_part if dst.rows < dst.parts else min(o.size for o in srcs)

@@ -17,8 +17,17 @@ from typing import Any
 
 from mxcli.errors import InputError
 from mxcli.tensorio import BWD as BWD_KERNEL
-from mxcli.tensorio import KERNEL_IO, OUTPUTS_FORMAT, kernel_io, read_file, resolve_kwargs
-from mxcli.verification.compare import fail_report
+from mxcli.tensorio import (
+    INPUTS_FORMAT,
+    KERNEL_IO,
+    OUTPUTS_FORMAT,
+    TensorFile,
+    kernel_io,
+    read_file,
+    required_output_names,
+    resolve_kwargs,
+)
+from mxcli.verification.compare import fail_report, missing_report
 from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
 
@@ -45,11 +54,7 @@ def compare_files(
     if kernel is not None and kernel not in KERNEL_IO:
         raise InputError(f"{gold.path}: unknown kernel {kernel!r} in the metadata")
     for f in (out, gold):
-        fmt = f.metadata.get("format")
-        if fmt is not None and fmt != OUTPUTS_FORMAT:
-            raise InputError(
-                f"{f.path}: not an output file (format {fmt!r}, expected {OUTPUTS_FORMAT})"
-            )
+        _require_format(f, OUTPUTS_FORMAT)
     if profile == "auto":
         backends = (str(f.metadata.get("backend")) for f in (out, gold))
         hardware = any(profile_for_backend(b) == "hardware" for b in backends)
@@ -68,12 +73,40 @@ def compare_files(
     if kernel is not None:
         kwargs = resolve_kwargs(kernel_io(kernel), gold.kwargs)
         geometry = geometry_args(gold.meta_json("geometry") or out.meta_json("geometry"))
-    result.reports += compare_outputs(
-        kernel or "", out.tensors, gold.tensors, kwargs, profile=profile, overrides=overrides,
-        exact=exact, check=CHECK, **geometry,
-    )  # fmt: skip
+    missing: list[str] = []
+    if kernel is not None:  # a golden without the kernel's outputs would pass on nothing
+        recorded = gold.meta_json("input_sha256") or out.meta_json("input_sha256")
+        names = list(recorded) if isinstance(recorded, Mapping) else None
+        missing = [n for n in required_output_names(kernel, kwargs, names) if n not in gold.tensors]
+        result.reports += [missing_report(n, CHECK, f"the golden {gold.path}") for n in missing]
+    if not gold.tensors:
+        result.reports.append(fail_report("(outputs)", CHECK, f"{gold.path} holds no tensors"))
+    result.reports += [
+        r
+        for r in compare_outputs(
+            kernel or "",
+            out.tensors,
+            gold.tensors,
+            kwargs,
+            profile=profile,
+            overrides=overrides,
+            exact=exact,
+            check=CHECK,
+            **geometry,
+        )  # fmt: skip
+        if r.name not in missing  # reported once, as missing in the golden
+    ]
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def _require_format(f: TensorFile, expected: str) -> None:
+    """Refuse an input file given as an output, or the reverse (a usage error, exit 2)."""
+    fmt = f.metadata.get("format")
+    if fmt is not None and fmt != expected:
+        what = {INPUTS_FORMAT: "an input file: ", OUTPUTS_FORMAT: "an output file: "}.get(fmt, "")
+        wanted = "an output" if expected == OUTPUTS_FORMAT else "an input"
+        raise InputError(f"{f.path}: not {wanted} file ({what}format {fmt!r}, expected {expected})")
 
 
 def padding_reports(meta: Any, check: str) -> list[Any]:
@@ -166,6 +199,8 @@ def check_run(
     t0 = time.perf_counter()
     out = read_file(output)
     inp = read_file(inputs)
+    _require_format(out, OUTPUTS_FORMAT)
+    _require_format(inp, INPUTS_FORMAT)
     kernel = out.kernel or inp.kernel
     if kernel not in KERNEL_IO:
         raise InputError(f"{out.path}: no kernel recorded in the metadata")
@@ -200,6 +235,11 @@ def check_run(
     # the kwargs the run used (recorded in OUT), else those of the input file
     kwargs = resolve_kwargs(io, metadata_kwargs(io, inp.metadata), out.kwargs)
     tensors = dict(inp.tensors)
+    # a run must have written every output its kernel returns for these inputs and kwargs
+    missing_out = [
+        n for n in required_output_names(kernel, kwargs, list(tensors)) if n not in out.tensors
+    ]
+    result.reports += [missing_report(n, EXACT_CHECK, str(out.path)) for n in missing_out]
     if kernel == BWD_KERNEL:
         missing_w = [k for k in ("gate_up_proj_weight", "down_proj_weight") if k not in tensors]
         if missing_w:
@@ -217,7 +257,7 @@ def check_run(
         result.reports += check_bwd(
             tensors, kwargs, outputs, bwd_exact_weights(tensors, kwargs.get("config"))
         )
-    else:
+    elif "norm_quant_packed" not in missing_out:  # the other outputs are read through it
         result.reports += check_prefill(tensors, kwargs, out.tensors)
     result.seconds = time.perf_counter() - t0
     return result

@@ -43,6 +43,8 @@ class _Stat:
         self.max_abs = 0.0
         self.signal = 0.0
         self.noise = 0.0
+        self.changed = 0  # MXFP8 outputs: values whose decoded MXFP8 differs from the source
+        self.values = 0
 
     def add(self, out: torch.Tensor, ref: torch.Tensor) -> None:
         o, r = out.to(torch.float32), ref.to(torch.float32)
@@ -62,6 +64,10 @@ class _Stat:
             )
         else:  # a decoded MXFP8 weight vs its bf16 source: the values must agree
             same = bool((d == 0).all()) and torch.equal(torch.isnan(o), torch.isnan(r))
+            # values the MXFP8 quantization changed (issue 22: from an MX or FP8 source every
+            # other value passes through exactly; pad rows and columns count as unchanged zeros)
+            self.changed += int(((d != 0) | (torch.isnan(o) != torch.isnan(r))).sum())
+            self.values += d.numel()
         self.exact = self.exact and same and not self.nonfinite
         if d.numel():
             self.max_abs = max(self.max_abs, float(d.abs().max()))
@@ -77,6 +83,9 @@ class _Stat:
         }
         if self.nonfinite:
             out["nonfinite_source"] = self.nonfinite
+        if self.values:
+            out["changed_values"] = self.changed
+            out["values"] = self.values
         if sqnr:
             ok = (
                 self.noise > 0.0
@@ -235,6 +244,9 @@ def summarize(check: dict[str, Any]) -> dict[str, Any]:
                 v = r["sqnr_db"]
                 if cur == "unset" or (v is not None and (cur is None or v < cur)):
                     s["sqnr_db"] = v
+            if "changed_values" in r:
+                s["changed_values"] = s.get("changed_values", 0) + r["changed_values"]
+                s["values"] = s.get("values", 0) + r["values"]
     return out
 
 

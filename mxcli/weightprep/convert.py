@@ -25,6 +25,7 @@ from mxcli.kernels.blockwise_moe import prequantize_weights
 from mxcli.kernels.rmsnorm_mx_prefill import arrange_router_weights
 from mxcli.weightprep.checkpoint import CheckpointReader, torch_dtype
 from mxcli.weightprep.families import Fused, Scratch, fold_gamma, t2
+from mxcli.weightprep.fp8 import clip_codes
 from mxcli.weightprep.plan import Plan, Rank, layer_file, tensor_name
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec, WriteQueue, streaming_file
 
@@ -139,6 +140,7 @@ class _Out:
 
     def __init__(self, queue: WriteQueue, writer: StreamingWriter, plan: Plan, layer: int) -> None:
         self.queue, self.writer, self.plan, self.layer = queue, writer, plan, layer
+        self.clipped = 0  # FP8 codes saturated for a +-240 target (`fp8.clip_codes`)
 
     def write(self, key: str, t: torch.Tensor) -> None:
         self.queue.write(self.writer, tensor_name(self.layer, key), t)
@@ -150,6 +152,8 @@ class _Out:
             self.write(prefix + "down_proj_weight", down)
         if "mxfp8" in self.plan.options.formats:
             for key, t in prequantize(gate_up, down, self.plan).items():
+                if key.endswith("_mxfp8"):
+                    self.clipped += clip_codes(t, self.plan.options.fp8_range)
                 self.write(prefix + key, t)
 
 
@@ -210,7 +214,7 @@ def convert_layer(
         "family": fam.name,
         "router_act_fn": m.router.act_fn,
         "scale_layout": plan.options.scale_layout,
-        "scale_rule": plan.options.scale_rule,
+        **plan.options.fp8().metadata(),
     }
     writers: dict[int, StreamingWriter] = {}
     with ExitStack() as stack:
@@ -330,5 +334,6 @@ def convert_layer(
         "source_tensors": plan.source_tensors[layer],
         "source_bytes": plan.source_bytes[layer],
         "seconds": round(time.perf_counter() - t_start, 3),
+        "fp8_clipped": sum(o.clipped for o in outs_by_rank.values()),
         "ranks": files,
     }

@@ -29,7 +29,10 @@ Folder layout::
                      "shared_intermediate_size_per_rank", "padded_shared_intermediate_size_per_rank"}
                     (`mxcli.weightprep.padding`; absent in folders of older versions: no padding)
     settings        {"tp", "ep", "formats", "scale_layout", "scale_rule", "elem", "quant_scheme",
-                     "tile_k", "fast_dma_transpose"}
+                     "tile_k", "fp8_range", "output_format", "fast_dma_transpose"}
+    fp8             {"variant", "range", "max", "mode", "description", "scale_rule",
+                     "scale_exponent"}   # the outputs' FP8 semantics (`mxcli.weightprep.fp8`)
+    source_fp8      null | {"variant", "max", "declared_by"}   # what the source declares
     router          {"act_fn", "top_k", "n_group", "topk_group", "routed_scaling_factor",
                      "exact", "notes", "backward_notes"}
     notes           [str]
@@ -43,7 +46,9 @@ Folder layout::
                         "ranks": {"<r>": {"file", "bytes",
                             "tensors": {key: {"name", "dtype", "shape", "sha256",
                                               "kernel_arg", "layout"}}}},
-                        "check": null | {"<r>": {key: {"exact", "sqnr_db", "max_abs_diff"}}}}}
+                        "fp8_clipped",  # codes saturated for --fp8-range 240
+                        "check": null | {"<r>": {key: {"exact", "sqnr_db", "max_abs_diff",
+                            "changed_values", "values"}}}}}   # the last two: MXFP8 keys
 
 Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``router_weights
 [Hp, E]`` (arranged for ``router_act_fn``), ``router_bias [E]``; bf16 ``gate_up_proj_weight
@@ -55,11 +60,19 @@ Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``rou
 Pad rows and columns (past H, past I_TP) are zero.
 
 Readers: `load_manifest`, `load_layer_tensors`, `load_prefill_inputs`, `load_backward_weights`.
+
+The readers check the manifest against the files it describes, so that a hand-edited manifest
+or a damaged layer file is refused rather than used: `load_manifest` that the padding is
+consistent (padded sizes are the true sizes rounded up, as `model`, the layers' prefill kwargs
+and the tensor shapes it lists say); reading a tensor, that its shape is the manifest's, that
+the pad rows and columns are zero, and (unless ``verify_hashes=False``, the commands'
+``--no-verify-hashes``, for huge layers) that its sha256 is the manifest's.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -87,6 +100,7 @@ class Manifest:
     data: dict[str, Any]
     path: Path  # the manifest.json file
     root: Path  # folder the per-layer "file" paths are relative to
+    verify_hashes: bool = True  # the readers' default: check each tensor's sha256
 
     @property
     def layers(self) -> list[int]:
@@ -166,11 +180,112 @@ def read_manifest_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def load_manifest(path: str | Path) -> Manifest:
-    """Load the manifest of an output folder (``OUT``, ``OUT/rank{r}`` or a manifest.json)."""
+def load_manifest(path: str | Path, *, verify_hashes: bool = True) -> Manifest:
+    """Load the manifest of an output folder (``OUT``, ``OUT/rank{r}`` or a manifest.json),
+    checked for consistency (`check_manifest`); `verify_hashes` is the readers' default."""
     p = _manifest_path(path)
     data = read_manifest_json(p)
-    return Manifest(data, p, (p.parent / data.get("root", ".")).resolve())
+    m = Manifest(data, p, (p.parent / data.get("root", ".")).resolve(), verify_hashes)
+    check_manifest(m)
+    return m
+
+
+def _wrong(m: Manifest, what: str) -> ManifestError:
+    return ManifestError(f"{m.path}: {what}; the manifest does not describe its files")
+
+
+def check_manifest(m: Manifest) -> None:
+    """The padding against itself, `model`, each layer's prefill kwargs and tensor shapes."""
+    try:
+        pad = m.padding()
+    except (KeyError, TypeError, ValueError, IndexError):
+        raise _wrong(m, "malformed padding") from None
+    H, Hp, Hb = pad.hidden_size, pad.prefill_hidden_size, pad.backward_hidden_size
+    Ip, Isp = pad.padded_intermediate_size, pad.padded_shared_intermediate_size
+    model = m.data.get("model") or {}
+    if m.data.get("padding") is not None:  # (older folders: nothing padded, sizes as stored)
+        problem = padding_problem(pad, "padding")
+        if problem is None and model.get("hidden_size") != H:
+            problem = f"model.hidden_size is {model.get('hidden_size')}, padding.hidden_size {H}"
+        padded = model.get("padded_hidden_size")
+        if problem is None and padded is not None and padded != Hp:
+            problem = f"model.padded_hidden_size is {padded}, padding.prefill_hidden_size {Hp}"
+        if problem is not None:
+            raise _wrong(m, problem)
+    E = model.get("num_experts")
+    for L, entry in m.data["layers"].items():
+        u = (entry.get("prefill_kwargs") or {}).get("unpadded_hidden_size") or Hp
+        if u != H:
+            raise _wrong(m, f"layer {L}: unpadded_hidden_size is {u}, padding.hidden_size {H}")
+        for r, fe in entry.get("ranks", {}).items():
+            shapes = {k: list(v.get("shape", [])) for k, v in fe.get("tensors", {}).items()}
+            for key, dims in _padded_dims(Hp, Hb, Ip, Isp).items():
+                shape = shapes.get(key)
+                if shape is None:
+                    continue
+                for d, size in dims.items():
+                    if len(shape) <= d or shape[d] != size:
+                        raise _wrong(
+                            m, f"layer {L} rank {r}: {key} has shape {shape}, the padding "
+                            f"gives dim {d} = {size}",
+                        )  # fmt: skip
+            rw = shapes.get("router_weights")
+            if rw is not None and E and math.prod(rw) != Hp * int(E):
+                raise _wrong(m, f"layer {L} rank {r}: router_weights {rw} is not [{Hp}, {E}]")
+
+
+def padding_problem(pad: Padding, where: str) -> str | None:
+    """What makes a recorded `Padding` impossible (each padded size is its true size rounded
+    up to the kernel's multiple, `mxcli.weightprep.padding`), or None; `where` names it."""
+    from mxcli.weightprep.padding import BWD_MULTIPLE, PREFILL_H_MULTIPLE, round_up
+
+    H = pad.hidden_size
+    rules: list[tuple[str, int | None, int]] = [
+        ("prefill_hidden_size", pad.prefill_hidden_size, round_up(H, PREFILL_H_MULTIPLE)),
+        ("backward_hidden_size", pad.backward_hidden_size, round_up(H, BWD_MULTIPLE)),
+        ("padded_intermediate_size_per_rank", pad.padded_intermediate_size,
+         round_up(pad.intermediate_size, BWD_MULTIPLE)),
+    ]  # fmt: skip
+    if pad.shared_intermediate_size:
+        rules.append(("padded_shared_intermediate_size_per_rank",
+                      pad.padded_shared_intermediate_size,
+                      round_up(pad.shared_intermediate_size, BWD_MULTIPLE)))  # fmt: skip
+    for name, got, want in rules:
+        if got != want:
+            return f"{where}.{name} is {got}, expected {want} ({where}.hidden_size {H})"
+    return None
+
+
+def _padded_dims(Hp: int, Hb: int, Ip: int, Isp: int | None) -> dict[str, dict[int, int]]:  # noqa: N803
+    """Tensor key -> {dim: padded size} of the bf16 tensors (module docstring layout)."""
+    dims: dict[str, dict[int, int]] = {
+        "gamma": {0: Hp},
+        "gate_up_proj_weight": {1: Hb, 3: Ip},
+        "down_proj_weight": {1: Ip, 2: Hb},
+    }
+    if Isp:
+        dims["shared_expert.gate_up_proj_weight"] = {1: Hb, 3: Isp}
+        dims["shared_expert.down_proj_weight"] = {1: Isp, 2: Hb}
+    return dims
+
+
+def _check_pad_zero(m: Manifest, fpath: Path, key: str, t: torch.Tensor) -> None:
+    """The pad rows and columns of a bf16 tensor (past H, past I_TP) must be zero: else the
+    manifest's true sizes are not those of the data."""
+    pad = m.padding()
+    H, I = pad.hidden_size, pad.intermediate_size  # noqa: E741
+    Is = pad.shared_intermediate_size
+    true = {"gamma": {0: H}, "gate_up_proj_weight": {1: H, 3: I},
+            "down_proj_weight": {1: I, 2: H}}  # fmt: skip
+    if Is:
+        true["shared_expert.gate_up_proj_weight"] = {1: H, 3: Is}
+        true["shared_expert.down_proj_weight"] = {1: Is, 2: H}
+    for d, n in true.get(key, {}).items():
+        if n < t.shape[d] and bool(t.narrow(d, n, t.shape[d] - n).any()):
+            raise ManifestError(
+                f"{fpath}: {key} is not zero past index {n} of dim {d}, where the manifest "
+                "says it is padding; the manifest does not describe its files"
+            )
 
 
 def _as_manifest(m: Manifest | str | Path) -> Manifest:
@@ -183,17 +298,20 @@ def load_layer_tensors(
     rank: int = 0,
     *,
     keys: list[str] | None = None,
-    verify: bool = False,
+    verify: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """The tensors of one layer on one rank, by key (``"gamma"``, ``"router_weights"``, ...).
 
-    `keys` selects some (default all); `verify` checks each against the manifest's sha256.
+    `keys` selects some (default all). Shapes and zero padding are always checked; `verify`
+    checks each against the manifest's sha256 (default: the manifest's ``verify_hashes``).
     """
     from safetensors import safe_open
 
     from mxcli.weightprep.writer import sha256_tensor
 
     m = _as_manifest(path)
+    if verify is None:
+        verify = m.verify_hashes
     entry = m.rank_entry(layer, rank)
     specs = entry["tensors"]
     wanted = list(specs) if keys is None else list(keys)
@@ -220,8 +338,19 @@ def load_layer_tensors(
                 f"{fpath}: {k} has shape {list(t.shape)}, manifest says {specs[k]['shape']}"
             )
         if verify and sha256_tensor(t) != specs[k]["sha256"]:
-            raise ManifestError(f"{fpath}: {k} does not match its sha256 in the manifest")
+            raise ManifestError(
+                f"{fpath}: {k} does not match its sha256 in the manifest (a damaged or "
+                "replaced file; --no-verify-hashes skips this check)"
+            )
+        _check_pad_zero(m, fpath, k, t)
     return out
+
+
+def verify_layer_file(m: Manifest, layer: int, rank: int = 0) -> None:
+    """Every tensor of a layer file against the manifest (names, shapes, zero padding, and the
+    sha256 unless the manifest was loaded with ``verify_hashes=False``), one at a time."""
+    for key in m.rank_entry(layer, rank)["tensors"]:
+        load_layer_tensors(m, layer, rank, keys=[key])
 
 
 def load_prefill_inputs(

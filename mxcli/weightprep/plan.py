@@ -37,12 +37,15 @@ from mxcli.weightprep.families import (
     fp8_scale_shape,
     resolve_config,
 )
+from mxcli.weightprep.fp8 import FP8_RANGES, Fp8Semantics, check_source_target, source_semantics
 from mxcli.weightprep.padding import Padding
+from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import TensorSpec
 
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
 SCALE_RULES = ("neuron", "ocp")
+OUTPUT_FORMATS = ("mxcli", "compressed-tensors", "nxdi")
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
 # Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
@@ -66,6 +69,8 @@ class PrepOptions:
     check: bool = False
     chunk_bytes: int = CHUNK_BYTES
     allow_nonfinite: bool = False  # convert source weights holding NaN/Inf (else an error)
+    fp8_range: int = 448  # 448: OCP E4M3FN; 240: codes saturated for Neuron FP8 (`fp8`)
+    output_format: str = "mxcli"  # mxcli | compressed-tensors | nxdi (`mxcli.weightprep.export`)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1 or self.workers < 1 or self.threads < 0:
@@ -84,6 +89,33 @@ class PrepOptions:
             )
         if self.scale_rule not in SCALE_RULES:
             raise InputError(f"--scale-rule: expected neuron or ocp, got {self.scale_rule!r}")
+        if self.fp8_range not in FP8_RANGES:
+            raise InputError(f"--fp8-range: expected 448 or 240, got {self.fp8_range}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise InputError(
+                f"--output-format: expected one of {', '.join(OUTPUT_FORMATS)}, got "
+                f"{self.output_format!r}"
+            )
+        if (
+            self.fp8_range == 240
+            and self.scale_rule == "ocp"
+            and self.output_format != ("compressed-tensors")
+        ):
+            raise InputError(
+                "--fp8-range 240 --scale-rule ocp: a +-240 target scales with byte = exponent - 7 "
+                "(OCP's algorithm for a +-240 element is the NEURON rule): use --scale-rule neuron"
+            )
+        if self.output_format == "compressed-tensors" and self.scale_rule != "ocp":
+            # its quantization_config has no field for the rule (QuantizationArgs forbids extra
+            # keys) and its consumers decode any E8M0 byte; the bytes follow OCP
+            raise InputError(
+                "--scale-rule neuron: compressed-tensors cannot record the scale rule and its "
+                "readers expect OCP scales (use --scale-rule ocp, the default for this format)"
+            )
+
+    def fp8(self) -> Fp8Semantics:
+        """The FP8 semantics of the outputs (variant, range, scale rule)."""
+        return Fp8Semantics(self.fp8_range, self.scale_rule)
 
     def threads_per_worker(self) -> int:
         """``threads``, or auto: CPUs / workers less one (at most 8, at least 1).
@@ -110,6 +142,8 @@ class PrepOptions:
             "elem": "e4m3fn",
             "quant_scheme": "wrapx",
             "tile_k": 512,
+            "fp8_range": self.fp8_range,
+            "output_format": self.output_format,
         }
 
 
@@ -268,6 +302,7 @@ class Plan:
     config_only: bool = False  # some source tensors planned from config.json (no header)
     hub: dict[str, Any] | None = None  # {"repo_id", "revision", "commit"} of a Hub source
     source_files: dict[str, str] = field(default_factory=dict)  # tensor -> shard ("" unknown)
+    source_fp8: dict[str, Any] | None = None  # FP8 semantics the source declares (`fp8`)
 
     @property
     def H(self) -> int:
@@ -356,6 +391,8 @@ class Plan:
                 }
                 for L in self.layers
             ],
+            "fp8": self.options.fp8().to_dict(),
+            "source_fp8": self.source_fp8,
             "planned_from_config": self.config_only,
             "notes": self.notes,
         }
@@ -546,6 +583,8 @@ class _Sources:
             return "F32"
         if name.endswith(("_blocks", "_scales")):
             return "U8"
+        if name.endswith(".weight_scale") and isinstance(self.m.fp8_block, CtQuant):
+            return "U8" if self.m.fp8_block.scheme == "mxfp8" else "F32"
         if name.endswith(("e_score_correction_bias", "expert_bias")):
             return "F32"  # DeepSeek-V3 and its descendants keep the correction bias in fp32
         if quantized and self.m.fp8_block is not None:
@@ -587,6 +626,8 @@ def build_plan(
     """
     ckpt = ckpt or Checkpoint(source, require_shards=not config_only_ok)
     fam = detect_family(ckpt.config, opts.model_type)
+    source_fp8 = source_semantics(ckpt.config, ckpt.root)
+    check_source_target(source_fp8, opts.fp8(), str(ckpt.root))
     m = resolve_config(ckpt.config, fam)
     moe = m.moe_layers()
     selected = parse_layers(opts.layers, m.num_layers)
@@ -635,24 +676,23 @@ def build_plan(
         names = list(expected)
         for name, (shape, why, quantized) in expected.items():
             info = src.info(name, shape, why, quantized)
+            if info.dtype in FP8_SOURCE_DTYPES and not quantized:
+                raise ConfigError(
+                    f"{name}: FP8-quantized, but only expert weights may be (dequantize it first)"
+                )
             if info.dtype in FP8_SOURCE_DTYPES:
                 if m.fp8_block is None:
                     raise ConfigError(
                         f"{name}: FP8 weight, but config.json has no fp8 quantization_config"
                     )
-                sname = name + "_scale_inv"
-                src.info(
-                    sname,
-                    fp8_scale_shape(info.shape, m.fp8_block),
-                    f"{m.fp8_block[0]}x{m.fp8_block[1]} blocks",
-                    False,
-                )
+                sname, sshape, swhy = _scale_companion(name, info.shape, m.fp8_block)
+                src.info(sname, sshape, swhy, False)
                 names.append(sname)
         for name in experts:  # the routed experts' storage format, as reported in the plan
             dtype = src[name].dtype
             formats_seen.add(
-                "fp8-block" if dtype in FP8_SOURCE_DTYPES else "mxfp4" if name.endswith(("_blocks", "_scales"))
-                else dtype.lower()
+                _quantized_format(m.fp8_block) if dtype in FP8_SOURCE_DTYPES
+                else "mxfp4" if name.endswith(("_blocks", "_scales")) else dtype.lower()
             )  # fmt: skip
         source_tensors[L] = names
         source_bytes[L] = sum(src[n].nbytes for n in names)
@@ -714,7 +754,21 @@ def build_plan(
         notes=notes,
         config_only=bool(src.predicted),
         source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
+        source_fp8=source_fp8,
     )
+
+
+def _scale_companion(
+    name: str, shape: tuple[int, ...], q: tuple[int, int] | CtQuant
+) -> tuple[str, tuple[int, ...], str]:
+    """The scale tensor an FP8 source weight needs: name, shape and why (for the error)."""
+    if isinstance(q, CtQuant):
+        return q.scale_name(name), q.scale_shape(shape), f"compressed-tensors {q.scheme}"
+    return name + "_scale_inv", fp8_scale_shape(shape, q), f"{q[0]}x{q[1]} blocks"
+
+
+def _quantized_format(q: tuple[int, int] | CtQuant | None) -> str:
+    return q.source_format if isinstance(q, CtQuant) else "fp8-block"
 
 
 def padding_notes(p: Padding) -> list[str]:

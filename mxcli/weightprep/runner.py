@@ -29,7 +29,7 @@ from typing import Any
 
 from mxcli import __version__
 from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
-from mxcli.fsutil import default_mode, refuse_inputs, remove_stale_temporaries
+from mxcli.fsutil import default_mode, hold_folder, refuse_inputs, remove_stale_temporaries
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
     FORMAT,
@@ -42,6 +42,10 @@ from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
 from mxcli.weightprep.writer import sha256_tensor, write_index, write_json
 
 LOCK_NAME = ".prep-weights.lock"
+# held for a whole run (`hold_folder`): exclusively by a run that starts the folder (new, or
+# --force), shared by --resume runs, which may share it on disjoint --layers
+RUN_LOCK_NAME = ".prep-weights.run.lock"
+_BUSY = "another prep-weights run is writing this folder (--resume runs may share it)"
 
 
 class Reporter:
@@ -124,6 +128,8 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
         },
         "padding": plan.padding.to_dict(),
         "settings": {**plan.options.settings(), "fast_dma_transpose": False},
+        "fp8": plan.options.fp8().to_dict(),
+        "source_fp8": plan.source_fp8,
         "router": m.router.to_dict(),
         "notes": list(plan.notes),
         "ranks": [rk.to_dict() for rk in plan.ranks],
@@ -240,7 +246,10 @@ _COMPARED_SETTINGS = (
     "elem",
     "quant_scheme",
     "tile_k",
+    "fp8_range",
 )
+# settings absent from the manifests of older versions, as those versions wrote them
+_SETTING_DEFAULTS = {"fp8_range": 448}
 
 
 def _check_writable(out: Path) -> None:
@@ -253,20 +262,28 @@ def _check_writable(out: Path) -> None:
         raise MxcliError(f"{out}: output folder {parent} is not writable")
 
 
-def _open_output(
-    out: Path, plan: Plan, source_files: dict[str, dict[str, Any]], resume: bool, force: bool
-) -> dict[str, Any]:
-    """Create or reuse the output folder; return the manifest to extend."""
+def _make_folder(out: Path, plan: Plan, resume: bool, force: bool) -> bool:
+    """Check the output folder's place and create it when absent; whether this run made it.
+    (Of runs racing to make it, one does; `hold_folder` then decides which of them runs.)"""
     if resume and force:
         raise InputError("--resume and --force exclude each other (--force starts over)")
     refuse_inputs(out, folders=[("checkpoint folder", plan.source)])
     _check_writable(out)
+    try:
+        out.mkdir()
+    except FileExistsError:
+        if not out.is_dir():
+            raise OutputExistsError(f"{out}: exists and is not a folder") from None
+        return False
+    return True
+
+
+def _open_output(
+    out: Path, plan: Plan, source_files: dict[str, dict[str, Any]], resume: bool, force: bool
+) -> dict[str, Any]:
+    """Reuse the output folder (made by `_make_folder`, held by this run); return the manifest
+    to extend."""
     fresh = new_manifest(plan, source_files)
-    if not out.exists():
-        out.mkdir(exist_ok=resume)  # parallel --resume runs may create it at the same time
-        return fresh
-    if not out.is_dir():
-        raise OutputExistsError(f"{out}: exists and is not a folder")
     mpath = out / MANIFEST_NAME
     if resume and mpath.is_file():
         old = read_manifest_json(mpath)
@@ -287,8 +304,8 @@ def _open_output(
 
 
 def _not_empty(out: Path) -> bool:
-    """Anything in the folder but the lock file of a run in progress."""
-    return any(p.name != LOCK_NAME for p in out.iterdir())
+    """Anything in the folder but the lock files of a run in progress."""
+    return any(p.name not in (LOCK_NAME, RUN_LOCK_NAME) for p in out.iterdir())
 
 
 def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | None:
@@ -329,7 +346,8 @@ def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) ->
             f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
         )
     for key in _COMPARED_SETTINGS:
-        a, b = old["settings"].get(key), fresh["settings"].get(key)
+        a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
+        b = fresh["settings"].get(key)
         if a != b:
             raise InputError(
                 f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
@@ -473,6 +491,10 @@ def prepare_weights(
     if dry_run:  # shards that are not here are planned from config.json
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
+        if options.output_format != "mxcli":
+            from mxcli.weightprep.export import check_export
+
+            check_export(plan)
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
         problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
         if problem is not None:
@@ -488,6 +510,14 @@ def prepare_weights(
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
+    if options.output_format != "mxcli":  # another stack's layout (`mxcli.weightprep.export`)
+        from mxcli.weightprep.export import run_export
+
+        if resume:
+            raise InputError(
+                f"--resume: not available with --output-format {options.output_format}"
+            )
+        return run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     # config, index and the shards the selected layers read
@@ -512,12 +542,45 @@ def _run(
     force: bool,
     rep: Reporter,
 ) -> dict[str, Any]:
-    manifest = _open_output(out, plan, source_files, resume, force)
+    created = _make_folder(out, plan, resume, force)
     try:
-        return _convert(ckpt, plan, out, manifest, options, resume, rep)
-    finally:
-        _remove_stale(out, plan)  # ours, if an interrupt left any (others' are locked)
-        _remove_lock(out)
+        with hold_folder(out, RUN_LOCK_NAME, shared=resume, busy=_BUSY):
+            manifest = _open_output(out, plan, source_files, resume, force)
+            try:
+                return _convert(ckpt, plan, out, manifest, options, resume, rep)
+            except BaseException:
+                if not resume:  # held exclusively: what is here now is ours
+                    _remove_unfinished(out, plan, created)
+                raise
+            finally:
+                _remove_stale(out, plan)  # ours, if an interrupt left any (others' are locked)
+                _remove_lock(out)
+    except BaseException:
+        if created:  # made by this run, which failed before writing: leave no empty folder
+            with contextlib.suppress(OSError):  # not empty: another run holds it now
+                out.rmdir()
+        raise
+
+
+def _remove_unfinished(out: Path, plan: Plan, created: bool) -> None:
+    """A run that failed before finishing a layer (a full disk, an interrupt) leaves nothing:
+    its rank folders (and the manifest, which lists no layer yet), so that the same command can
+    simply run again. Once a layer is recorded, everything is kept for ``--resume``."""
+    mpath = out / MANIFEST_NAME
+    try:
+        recorded = read_manifest_json(mpath)["layers"] if mpath.is_file() else {}
+    except ManifestError:
+        return
+    if recorded:
+        return
+    for rk in plan.ranks:
+        shutil.rmtree(out / rk.dir, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        mpath.unlink(missing_ok=True)
+    if created:  # only this run wrote here: remove what else it left (the folder goes below)
+        for p in out.iterdir():
+            if p.name not in (LOCK_NAME, RUN_LOCK_NAME):
+                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
 
 
 def _convert(
@@ -570,6 +633,8 @@ def _convert(
         "backward_exact": plan.model.router.backward_exact,
         "layers_written": todo,
         "layers_skipped": done,
+        "fp8": plan.options.fp8().to_dict(),
+        "fp8_clipped": sum(int(r.get("fp8_clipped") or 0) for r in records.values()),
         "ranks": len(plan.ranks),
         "files": [f"{rk.dir}/{layer_file(L)}" for L in plan.layers for rk in plan.ranks],
         "source_bf16_bytes": converted_bytes,

@@ -1,10 +1,14 @@
-"""Decoders for quantized *source* checkpoints: DeepSeek FP8 block weights and gpt-oss MXFP4.
+"""Decoders for quantized *source* checkpoints: DeepSeek FP8 block weights, gpt-oss MXFP4 and
+compressed-tensors MXFP8 / FP8 (per channel, per block, per tensor).
 
-Both return bf16, the dtype every later step (re-stacking, TP slicing, MXFP8 pre-quantization)
+Each returns bf16, the dtype every later step (re-stacking, TP slicing, MXFP8 pre-quantization)
 starts from.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,3 +96,150 @@ def decode_mxfp4(
     vals = vals.reshape(*blocks.shape[:-1], 32)
     out = torch.ldexp(vals, (scales.to(torch.int32) - 127).unsqueeze(-1).to(torch.float32))
     return out.reshape(*blocks.shape[:-2], -1).to(out_dtype)
+
+
+# -- compressed-tensors sources ------------------------------------------------------------------
+# The on-disk form below is read from the compressed_tensors library (0.20.1), the oracle of the
+# tests: `compressors/mxfp8/base.py` (format "mxfp8-quantized": ``weight`` float8_e4m3fn
+# ``[out, in]`` + ``weight_scale`` uint8 E8M0 ``[out, in/32]``, ``2^(byte - 127)``,
+# `compressors/mx_utils.py`), `compressors/naive_quantized/base.py` and
+# `quantization/lifecycle/forward_helpers.py` (format "float-quantized": ``weight`` float8 times
+# a float ``weight_scale``: ``[out, 1]`` per channel, ``[ceil(out/bo), ceil(in/bi)]`` per block,
+# ``[1]`` per tensor).
+
+CT_QUANT_METHOD = "compressed-tensors"
+CT_MXFP8_FORMAT = "mxfp8-quantized"
+CT_FLOAT_FORMAT = "float-quantized"
+CT_SCHEMES = ("mxfp8", "fp8-channel", "fp8-block", "fp8-tensor")
+
+
+@dataclass(frozen=True)
+class CtQuant:
+    """A compressed-tensors source's weight scheme (its ``config.json`` quantization_config).
+
+    ``scheme``: ``mxfp8`` (E8M0 per 32 along the input dim), ``fp8-channel``, ``fp8-block``
+    (``block`` = (rows, cols)) or ``fp8-tensor``. Every FP8 weight ``X.weight`` has its scale in
+    ``X.weight_scale``.
+    """
+
+    scheme: str
+    block: tuple[int, int] | None = None
+
+    @property
+    def source_format(self) -> str:
+        return f"ct-{self.scheme}"
+
+    @staticmethod
+    def scale_name(name: str) -> str:
+        return name + "_scale"
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        out, inn = int(shape[0]), int(shape[1])
+        if self.scheme == "mxfp8":
+            return (out, inn // MX_GROUP)
+        if self.scheme == "fp8-channel":
+            return (out, 1)
+        if self.scheme == "fp8-block":
+            assert self.block is not None
+            return (-(-out // self.block[0]), -(-inn // self.block[1]))
+        return (1,)
+
+    def dequant(
+        self, weight: torch.Tensor, scale: torch.Tensor, name: str = "weight"
+    ) -> torch.Tensor:
+        """bf16 values of ``weight * scale``, the product taken exactly in fp32 and rounded once."""
+        if weight.dim() != 2:
+            raise InputError(f"{name}: expected a 2-D FP8 weight, got shape {list(weight.shape)}")
+        want = self.scale_shape(tuple(weight.shape))
+        if tuple(scale.shape) != want and not (self.scheme == "fp8-tensor" and scale.numel() == 1):
+            raise InputError(
+                f"{name}_scale: expected shape {list(want)} for a {self.scheme} weight of shape "
+                f"{list(weight.shape)}, got {list(scale.shape)}"
+            )
+        if self.scheme == "mxfp8":
+            return dequant_mxfp8(weight, scale, name)
+        if self.scheme == "fp8-block":
+            assert self.block is not None
+            return dequant_fp8_block(weight, scale, self.block, name=name)
+        s = (
+            scale.to(torch.float32).reshape(-1, 1)
+            if self.scheme == "fp8-channel"
+            else (scale.to(torch.float32).reshape(1, 1))
+        )
+        return (weight.to(torch.float32) * s).to(torch.bfloat16)
+
+
+MX_GROUP = 32
+
+
+def dequant_mxfp8(weight: torch.Tensor, scale: torch.Tensor, name: str = "weight") -> torch.Tensor:
+    """compressed-tensors MXFP8: ``weight [out, in]`` float8_e4m3fn (or its uint8 codes) times
+    ``2^(scale - 127)`` per 32 along ``in`` (``scale [out, in/32]`` uint8). Exact in fp32 (a
+    power-of-two scale), rounded once to bf16 (exact unless below bf16's subnormals)."""
+    if scale.dtype != torch.uint8:
+        raise InputError(f"{name}_scale: expected uint8 E8M0 bytes, got {scale.dtype}")
+    if weight.dtype == torch.uint8:
+        weight = weight.view(torch.float8_e4m3fn)
+    out, inn = weight.shape
+    if inn % MX_GROUP:
+        raise InputError(f"{name}: MXFP8 needs its input dim ({inn}) a multiple of {MX_GROUP}")
+    e = scale.to(torch.int32)
+    # 2^(e-127) as fp32 bits; byte 0 is the subnormal 2^-127 (bit 22), 255 is NaN
+    bits = torch.where(e == 0, torch.full_like(e, 1 << 22), e << 23)
+    bits = torch.where(e == 255, torch.full_like(e, 0x7FC00000), bits)
+    s = bits.view(torch.float32)
+    w = weight.to(torch.float32).view(out, inn // MX_GROUP, MX_GROUP)
+    return (w * s.unsqueeze(-1)).view(out, inn).to(torch.bfloat16)
+
+
+def ct_quant(q: dict[str, Any]) -> CtQuant:
+    """The weight scheme of a compressed-tensors ``quantization_config`` (one FP8 scheme for
+    every quantized weight; anything else is refused with one line)."""
+    _E = InputError
+    fmt = q.get("format")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise _E("config.json: compressed-tensors quantization_config has no config_groups")
+    schemes = set()
+    for gname, g in groups.items():
+        w = (g or {}).get("weights") or {}
+        if w.get("type") != "float" or w.get("num_bits") != 8:
+            raise _E(
+                f"config.json: compressed-tensors group {gname}: expected 8-bit float weights, "
+                f"got type={w.get('type')!r} num_bits={w.get('num_bits')!r}"
+            )
+        strategy = w.get("strategy")
+        gfmt = g.get("format") or fmt
+        if (
+            strategy == "group"
+            and w.get("group_size") == MX_GROUP
+            and "uint8" in str(w.get("scale_dtype"))
+        ):
+            schemes.add(CtQuant("mxfp8"))
+        elif gfmt == CT_MXFP8_FORMAT:
+            raise _E(
+                f"config.json: compressed-tensors group {gname}: mxfp8-quantized needs group_size "
+                f"32 and uint8 scales, got group_size={w.get('group_size')!r}"
+            )
+        elif strategy == "channel":
+            schemes.add(CtQuant("fp8-channel"))
+        elif strategy == "tensor":
+            schemes.add(CtQuant("fp8-tensor"))
+        elif strategy == "block":
+            b = w.get("block_structure")
+            if not (isinstance(b, list) and len(b) == 2 and all(isinstance(x, int) for x in b)):
+                raise _E(
+                    f"config.json: compressed-tensors group {gname}: bad block_structure {b!r}"
+                )
+            schemes.add(CtQuant("fp8-block", (b[0], b[1])))
+        else:
+            raise _E(
+                f"config.json: compressed-tensors group {gname}: FP8 strategy {strategy!r} "
+                "is not supported (supported: MXFP8 group 32, channel, block, tensor)"
+            )
+    if len(schemes) != 1:
+        raise _E(
+            "config.json: compressed-tensors groups use several weight schemes "
+            f"({', '.join(sorted(s.scheme for s in schemes))}); one is supported"
+        )
+    return schemes.pop()

@@ -76,6 +76,12 @@ def format_result(res: dict[str, Any]) -> str:
         + ("" if res["router_exact"] else " (not exact: see manifest notes)")
         + ("" if res.get("backward_exact", True) else "; backward not exact (see notes)"),
     ]
+    if res.get("fp8"):
+        fp8 = res["fp8"]
+        lines.append(
+            f"FP8 {fp8['description']}, scale rule {fp8['scale_rule']}"
+            + (f"; {res['fp8_clipped']} codes clipped" if res.get("fp8_clipped") else "")
+        )
     if res.get("throughput_gbps"):
         lines.append(
             f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s "
@@ -84,10 +90,16 @@ def format_result(res: dict[str, Any]) -> str:
     for L, s in (res.get("check") or {}).items():
         bad = [k for k, v in s.items() if not v["exact"] and "_mxfp8" not in k]
         sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
+        ch = [(v["changed_values"], v["values"]) for v in s.values() if "changed_values" in v]
         lines.append(
             f"check layer {L}: "
             + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
             + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
+            + (
+                f"; MXFP8 changed {sum(c for c, _ in ch)} of {sum(n for _, n in ch)} values"
+                if ch
+                else ""
+            )
         )
     for L, rc in (res.get("routing_check") or {}).items():
         lines.append(

@@ -438,7 +438,11 @@ def build_checkpoint(
         if nshards == 1
         else [f"model-{i + 1:05d}-of-{nshards:05d}.safetensors" for i in range(nshards)]
     )
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
+
+    from mxcli.errors import MxcliError
+    from mxcli.fsutil import atomic_output
 
     weight_map: dict[str, str] = {}
     total = 0
@@ -447,7 +451,12 @@ def build_checkpoint(
         for name in names[a:b]:
             shape, kind = spec[name]
             tensors.update(_materialize(seed, name, shape, kind))
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        # atomic, and a full disk is one line (`mxcli demo` writes these)
+        with atomic_output(out / fname, force=True) as tmp:
+            try:
+                save_file(tensors, str(tmp), metadata={"format": "pt"})
+            except SafetensorError as exc:
+                raise MxcliError(f"{out / fname}: cannot write ({exc}); nothing written") from None
         for n, t in tensors.items():
             weight_map[n] = fname
             total += t.numel() * t.element_size()

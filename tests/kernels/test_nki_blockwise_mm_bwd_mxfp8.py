@@ -364,6 +364,7 @@ def test_kernel_source_is_plain_nki() -> None:
         "scalar_tensor_tensor", "tensor_reduce", "activation", "memset", "iota",
         "core_barrier", "quantize_mx", "nc_matmul_mx", "nc_matmul", "oob_mode", "dma_transpose",
         "engine",  # the enum: PSUM evictions on ScalarE (tensor_copy engine=engine.scalar)
+        "dge_mode",  # hardware-DGE loads / stores on the sync and scalar queues (§10 checklist)
     }  # fmt: skip
     assert used <= allowed, used - allowed
     assert {"quantize_mx", "nc_matmul_mx", "nc_transpose", "core_barrier"} <= used

@@ -98,6 +98,27 @@ def test_one_dma_costs_bytes_plus_runs_over_the_engines_it_uses() -> None:
     assert e.end - e.start == pytest.approx((16384 + 8 * 512) / 33)
 
 
+def test_scalar_offset_dma_costs_its_data_not_the_offset_tensor() -> None:
+    """A weight-gradient tile addressed through ``scalar_offset`` (the expert id in a 1x1 SBUF
+    tensor) moves its 128 x 512 bf16 rows; the offset tensor moves no data (it once made the
+    transfer cost 2 bytes on one engine)."""
+
+    def k(x, e):
+        idx = nl.ndarray((1, 1), nl.int32)
+        nisa.dma_copy(dst=idx, src=e)
+        t = nl.ndarray((128, 512), nl.bfloat16)
+        src = x.ap([[512, 128], [1, 512]], offset=0, scalar_offset=idx, indirect_dim=0)
+        nisa.dma_copy(dst=t, src=src)
+
+    x = np.zeros((2, 128, 512), dtype=np.float32).astype(nl.bfloat16.np_dtype)
+    e = np.ones((1, 1), dtype=np.int32)
+    _, e2 = _events(_profile(k, x, e))
+    assert e2.cost.dma_bytes == 128 * 512 * 2 and e2.cost.descriptors == 128
+    # 16 engines x 8 rows: 8 x (1024 B + 512 B run overhead) at 33 B/ns each
+    assert max(e2.cost.dma_ns.values()) == pytest.approx(8 * (1024 + 512) / 33)
+    assert len(e2.cost.dma_ns) == 16
+
+
 def test_two_byte_strided_dma_pays_a_descriptor_per_element() -> None:
     def k(x):
         t = nl.ndarray((128, 256, 4), nl.bfloat16)

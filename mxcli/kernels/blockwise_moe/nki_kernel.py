@@ -42,22 +42,24 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    interleaved into the wrapX layout along 2I by one VectorE copy, quantized;
    ``R [W, H] = mx(dGU, W_gu)`` per 128-token tile; hidden-state grad rows scattered (or
    gathered, added in fp32, rounded to bf16 and scattered when accumulating).
-4. phases 3/4 operands (contraction over the block's tokens): ``X`` and ``dY`` rows gathered,
-   interleaved into the wrapX layout along tokens; ``dGU`` and ``S`` PE-transposed from the
-   scratch; all quantized and spilled to HBM scratch (they are needed for every output tile).
+4. phases 3/4 operands (contraction over the block's tokens), quantized along the tokens:
+   ``X`` rows gathered and ``dY``'s taken from phase 1's rows, interleaved into the wrapX
+   layout; ``dGU`` PE-transposed from phase 2's row tiles and ``S`` from the scratch (during
+   phase 3). The stationary ``X`` and ``S`` stay in SBUF when they fit `STATIONARY_BUDGET`
+   (scales packed four chunks to a tile), the moving ``dGU`` / ``dY`` go through HBM scratch.
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
    ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead. The stationary ``X``
-   / ``S`` operands are loaded once per block when they fit `STATIONARY_BUDGET` (else per
-   128-column tile, i.e. again for every output tile of the other operand).
+   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
-Engine balance (issue 14 cost model, `mxcli profile bwd`): the PSUM evictions of the phase-2
-and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on VectorE: one fp32 ->
-bf16 rounding), the other elementwise work on VectorE. The PE transposes' evictions stay on
-VectorE: they sit on the dependency chain of every quantized operand, and ScalarE's narrower
-PSUM path (128 vs 256 elements per cycle) lengthened the schedule.
+Engine balance and overlap (cost model, `mxcli profile bwd`): the PSUM evictions of the
+phase-2 and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on
+VectorE: one fp32 -> bf16 rounding), the checkpoint-only SwiGLU products on GpSimd, the other
+elementwise work on VectorE. Every phase is a software pipeline: the loads (and in phase 1 the
+operands) of window / column group k+1 are issued before the compute and write-backs of k,
+since DMA engines and queues start transfers in program order; loads, write-backs, gathers
+and zeroing use different DMA queues (`_load`, `_store`).
 
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
@@ -98,9 +100,16 @@ QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadra
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
-# SBUF bytes per partition a phase-3/4 stationary operand (X or S, quantized along the block's
-# tokens) may take to be loaded once per block instead of once per output tile.
-STATIONARY_BUDGET = 40 * 1024
+# SBUF bytes per partition the phase-3/4 stationary operands (X and S, quantized along the
+# block's tokens, scales packed) may take together to stay on chip for the block instead of
+# going through HBM scratch and being loaded again for every output tile.
+STATIONARY_BUDGET = 120 * 1024
+# SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
+# ahead of their use (three windows' rows live) instead of one.
+ROWS_AHEAD_BUDGET = 96 * 1024
+# SBUF bytes per partition (resident phase-1/2 weights + two windows' phase-1 loads and
+# operands + one window's dY rows) under which phase 1 runs as a software pipeline.
+PIPELINE_BUDGET = 230 * 1024
 
 
 @dataclass
@@ -199,6 +208,8 @@ class Geometry(nl.NKIObject):
     d_cols: int
     res_gu: bool
     res_d: bool
+    res_x: bool
+    res_s: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -213,6 +224,22 @@ def _split(n: int, parts: int, idx: int) -> tuple[int, int]:
     lo = idx * base + min(idx, extra)
     count = base + 1 if idx < extra else base
     return lo, count
+
+
+def _load(dst: Any, src: Any) -> None:
+    """A plain load (the compiler's default descriptors).
+
+    The kernel spreads its DMAs over the queues (nki-dge.rst: the queue follows the trigger
+    engine and the descriptor-generation method): loads and output zeroing here, write-backs on
+    the scalar engine's hardware-DGE queue (`_store`), indirect gathers and scatters on the
+    software-DGE queue. A queue starts its transfers in order, so a write-back waiting for its
+    compute would otherwise hold back every later load behind it."""
+    nisa.dma_copy(dst=dst, src=src)
+
+
+def _store(dst: Any, src: Any) -> None:
+    """A plain write-back on the scalar engine's hardware-DGE queue (see `_load`)."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
 
 
 def _ktiles(pairs: tuple[tuple[int, int], ...]) -> tuple[Any, ...]:
@@ -234,8 +261,15 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     res_gu = wgu_bytes > 0 and wgu_bytes <= RESIDENT_BUDGET
     budget_d = RESIDENT_BUDGET - wgu_bytes if res_gu else RESIDENT_BUDGET
     res_d = wd_bytes > 0 and wd_bytes <= budget_d
+    # The phase-3/4 stationary operands X [tok lanes, Hc] and S [tok lanes, I] are quantized
+    # straight into SBUF when they fit `STATIONARY_BUDGET` (X first: it has more output tiles),
+    # else spilled to HBM scratch and loaded back per output tile.
+    x_bytes = _packed_bytes(len(cfg.k3), Hc)
+    s_bytes = _packed_bytes(len(cfg.k4), cfg.I)
+    res_x = Hc > 0 and x_bytes <= STATIONARY_BUDGET
+    res_s = Hc > 0 and s_bytes <= STATIONARY_BUDGET - (x_bytes if res_x else 0)
     return Geometry(
-        pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d,
+        pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -310,14 +344,14 @@ def _load_q(op: dict[str, Any], c0: int, n: int, name: str) -> tuple[Any, list[A
     for i0, m in lay.runs:
         v = lay.tiles[i0].v
         src = _run_src(op["data"], lay, op["expert"], i0, m, c0, n)
-        nisa.dma_copy(dst=q[0:v, i0 : i0 + m, :], src=src)
+        _load(q[0:v, i0 : i0 + m, :], src)
     if len(lay.place):
         return q, _load_packed_scales(op, c0, n, name)
     s = nl.ndarray((P, nk, n), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
     for i0, m in lay.runs:
         v = lay.tiles[i0].v
         src = _run_src(op["scales"], lay, op["expert"], i0, m, c0, n)
-        nisa.dma_copy(dst=s[0:v, i0 : i0 + m, :], src=src)
+        _load(s[0:v, i0 : i0 + m, :], src)
     views = []
     for i in range(nk):
         views.append(s[0 : lay.tiles[i].v, i, :])
@@ -334,6 +368,8 @@ def _stationary(op: dict[str, Any], c_lo: int, n: int, name: str) -> dict[str, A
     """A phase-3/4 stationary operand's columns ``[c_lo, c_lo+n)``: loaded once (whole-row DMA
     runs) when its x4 data and scales fit `STATIONARY_BUDGET`, else left in HBM and loaded per
     128-column tile (short runs, and once per output tile of the other operand)."""
+    if op["layout"] is None:
+        return op
     if n and len(op["layout"].tiles) * n * 5 <= STATIONARY_BUDGET:
         return _resident(op, c_lo, n, name)
     return op
@@ -347,14 +383,46 @@ def _quantize_tile(ilv: Any, kt: KTile, n: int, q_dst: Any, s_dst: Any) -> None:
 def _spill(op: dict[str, Any], kt: KTile, c0: int, n: int, q: Any, s: Any) -> None:
     """Write one quantized chunk (x4 data [v, n], unpacked scales [v, n]) to HBM scratch."""
     r = kt.row0
-    nisa.dma_copy(dst=op["data"][r : r + kt.v, c0 : c0 + n], src=q)
-    nisa.dma_copy(dst=op["scales"][r : r + kt.v, c0 : c0 + n], src=s)
+    _store(op["data"][r : r + kt.v, c0 : c0 + n], q)
+    _store(op["scales"][r : r + kt.v, c0 : c0 + n], s)
+
+
+def _packed_bytes(nk: int, F: int) -> int:
+    """SBUF bytes per partition of an on-chip operand of `nk` chunks x `F` columns: x4 data plus
+    scales packed four chunks to a tile (quadrant offsets 0/4/8/12, api spec §7.3)."""
+    return nk * F * 4 + ((nk + 3) // 4) * F
+
+
+def _onchip_operand(tiles: tuple[Any, ...], c_lo: int, F: int, name: str) -> dict[str, Any]:
+    """An SBUF operand ``[lanes, chunk, F]`` that `_quantize_chunk_to` fills in place: chunk `i`'s
+    scales at partition offset ``4 * (i % 4)`` of scale slot ``i // 4`` (one scale byte per
+    column for four chunks instead of one; the rows quantize_mx writes and nc_matmul_mx reads
+    are ``start + 32 q + g``, bwd spec §5.5)."""
+    nk = len(tiles)
+    q = nl.ndarray((P, nk, F), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_q")
+    s = nl.ndarray((P, (nk + 3) // 4, F), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
+    views = []
+    for i in range(nk):
+        views.append(s[4 * (i % 4) : P, i // 4, :])
+    return {"layout": None, "q": q, "views": views, "c_lo": c_lo, "tiles": tiles}
+
+
+def _op_tiles(op: dict[str, Any]) -> tuple[Any, ...]:
+    if op["layout"] is None:
+        return op["tiles"]
+    return op["layout"].tiles
 
 
 def _quantize_chunk_to(
-    ilv: Any, kt: KTile, n: int, name: str, dst: dict[str, Any], c0: int
+    ilv: Any, kt: KTile, n: int, name: str, dst: dict[str, Any], c0: int, ci: int = 0
 ) -> None:
-    """Quantize ``ilv [v, n, 4]`` and spill it to the HBM scratch operand `dst` at `c0`."""
+    """Quantize ``ilv [v, n, 4]`` (chunk `ci` of `dst`) into columns ``[c0, c0+n)`` of `dst`: in
+    place when `dst` is on chip, else through a staging tile spilled to its HBM scratch."""
+    if dst["layout"] is None:
+        o = c0 - dst["c_lo"]
+        sv = dst["views"][ci]
+        _quantize_tile(ilv, kt, n, dst["q"][0 : kt.v, ci, o : o + n], sv[:, o : o + n])
+        return
     q = nl.ndarray((P, n), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_q")
     s = nl.ndarray((P, n), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
     nisa.memset(dst=s[0 : kt.v, :], value=0)
@@ -409,10 +477,15 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     t["alpha_s"] = nl.ndarray((cfg.B,), dtype=nl.float32, buffer=nl.private_hbm, name="alpha_s")
     # quantized phase-3/4 operands, token lanes (rows = B/4), unpacked scales
     rows = cfg.B // 4
-    t["xq"] = _scratch_operand(rows, cfg.H, geo.k3, cfg.runs3, "xq")
+    # (X and S when they stay on chip are allocated per block, see `_block`)
+    t["xq_hbm"] = None
+    t["sq_hbm"] = None
+    if not geo.res_x:
+        t["xq_hbm"] = _scratch_operand(rows, cfg.H, geo.k3, cfg.runs3, "xq")
     t["gq"] = _scratch_operand(rows, 2 * cfg.I, geo.k3, cfg.runs3, "dguq")
     t["yq"] = _scratch_operand(rows, cfg.H, geo.k4, cfg.runs4, "dyq")
-    t["sq"] = _scratch_operand(rows, cfg.I, geo.k4, cfg.runs4, "sq")
+    if not geo.res_s:
+        t["sq_hbm"] = _scratch_operand(rows, cfg.I, geo.k4, cfg.runs4, "sq")
     # quantized weights of the current expert when they are streamed (not resident)
     t["wdq_s"] = None
     t["wguq_s"] = None
@@ -444,46 +517,56 @@ def _constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
 
 
 def _zeros_hbm(
-    t: dict[str, Any], dst: Any, offset: int, row_stride: int, nrows: int, ncols: int
+    jobs: list[Any], dst: Any, offset: int, row_stride: int, nrows: int, ncols: int
 ) -> None:
-    """Zero a ``[nrows, ncols]`` region (row stride `row_stride` elements) of an HBM tensor."""
-    z = t["zero"]
+    """Append the DMAs zeroing a ``[nrows, ncols]`` region (row stride `row_stride` elements)
+    of an HBM tensor to `jobs`: ``(dst view, rows, cols)`` each."""
     for r0 in range(0, nrows, P):
         nr = min(P, nrows - r0)
         for c0 in range(0, ncols, ZCOLS):
             nc = min(ZCOLS, ncols - c0)
-            nisa.dma_copy(
-                dst=dst.ap([[row_stride, nr], [1, nc]], offset=offset + r0 * row_stride + c0),
-                src=z[0:nr, 0:nc],
-            )
+            view = dst.ap([[row_stride, nr], [1, nc]], offset=offset + r0 * row_stride + c0)
+            jobs.append((view, nr, nc))
 
 
-def _zeros_flat(t: dict[str, Any], dst: Any, start: int, count: int) -> None:
-    """Zero ``count`` contiguous elements of an HBM tensor from flat element `start`."""
+def _zeros_flat(jobs: list[Any], dst: Any, start: int, count: int) -> None:
+    """Append the DMAs zeroing ``count`` contiguous elements from flat element `start`."""
     full = count // ZCOLS
     if full:
-        _zeros_hbm(t, dst, start, ZCOLS, full, ZCOLS)
+        _zeros_hbm(jobs, dst, start, ZCOLS, full, ZCOLS)
     rest = count - full * ZCOLS
     if rest:
-        _zeros_hbm(t, dst, start + full * ZCOLS, rest, 1, rest)
+        _zeros_hbm(jobs, dst, start + full * ZCOLS, rest, 1, rest)
 
 
-def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> None:
-    """Zero what this core updates (bwd spec §4.3). Dense with a token count: the hidden and
-    affinity grads only (rows past the count are then 0, as in the reference)."""
-    _zeros_hbm(t, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
+def _run_zeros(t: dict[str, Any], jobs: list[Any]) -> None:
+    """Issue zeroing DMAs (from the zero tile, static descriptors)."""
+    z = t["zero"]
+    for view, nr, nc in jobs:
+        nisa.dma_copy(dst=view, src=z[0:nr, 0:nc])
+
+
+def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> list[Any]:
+    """The DMAs zeroing what this core updates (bwd spec §4.3). Dense with a token count: the
+    hidden and affinity grads only (rows past the count are then 0, as in the reference).
+    The first block issues them spread over its phase-1 windows (`_block`): nothing reads or
+    writes these outputs before phase 2, and a burst at the start would hold back the DMA
+    engines phase 1 starts with."""
+    jobs: list[Any] = []
+    _zeros_hbm(jobs, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
     if geo.pid == 0:
-        _zeros_flat(t, t["dea"], 0, cfg.T * cfg.E)
+        _zeros_flat(jobs, t["dea"], 0, cfg.T * cfg.E)
     if cfg.dense:
-        return
+        return jobs
     for e in range(cfg.E):
-        _zeros_flat(t, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
-        _zeros_hbm(t, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
+        _zeros_flat(jobs, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
+        _zeros_hbm(jobs, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
         if cfg.bias:
-            _zeros_hbm(t, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
+            _zeros_hbm(jobs, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
             for g in range(2):
                 for j in range(geo.n_i):
-                    _zeros_flat(t, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
+                    _zeros_flat(jobs, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
+    return jobs
 
 
 # --------------------------------------------------------------------------------------------
@@ -492,14 +575,22 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> Non
 
 
 def _quantize_weights(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    expert: Any,
+    which: str = "both",
+    w: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Phase-1/2 weight operands of the current expert ({"d", "gu"}): quantized on chip (into
     SBUF when resident, else into the HBM scratch), or the pre-quantized inputs themselves
-    (loaded into SBUF once per block when resident)."""
-    w: dict[str, Any] = {"d": None, "gu": None}
+    (loaded into SBUF once per block when resident). `which`: "d", "gu" or "both" (into `w`)."""
+    if w is None:
+        w = {"d": None, "gu": None}
     lo_d = geo.i_lo * P
-    if cfg.pq_d:
+    if which == "gu":
+        pass
+    elif cfg.pq_d:
         lay = QLayout(geo.k1, cfg.runs1, cfg.I, cfg.d_groups, cfg.d_place)
         data = t["down_proj_weight"].view(cfg.x4_dtype)
         hq = _hbm_operand(data, t["down_weight_scales"], lay, expert)
@@ -513,7 +604,9 @@ def _quantize_weights(
             t["down_proj_weight"], cfg.H, geo.k1, expert, cols, lo_d, geo.d_cols, t["wdq_s"],
             cfg.compute_dtype, "wd",
         )  # fmt: skip
-    if cfg.pq_gu:
+    if which == "d":
+        pass
+    elif cfg.pq_gu:
         lay = QLayout(geo.k2, cfg.runs2, cfg.H, cfg.gu_groups, cfg.gu_place)
         data = t["gate_up_proj_weight"].view(cfg.x4_dtype)
         hq = _hbm_operand(data, t["gate_up_weight_scales"], lay, expert)
@@ -549,13 +642,10 @@ def _quantize_weight(
     or into the HBM scratch `spill`. Weights that are not bf16 are transposed in their own
     dtype and rounded to bf16 on chip (the DMA transpose does not cast)."""
     nk = len(tiles)
-    res_q: Any = None
-    res_s: Any = None
+    res: Any = None
     if spill is None:
-        res_q = nl.ndarray(
-            (P, nk, n_all), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_res_q"
-        )
-        res_s = nl.ndarray((P, nk, n_all), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_res_s")
+        # resident: scales packed four chunks to a tile (`_onchip_operand`)
+        res = _onchip_operand(tiles, c_lo, n_all, f"{name}_res")
     for c0, n in cols:
         for i in range(nk):
             kt = tiles[i]
@@ -569,18 +659,12 @@ def _quantize_weight(
                 nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
                 nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
             if spill is None:
-                cs0 = c0 - c_lo
-                _quantize_tile(
-                    ilv, kt, n, res_q[0:v, i, cs0 : cs0 + n], res_s[0:v, i, cs0 : cs0 + n]
-                )
+                _quantize_chunk_to(ilv, kt, n, name, res, c0, i)
             else:
                 _quantize_chunk_to(ilv, kt, n, name, spill, c0)
     if spill is not None:
         return spill
-    views = []
-    for i in range(nk):
-        views.append(res_s[0 : tiles[i].v, i, :])
-    return {"layout": None, "q": res_q, "views": views, "c_lo": c_lo}
+    return res
 
 
 # --------------------------------------------------------------------------------------------
@@ -607,11 +691,23 @@ def _rows_src(
 
 
 def _gather_rows(
-    cfg: BwdKernelConfig, blk: dict[str, Any], dst: Any, src: Any, b: int, tt: int, c0: int, n: int
+    cfg: BwdKernelConfig,
+    blk: dict[str, Any],
+    dst: Any,
+    src: Any,
+    b: int,
+    tt: int,
+    c0: int,
+    n: int,
+    zero_engine: Any = None,
 ) -> None:
-    """dst ``[P, n]`` <- token rows (padding rows 0)."""
+    """dst ``[P, n]`` <- token rows (padding rows 0, zeroed first on `zero_engine`: VectorE by
+    default, GpSimd where it is otherwise idle)."""
     if blk["tok"] is not None:
-        nisa.memset(dst=dst, value=0.0)
+        if zero_engine is None:
+            nisa.memset(dst=dst, value=0.0)
+        else:
+            nisa.memset(dst=dst, value=0.0, engine=zero_engine)
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n), oob_mode=_oob(cfg))
     else:
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n))
@@ -695,11 +791,20 @@ def _hand_over(geo: Geometry, t: dict[str, Any]) -> None:
         nisa.core_barrier(t["da_s"], (0, 1))
 
 
-def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any, b: int) -> None:
+def _block(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    w_dense: Any,
+    b: int,
+    zero_jobs: list[Any],
+) -> None:
+    """One block (module docstring); `zero_jobs`: output-zeroing DMAs still to issue."""
     blk = _setup_indices(cfg, t, b)
     w = w_dense
     if not cfg.dense:
-        w = _quantize_weights(cfg, geo, t, blk["expert"])
+        # W_gu (phase 2) is quantized after phase 1's first window is under way
+        w = _quantize_weights(cfg, geo, t, blk["expert"], "d")
     blk["acc_bgu"] = None
     if cfg.bias:
         acc_bgu = nl.ndarray(
@@ -707,11 +812,6 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         )
         nisa.memset(dst=acc_bgu, value=0.0)
         blk["acc_bgu"] = acc_bgu
-    for win in range(cfg.B // cfg.W):
-        _phase1(cfg, geo, t, blk, w, b, win)
-    # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
-    _hand_over(geo, t)
-    _write_affinity_grad(cfg, geo, t, blk, b)
     blk["acc_bd"] = None
     if cfg.bias:
         acc_bd = nl.ndarray(
@@ -719,9 +819,66 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
         )
         nisa.memset(dst=acc_bd, value=0.0)
         blk["acc_bd"] = acc_bd
-    for win in range(cfg.B // cfg.W):
-        _phase2(cfg, geo, t, blk, w, b, win)
-        _phase34_operands(cfg, geo, t, blk, b, win)
+    # phase 1 as a software pipeline: window w+1's loads and operands are issued before window
+    # w's matmuls and SwiGLU backward
+    nwin = cfg.B // cfg.W
+    # Where they fit (`PIPELINE_BUDGET`): window w+1's loads and operands before window w's
+    # compute, dY rows two windows ahead (`ROWS_AHEAD_BUDGET`); else the operands just before
+    # their compute and the rows one window ahead.
+    Wn, bpe = cfg.W, 2
+    dy_bytes = (Wn // P) * cfg.H * bpe
+    win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
+    w_bytes = 0
+    if geo.res_d:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k1), geo.d_cols)
+    if geo.res_gu:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
+    q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
+    ahead = 1
+    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
+        ahead = 2
+    rows = []
+    for win in range(min(ahead, nwin)):
+        rows.append(_phase1_rows(cfg, t, blk, b, win))
+    pre: Any = None
+    q: Any = None
+    if q_ahead:
+        pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
+        q = _phase1_operands(cfg, geo, t, blk, 0, pre)
+    for win in range(nwin):
+        if not q_ahead:
+            pre = _phase1_loads(cfg, geo, t, b, win, rows[win])
+            q = _phase1_operands(cfg, geo, t, blk, win, pre)
+        cur_pre, cur_q = pre, q
+        if win + ahead < nwin and len(rows) == win + ahead:
+            rows.append(_phase1_rows(cfg, t, blk, b, win + ahead))
+        if q_ahead and win + 1 < nwin:
+            pre = _phase1_loads(cfg, geo, t, b, win + 1, rows[win + 1])
+            q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
+        nz = len(zero_jobs)
+        _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
+        if win == 0 and not cfg.dense:
+            # W_gu (needed from phase 2 on) once phase 1's first window is under way
+            _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
+        _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
+    # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
+    _hand_over(geo, t)
+    _write_affinity_grad(cfg, geo, t, blk, b)
+    t["xq"] = t["xq_hbm"]
+    if geo.res_x:
+        t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
+    nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
+    for win in range(nwin):
+        pre = nxt
+        if win + 1 < nwin:
+            nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
+        _phase2(cfg, geo, t, blk, w, b, win, pre)
+        _phase34_operands(cfg, geo, t, blk, b, win, pre)
+    # S quantized along the tokens after phase 2 (W_gu is no longer live: SBUF room for S on
+    # chip), its loads one window ahead
+    t["sq"] = t["sq_hbm"]
+    if geo.res_s:
+        t["sq"] = _onchip_operand(geo.k4, 0, cfg.I, "p4_sres")
     _phase3(cfg, geo, t, blk, b)
     _phase4(cfg, geo, t, blk, b)
     if cfg.bias:
@@ -734,6 +891,61 @@ def _block(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], w_dense: Any,
 # -- phase 1 ---------------------------------------------------------------------------------
 
 
+def _load_checkpoints(
+    cfg: BwdKernelConfig, t: dict[str, Any], b: int, win: int, it: int
+) -> dict[str, Any]:
+    """The checkpoint tiles ``[128 i, W tok]`` of I tile `it` in window `win`: G and U, and the
+    optional phi(G), Hm and S checkpoints (None when not given; used as given, bwd spec §4)."""
+    Wn, w0 = cfg.W, win * cfg.W
+    i0 = it * P
+    ckpt = t["gate_up_proj_act_checkpoint_T"]
+    cdt = ckpt.dtype  # checkpoint values are used as given (bf16, or fp16)
+    out: dict[str, Any] = {}
+    out["g"] = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="g")
+    out["u"] = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="u")
+    _load(out["g"], ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
+    _load(out["u"], ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
+    for key, tname in (("act", "gate_act_checkpoint_T"), ("hm", "intermediate_checkpoint_T"),
+                       ("s", "scaled_intermediate_checkpoint_T")):  # fmt: skip
+        src = t[tname]
+        out[key] = None
+        if src is not None:
+            x = nl.ndarray((P, Wn), dtype=src.dtype, buffer=nl.sbuf, name=f"ck_{key}")
+            _load(x, src[b, i0 : i0 + P, w0 : w0 + Wn])
+            out[key] = x
+    return out
+
+
+def _phase1_rows(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int,
+                 win: int) -> Any:  # fmt: skip
+    """The dY rows of window `win` (tokens on partitions, ``[P, W/P, H]``), gathered two
+    windows ahead of their use (`_block`; zeroed on GpSimd, which keeps up at that distance)."""
+    nTw = cfg.W // P
+    dyw = nl.ndarray((P, nTw, cfg.H), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p1_dy")
+    for j in range(nTw):
+        _gather_rows(
+            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H,
+            nisa.engine.gpsimd,
+        )  # fmt: skip
+    return dyw
+
+
+def _phase1_loads(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], b: int, win: int, dyw: Any
+) -> dict[str, Any]:
+    """What phase 1 reads from HBM for window `win`: the dY rows `dyw` (`_phase1_rows`), the
+    alpha row and the checkpoint tiles of this core's I tiles. Issued one window ahead of their
+    compute (`_block`): DMA engines and queues start transfers in program order, so a load
+    issued after a window's write-backs would wait for them."""
+    Wn, w0 = cfg.W, win * cfg.W
+    alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
+    _load(alpha, t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
+    cks = []
+    for n_it in range(geo.n_i):
+        cks.append(_load_checkpoints(cfg, t, b, win, geo.i_lo + n_it))
+    return {"dyw": dyw, "alpha": alpha, "ck": cks}
+
+
 def _phase1(
     cfg: BwdKernelConfig,
     geo: Geometry,
@@ -742,18 +954,66 @@ def _phase1(
     w: dict[str, Any],
     b: int,
     win: int,
+    pre: dict[str, Any],
+    q: dict[str, Any],
 ) -> None:
     """D^T = mx(W_d, dY^T) per I tile of this core, SwiGLU backward, affinity-grad partials
-    (bwd spec §6 P1)."""
+    (bwd spec §6 P1), on the window's loads `pre` (`_phase1_loads`) and operands `q`
+    (`_phase1_operands`, built one window ahead)."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    ntk = len(geo.k1)
+    yq, ys = q["yq"], q["ys"]
+    alpha = pre["alpha"]
+    prods: list[Any] = []
+    for n_it in range(geo.n_i):
+        it = geo.i_lo + n_it
+        wq, wsv = _load_q(w["d"], it * P, P, "p1_w")
+        d = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.psum, name="p1_d")
+        for ci in range(ntk):
+            v = geo.k1[ci].v
+            nisa.nc_matmul_mx(
+                dst=d, stationary=wq[0:v, ci, :], moving=yq[0:v, ci, :],
+                stationary_scale=wsv[ci], moving_scale=ys[0:v, ci, :], accumulate=ci > 0,
+            )  # fmt: skip
+        _swiglu(cfg, t, blk, win, it, n_it, d, alpha, prods, pre["ck"][n_it], q["sw"][n_it])
+    # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM), in
+    # I-tile order; issued after the window's MX matmuls so that the Tensor engine's in-order
+    # queue does not wait on each tile's VectorE product between them
+    da_ps = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.psum, name="da_ps")
+    for n_it in range(geo.n_i):
+        prod = prods[n_it]
+        for tt in range(nTw):
+            nisa.nc_matmul(
+                dst=da_ps[:, tt : tt + 1], stationary=prod[:, tt * P : (tt + 1) * P],
+                moving=t["ones_f32"], accumulate=n_it > 0,
+            )  # fmt: skip
+    # affinity-grad partial of this core -> scratch row `pid`
+    da = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.sbuf, name="da")
+    if geo.n_i:
+        nisa.tensor_copy(dst=da, src=da_ps)
+    else:
+        nisa.memset(dst=da, value=0.0)
+    dst = t["da_s"].ap([[1, P], [P, nTw]], offset=geo.pid * cfg.B + w0)
+    _store(dst, da)
+
+
+def _phase1_operands(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    win: int,
+    pre: dict[str, Any],
+) -> dict[str, Any]:
+    """What phase 1 computes from window `win`'s loads before its matmuls, issued one window
+    ahead of them (so that no engine's in-order queue waits on another engine at a window
+    boundary): dY^T quantized along H (``yq``, ``ys``), the SwiGLU terms that need only the
+    checkpoints (``sw``, `_swiglu_terms`), and phase 4's dY operand (this core's H columns,
+    quantized along the tokens; with the down bias grad: dY is gathered once per block)."""
+    Wn, nTw = cfg.W, cfg.W // P
     bf = cfg.compute_dtype
     ntk = len(geo.k1)
-    # dY rows of the window, tokens on partitions: [P, nTw, H]
-    dyw = nl.ndarray((P, nTw, cfg.H), dtype=bf, buffer=nl.sbuf, name="p1_dy")
-    for j in range(nTw):
-        _gather_rows(
-            cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H
-        )
+    dyw = pre["dyw"]
     # dY^T in the wrapX layout along H, quantized: [lanes, chunk, W]
     yq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p1_yq")
     ys = nl.ndarray((P, ntk, Wn), dtype=nl.uint8, buffer=nl.sbuf, name="p1_ys")
@@ -766,85 +1026,74 @@ def _phase1(
             h = kt.k0 + j * v
             for tt in range(nTw):
                 nisa.nc_transpose(dst=ps[0:v, tt * P : (tt + 1) * P], data=dyw[:, tt, h : h + v])
-            nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+            # phase 1 is VectorE-bound: one eviction in four on ScalarE (bit-exact copies)
+            if j == 0:
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :], engine=nisa.engine.scalar)
+            else:
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
         _quantize_tile(ilv, kt, Wn, yq[0:v, ci, :], ys[0:v, ci, :])
-    alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
-    nisa.dma_copy(dst=alpha, src=t["alpha_s"].ap([[0, P], [1, Wn]], offset=w0))
-    da_ps = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.psum, name="da_ps")
+    sw = []
     for n_it in range(geo.n_i):
-        it = geo.i_lo + n_it
-        wq, wsv = _load_q(w["d"], it * P, P, "p1_w")
-        d = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.psum, name="p1_d")
-        for ci in range(ntk):
-            v = geo.k1[ci].v
-            nisa.nc_matmul_mx(
-                dst=d, stationary=wq[0:v, ci, :], moving=yq[0:v, ci, :],
-                stationary_scale=wsv[ci], moving_scale=ys[0:v, ci, :], accumulate=ci > 0,
-            )  # fmt: skip
-        _swiglu(cfg, t, blk, b, win, it, n_it, d, alpha, da_ps)
-    # affinity-grad partial of this core -> scratch row `pid`
-    da = nl.ndarray((P, nTw), dtype=nl.float32, buffer=nl.sbuf, name="da")
-    if geo.n_i:
-        nisa.tensor_copy(dst=da, src=da_ps)
-    else:
-        nisa.memset(dst=da, value=0.0)
-    dst = t["da_s"].ap([[1, P], [P, nTw]], offset=geo.pid * cfg.B + w0)
-    nisa.dma_copy(dst=dst, src=da)
+        sw.append(_swiglu_terms(cfg, pre["ck"][n_it]))
+    if geo.Hc:
+        # phase 4's dY operand (this core's H columns, quantized along the tokens) and the
+        # down bias grad come from the rows gathered here: dY is gathered once per block
+        _rows_q(cfg, dyw, geo.h0, win, t["yq"], geo.Hc, geo.h0, "p4_dy")
+        if cfg.bias:
+            _bias_down(cfg, geo, t, blk, win, dyw[:, :, geo.h0 : geo.h0 + geo.Hc])
+    return {"yq": yq, "ys": ys, "sw": sw}
+
+
+def _swiglu_terms(cfg: BwdKernelConfig, ck: dict[str, Any]) -> dict[str, Any]:
+    """The SwiGLU backward terms of one ``[128 i, W tok]`` tile that need only its checkpoints
+    `ck` (bwd spec §6 P1 rounding points): ``act = bf16(silu(G))`` (or phi(G) as given),
+    ``dga = bf16(bf16(silu'(G)) * U)``, ``hm = bf16(act * U)`` (or Hm as given). The SBUF-only
+    products run on GpSimd, which phase 1 (VectorE-bound) otherwise leaves idle."""
+    Wn, bf = cfg.W, cfg.compute_dtype
+    g, u = ck["g"], ck["u"]
+    act = ck["act"]
+    if act is None:
+        act = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="act")
+        nisa.activation(dst=act, op=nl.silu, data=g)  # act = bf16(silu(G))
+    dph = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dphi")
+    nisa.activation(dst=dph, op=nl.silu_dx, data=g)  # bf16(silu'(G))
+    dga = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dga")
+    nisa.tensor_tensor(dst=dga, data1=dph, data2=u, op=nl.multiply, engine=nisa.engine.gpsimd)
+    hm = ck["hm"]
+    if hm is None:
+        hm = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="hm")
+        nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply, engine=nisa.engine.gpsimd)
+    return {"act": act, "dga": dga, "hm": hm}
 
 
 def _swiglu(
     cfg: BwdKernelConfig,
     t: dict[str, Any],
     blk: dict[str, Any],
-    b: int,
     win: int,
     it: int,
     n_it: int,
     d: Any,
     alpha: Any,
-    da_ps: Any,
+    prods: list[Any],
+    ck: dict[str, Any],
+    sw: dict[str, Any],
 ) -> None:
-    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1."""
+    """SwiGLU backward on one ``[128 i, W tok]`` tile, rounding points of bwd spec §6 P1, on
+    the checkpoint tiles `ck` (`_load_checkpoints`) and terms `sw` (`_swiglu_terms`); the
+    affinity-grad product ``fp32(D*Hm)`` is appended to `prods`."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
     i0 = it * P
     bf, f32 = cfg.compute_dtype, nl.float32
-    ckpt = t["gate_up_proj_act_checkpoint_T"]
-    cdt = ckpt.dtype  # checkpoint values are used as given (bf16, or fp16)
-    g = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="g")
-    u = nl.ndarray((P, Wn), dtype=cdt, buffer=nl.sbuf, name="u")
-    nisa.dma_copy(dst=g, src=ckpt[b, 0, i0 : i0 + P, w0 : w0 + Wn])
-    nisa.dma_copy(dst=u, src=ckpt[b, 1, i0 : i0 + P, w0 : w0 + Wn])
-    ck_act = t["gate_act_checkpoint_T"]
-    if ck_act is not None:  # phi(G) as checkpointed by the forward
-        act = nl.ndarray((P, Wn), dtype=ck_act.dtype, buffer=nl.sbuf, name="act")
-        nisa.dma_copy(dst=act, src=ck_act[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
-        act = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="act")
-        nisa.activation(dst=act, op=nl.silu, data=g)  # act = bf16(silu(G))
-    dph = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dphi")
-    nisa.activation(dst=dph, op=nl.silu_dx, data=g)  # bf16(silu'(G))
-    dga = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="dga")
-    nisa.tensor_tensor(dst=dga, data1=dph, data2=u, op=nl.multiply)  # bf16(dphi*U)
-    ck_h = t["intermediate_checkpoint_T"]
-    if ck_h is not None:
-        hm = nl.ndarray((P, Wn), dtype=ck_h.dtype, buffer=nl.sbuf, name="hm")
-        nisa.dma_copy(dst=hm, src=ck_h[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
-        hm = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="hm")
-        nisa.tensor_tensor(dst=hm, data1=act, data2=u, op=nl.multiply)  # Hm = bf16(act*U)
+    g, u = ck["g"], ck["u"]
+    act, dga, hm = sw["act"], sw["dga"], sw["hm"]
     # affinity grad: sum_i fp32(D*Hm), the partition sum as a ones-matmul (fp32 in PSUM)
     prod = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="dhm")
     nisa.tensor_tensor(dst=prod, data1=d, data2=hm, op=nl.multiply)
-    for tt in range(nTw):
-        nisa.nc_matmul(
-            dst=da_ps[:, tt : tt + 1], stationary=prod[:, tt * P : (tt + 1) * P],
-            moving=t["ones_f32"], accumulate=n_it > 0,
-        )  # fmt: skip
-    ck_s = t["scaled_intermediate_checkpoint_T"]
-    s = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="s")
-    if ck_s is not None:  # phase 4's operand as the forward saved it
-        nisa.dma_copy(dst=s, src=ck_s[b, i0 : i0 + P, w0 : w0 + Wn])
-    else:
+    prods.append(prod)
+    s = ck["s"]  # phase 4's operand as the forward saved it, if it did
+    if s is None:
+        s = nl.ndarray((P, Wn), dtype=bf, buffer=nl.sbuf, name="s")
         nisa.tensor_tensor(dst=s, data1=hm, data2=alpha, op=nl.multiply)  # S = bf16(Hm*alpha)
     ds = nl.ndarray((P, Wn), dtype=f32, buffer=nl.sbuf, name="ds")
     nisa.tensor_tensor(dst=ds, data1=d, data2=alpha, op=nl.multiply)  # Ds = D*alpha (fp32)
@@ -864,9 +1113,9 @@ def _swiglu(
                 dst=x, data=src, op0=nl.greater, operand0=float(lo), op1=nl.multiply, operand1=x
             )
     I = cfg.I  # noqa: E741 - the spec's name
-    nisa.dma_copy(dst=t["dgu_s"][i0 : i0 + P, w0 : w0 + Wn], src=dg)
-    nisa.dma_copy(dst=t["dgu_s"][I + i0 : I + i0 + P, w0 : w0 + Wn], src=du)
-    nisa.dma_copy(dst=t["s_s"][i0 : i0 + P, w0 : w0 + Wn], src=s)
+    _store(t["dgu_s"][i0 : i0 + P, w0 : w0 + Wn], dg)
+    _store(t["dgu_s"][I + i0 : I + i0 + P, w0 : w0 + Wn], du)
+    _store(t["s_s"][i0 : i0 + P, w0 : w0 + Wn], s)
     if cfg.bias:
         # gate/up bias grad: per 128-token tile an fp32 sum, then a bf16 running sum (§6)
         acc = blk["acc_bgu"]
@@ -920,9 +1169,11 @@ def _phase2(
     w: dict[str, Any],
     b: int,
     win: int,
+    pre: dict[str, Any],
 ) -> None:
-    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2)."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2), on
+    the window's loads `pre` (`_phase2_loads`)."""
+    Wn, nTw = cfg.W, cfg.W // P
     if not geo.Hc:
         return
     bf = cfg.compute_dtype
@@ -932,14 +1183,7 @@ def _phase2(
     for ci in range(ntk):
         kt = geo.k2[ci]
         v = kt.v
-        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
-        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
-        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
-        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
-        # under 256 B are overhead-bound).
-        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
-        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
-        nisa.dma_copy(dst=rows[0:v, :, :], src=src)
+        rows = pre["rows"][ci]
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
         nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
@@ -961,7 +1205,7 @@ def _phase2(
             gtt = win * nTw + tt
             if blk["tok"] is None:
                 r0 = b * cfg.B + gtt * P
-                nisa.dma_copy(dst=hsg[r0 : r0 + P, c0 : c0 + n], src=r)
+                _store(hsg[r0 : r0 + P, c0 : c0 + n], r)
                 continue
             if cfg.accumulate:
                 # read-add-write in bf16 (one token per row of a block, bwd spec §3.2)
@@ -972,30 +1216,81 @@ def _phase2(
             nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
 
 
+def _phase2_loads(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+) -> dict[str, Any]:
+    """What phases 2 and 3/4's operands read from HBM for window `win`, issued one window
+    ahead (see `_phase1_loads`): ``[dG|dU]^T`` row tiles (one ``[v, 4, W]`` per 2I chunk, also
+    phase 3's operand) and X rows (``[P, W/P, Hc]``)."""
+    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+    bf = cfg.compute_dtype
+    out: dict[str, Any] = {"rows": [], "x": None}
+    if not geo.Hc:
+        return out
+    for ci in range(len(geo.k2)):
+        kt = geo.k2[ci]
+        v = kt.v
+        # The chunk's 4 row groups as whole rows (lane p, group j <- dgu_s[k0 + j*v + p]):
+        # one DMA of contiguous Wn-element runs, then one engine copy interleaves them into
+        # the wrapX layout. A DMA straight into ilv[..., j] would write 2-byte elements at a
+        # 4-element stride, one descriptor per element (nki-dma-bandwidth-guide.rst: runs
+        # under 256 B are overhead-bound).
+        rows = nl.ndarray((P, 4, Wn), dtype=bf, buffer=nl.sbuf, name="p2_rows")
+        src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
+        _load(rows[0:v, :, :], src)
+        out["rows"].append(rows)
+    x = nl.ndarray((P, nTw, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p3_x_rows")
+    for j in range(nTw):
+        _gather_rows(
+            cfg, blk, x[:, j, :], t["hidden_states"], b, win * nTw + j, geo.h0, geo.Hc,
+            nisa.engine.gpsimd,
+        )  # fmt: skip
+    out["x"] = x
+    return out
+
+
+def _s_loads(cfg: BwdKernelConfig, t: dict[str, Any], win: int) -> list[Any]:
+    """S^T tiles of window `win` (``[128 i, <=4, W tok]`` per 512 rows of ``s_s``)."""
+    Wn, w0 = cfg.W, win * cfg.W
+    fts = []
+    for f0 in range(0, cfg.I, NMAX):
+        nf = min(NMAX, cfg.I - f0) // P
+        ft = nl.ndarray((P, nf, Wn), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p4_s_ft")
+        _load(ft, t["s_s"].ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0))
+        fts.append(ft)
+    return fts
+
+
 # -- phase 3/4 operands ----------------------------------------------------------------------
 
 
-def _token_rows_q(
+def _window_tiles(op: dict[str, Any], w0: int, Wn: int) -> list[tuple[int, Any]]:
+    """(index, chunk) of the token chunks of `op` that start inside the window ``[w0, w0+Wn)``."""
+    out = []
+    tiles = _op_tiles(op)
+    for ci in range(len(tiles)):
+        kt = tiles[ci]
+        if kt.k0 >= w0 and kt.k0 < w0 + Wn:
+            out.append((ci, kt))
+    return out
+
+
+def _rows_q(
     cfg: BwdKernelConfig,
-    blk: dict[str, Any],
-    src: Any,
-    b: int,
+    rows: Any,
+    r0: int,
     win: int,
     dst: dict[str, Any],
     F: int,
     c0: int,
     name: str,
-) -> Any:
-    """Gather token rows (columns [c0, c0+F)) of window `win`, quantize them along the tokens
-    (wrapX chunks of `dst` inside the window) and spill; returns the bf16 rows."""
-    Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
+) -> None:
+    """Token rows of window `win` (``rows [P, W/P, *]``, tokens on partitions, columns
+    ``[r0, r0+F)``) quantized along the tokens into columns ``[c0, c0+F)`` of `dst` (wrapX
+    chunks inside the window: one copy per byte interleaves them)."""
+    Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
-    rows = nl.ndarray((P, nTw, F), dtype=bf, buffer=nl.sbuf, name=f"{name}_rows")
-    for j in range(nTw):
-        _gather_rows(cfg, blk, rows[:, j, :], src, b, win * nTw + j, c0, F)
-    for kt in dst["layout"].tiles:
-        if kt.k0 < w0 or kt.k0 >= w0 + Wn:
-            continue
+    for ci, kt in _window_tiles(dst, w0, Wn):
         v = kt.v
         for f0 in range(0, F, NMAX):
             n = min(NMAX, F - f0)
@@ -1004,30 +1299,25 @@ def _token_rows_q(
                 pos = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
                 tt = pos // P
                 p0 = pos % P
-                nisa.tensor_copy(dst=ilv[0:v, :, j], src=rows[p0 : p0 + v, tt, f0 : f0 + n])
-            _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0)
-    return rows
+                src = rows[p0 : p0 + v, tt, r0 + f0 : r0 + f0 + n]
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=src)
+            _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0, ci)
 
 
 def _transposed_q(
-    cfg: BwdKernelConfig, src: Any, rows: int, win: int, dst: dict[str, Any], name: str
+    cfg: BwdKernelConfig, fts: list[Any], rows: int, win: int, dst: dict[str, Any], name: str
 ) -> None:
-    """``src [rows, B]`` (bf16 HBM scratch, feature-major) -> token lanes: PE transposes of
-    ``[128 f, v tok]`` slices into the wrapX layout along the tokens, quantize, spill."""
+    """Feature-major tiles ``fts`` (``[128 f, <=4, W tok]`` per 512 of `rows` features, from
+    `_phase2_loads`) -> token lanes: PE transposes of ``[128 f, v tok]`` slices into the wrapX
+    layout along the tokens, quantized into `dst`."""
     Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
-    tiles = []
-    for kt in dst["layout"].tiles:
-        if kt.k0 >= w0 and kt.k0 < w0 + Wn:
-            tiles.append(kt)
+    tiles = _window_tiles(dst, w0, Wn)
     for f0 in range(0, rows, NMAX):
         n = min(NMAX, rows - f0)
         nf = n // P
-        ft = nl.ndarray((P, nf, Wn), dtype=bf, buffer=nl.sbuf, name=f"{name}_ft")
-        nisa.dma_copy(
-            dst=ft, src=src.ap([[cfg.B, P], [P * cfg.B, nf], [1, Wn]], offset=f0 * cfg.B + w0)
-        )
-        for kt in tiles:
+        ft = fts[f0 // NMAX]
+        for ci, kt in tiles:
             v = kt.v
             ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
             for j in range(4):
@@ -1036,22 +1326,57 @@ def _transposed_q(
                 for fi in range(nf):
                     nisa.nc_transpose(dst=ps[0:v, fi * P : (fi + 1) * P], data=ft[:, fi, k : k + v])
                 nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
-            _quantize_chunk_to(ilv, kt, n, name, dst, f0)
+            _quantize_chunk_to(ilv, kt, n, name, dst, f0, ci)
+
+
+def _rows_t_q(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    rows2: list[Any],
+    win: int,
+    dst: dict[str, Any],
+    name: str,
+) -> None:
+    """``[dG|dU]^T`` of window `win` to token lanes from phase 2's row tiles (``rows2[i]
+    [v2, 4, W]``: feature ``k0 + j*v2 + p`` of 2I chunk `i` on partition `p`): PE transposes of
+    ``[v2 f, v tok]`` slices into the wrapX layout along the tokens, quantized into `dst`."""
+    Wn, w0 = cfg.W, win * cfg.W
+    bf = cfg.compute_dtype
+    tiles = _window_tiles(dst, w0, Wn)
+    for i2 in range(len(geo.k2)):
+        k2 = geo.k2[i2]
+        v2, c2 = k2.v, k2.c
+        rows = rows2[i2]
+        for ci, kt in tiles:
+            v = kt.v
+            ilv = nl.ndarray((P, c2, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
+            for j in range(4):
+                k = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
+                ps = nl.ndarray((P, c2), dtype=bf, buffer=nl.psum, name=f"{name}_tp")
+                for g in range(4):
+                    nisa.nc_transpose(
+                        dst=ps[0:v, g * v2 : (g + 1) * v2], data=rows[0:v2, g, k : k + v]
+                    )
+                nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
+            _quantize_chunk_to(ilv, kt, c2, name, dst, k2.k0, ci)
 
 
 def _phase34_operands(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    b: int,
+    win: int,
+    pre: dict[str, Any],
 ) -> None:
+    """Phase-3 operands of window `win` quantized along the tokens from its loads `pre`
+    (`_phase2_loads`): X (gathered rows) and [dG|dU] (phase 2's rows, transposed). dY's came
+    with phase 1; S's follow phase 2 (`_block`)."""
     if not geo.Hc:
         return
-    _token_rows_q(cfg, blk, t["hidden_states"], b, win, t["xq"], geo.Hc, geo.h0, "p3_x")
-    dy = _token_rows_q(
-        cfg, blk, t["output_hidden_states_grad"], b, win, t["yq"], geo.Hc, geo.h0, "p4_dy"
-    )
-    _transposed_q(cfg, t["dgu_s"], 2 * cfg.I, win, t["gq"], "p3_g")
-    _transposed_q(cfg, t["s_s"], cfg.I, win, t["sq"], "p4_s")
-    if cfg.bias:
-        _bias_down(cfg, geo, t, blk, win, dy)
+    _rows_q(cfg, pre["x"], 0, win, t["xq"], geo.Hc, geo.h0, "p3_x")
+    _rows_t_q(cfg, geo, pre["rows"], win, t["gq"], "p3_g")
 
 
 def _bias_down(
@@ -1083,56 +1408,131 @@ def _bias_down(
 # -- phases 3 and 4 --------------------------------------------------------------------------
 
 
-def _rmw(bf: Any, dst_ap: Any, c_ps: Any, first_dense: bool, n: int, name: str) -> None:
-    """dst = bf16(dst + bf16(C)) through one DMA read and one write (dense block 0: write)."""
+def _rmw_load(bf: Any, dst_ap: Any, first_dense: bool, n: int, name: str) -> Any:
+    """The current value of an output tile for `_rmw` (None for dense block 0, which writes)."""
+    if first_dense:
+        return None
+    old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
+    _load(old, dst_ap)
+    return old
+
+
+def _rmw(bf: Any, dst_ap: Any, c_ps: Any, old: Any, n: int, name: str) -> None:
+    """dst = bf16(old + bf16(C)) (old from `_rmw_load`; None: dst = bf16(C))."""
     c = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_c")
     nisa.tensor_copy(dst=c, src=c_ps, engine=nisa.engine.scalar)
-    if not first_dense:
-        old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
-        nisa.dma_copy(dst=old, src=dst_ap)
+    if old is not None:
         nisa.tensor_tensor(dst=c, data1=old, data2=c, op=nl.add)
-    nisa.dma_copy(dst=dst_ap, src=c)
+    _store(dst_ap, c)
+
+
+def _p3_dst(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], col: int, n: int,
+            ht: int) -> Any:  # fmt: skip
+    """dW_gu[e] rows of H tile `ht`, columns ``[col, col+n)`` of the flattened (2, I)."""
+    I2 = 2 * cfg.I
+    return _ap(t["dwgu"], [[I2, P], [1, n]], ht * P * I2 + col, blk["expert"])
+
+
+def _p3_loads(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any],
+              first: bool, col: int, n: int) -> tuple[Any, Any, list[Any]]:  # fmt: skip
+    """Phase 3's loads for dGU columns ``[col, col+n)``: the moving operand and the current
+    value of this core's output tiles."""
+    gq, gsv = _load_q(t["gq"], col, n, "p3_g")
+    olds = []
+    for j in range(geo.n_h):
+        dst = _p3_dst(cfg, t, blk, col, n, geo.h_lo + j)
+        olds.append(_rmw_load(cfg.compute_dtype, dst, first, n, "p3"))
+    return gq, gsv, olds
+
+
+def _p3_s_loads(cfg: BwdKernelConfig, t: dict[str, Any], k: int, ng: int) -> list[Any]:
+    """(window, S^T tiles) of the windows whose S is quantized after phase-3 group `k` of
+    `ng`."""
+    nwin = cfg.B // cfg.W
+    out = []
+    for win in range((k * nwin) // ng, ((k + 1) * nwin) // ng):
+        out.append((win, _s_loads(cfg, t, win)))
+    return out
 
 
 def _phase3(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
-    """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3)."""
+    """dW_gu[e][h, g, i] += bf16(mx(X^T, dGU)) per [128 h, <=512 i] tile (§6 P3). Per column
+    group of dGU the moving operand and the current output tiles are loaded one group ahead
+    of the group's matmuls (see `_phase1_loads`). S (phase 4's operand) is quantized along the
+    tokens here too, its windows spread over the groups (phase 3 is PE-bound: the transposes
+    fill its gaps), its loads one group ahead."""
     if not geo.Hc:
         return
     first = cfg.dense and b == 0
-    I2 = 2 * cfg.I
+    bf = cfg.compute_dtype
     x_op = _stationary(t["xq"], geo.h0, geo.Hc, "p3_xres")
+    groups = []
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
-            n = min(NMAX, cfg.I - i0)
-            gq, gsv = _load_q(t["gq"], g * cfg.I + i0, n, "p3_g")
-            for j in range(geo.n_h):
-                ht = geo.h_lo + j
-                xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
-                c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
-                for ci in range(len(geo.k3)):
-                    v = geo.k3[ci].v
-                    nisa.nc_matmul_mx(
-                        dst=c_ps, stationary=xq[0:v, ci, :], moving=gq[0:v, ci, :],
-                        stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
-                    )  # fmt: skip
-                off = ht * P * I2 + g * cfg.I + i0
-                dst = _ap(t["dwgu"], [[I2, P], [1, n]], off, blk["expert"])
-                _rmw(cfg.compute_dtype, dst, c_ps, first, n, "p3")
+            groups.append((g * cfg.I + i0, min(NMAX, cfg.I - i0)))
+    ng = len(groups)
+    nxt = _p3_loads(cfg, geo, t, blk, first, groups[0][0], groups[0][1])
+    nxt_s = _p3_s_loads(cfg, t, 0, ng)
+    for k in range(ng):
+        col, n = groups[k]
+        gq, gsv, olds = nxt
+        fts = nxt_s
+        if k + 1 < ng:
+            nxt = _p3_loads(cfg, geo, t, blk, first, groups[k + 1][0], groups[k + 1][1])
+            nxt_s = _p3_s_loads(cfg, t, k + 1, ng)
+        for j in range(geo.n_h):
+            ht = geo.h_lo + j
+            xq, xsv = _load_q(x_op, ht * P, P, "p3_x")
+            c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p3_c")
+            for ci in range(len(geo.k3)):
+                v = geo.k3[ci].v
+                nisa.nc_matmul_mx(
+                    dst=c_ps, stationary=xq[0:v, ci, :], moving=gq[0:v, ci, :],
+                    stationary_scale=xsv[ci], moving_scale=gsv[ci], accumulate=ci > 0,
+                )  # fmt: skip
+            _rmw(bf, _p3_dst(cfg, t, blk, col, n, ht), c_ps, olds[j], n, "p3")
+        for win, ft in fts:
+            _transposed_q(cfg, ft, cfg.I, win, t["sq"], "p4_s")
+
+
+def _p4_dst(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], c0: int, n: int,
+            it: int) -> Any:  # fmt: skip
+    """dW_d[e] rows of I tile `it`, columns ``[c0, c0+n)``."""
+    return _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
+
+
+def _p4_loads(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], first: bool,
+              c0: int, n: int) -> tuple[Any, Any, list[Any]]:  # fmt: skip
+    """Phase 4's loads for H columns ``[c0, c0+n)``: dY's operand and the output tiles."""
+    yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
+    olds = []
+    for it in range(cfg.I // P):
+        dst = _p4_dst(cfg, t, blk, c0, n, it)
+        olds.append(_rmw_load(cfg.compute_dtype, dst, first, n, "p4"))
+    return yq, ysv, olds
 
 
 def _phase4(
     cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int
 ) -> None:
-    """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4)."""
+    """dW_d[e][i, h] += bf16(mx(S^T, dY)) per [128 i, <=512 h] tile (§6 P4), loads one column
+    group ahead as in `_phase3`."""
     if not geo.Hc:
         return
     first = cfg.dense and b == 0
+    bf = cfg.compute_dtype
     s_op = _stationary(t["sq"], 0, cfg.I, "p4_sres")
+    groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
-        n = min(NMAX, geo.h0 + geo.Hc - c0)
-        yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
+        groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
+    nxt = _p4_loads(cfg, t, blk, first, groups[0][0], groups[0][1])
+    for k in range(len(groups)):
+        c0, n = groups[k]
+        yq, ysv, olds = nxt
+        if k + 1 < len(groups):
+            nxt = _p4_loads(cfg, t, blk, first, groups[k + 1][0], groups[k + 1][1])
         for it in range(cfg.I // P):
             sq, ssv = _load_q(s_op, it * P, P, "p4_s")
             c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p4_c")
@@ -1142,8 +1542,7 @@ def _phase4(
                     dst=c_ps, stationary=sq[0:v, ci, :], moving=yq[0:v, ci, :],
                     stationary_scale=ssv[ci], moving_scale=ysv[ci], accumulate=ci > 0,
                 )  # fmt: skip
-            dst = _ap(t["dwd"], [[cfg.H, P], [1, n]], it * P * cfg.H + c0, blk["expert"])
-            _rmw(cfg.compute_dtype, dst, c_ps, first, n, "p4")
+            _rmw(bf, _p4_dst(cfg, t, blk, c0, n, it), c_ps, olds[it], n, "p4")
 
 
 def _write_bias(
@@ -1226,13 +1625,17 @@ def blockwise_mm_bwd_mxfp8_nki(
     _alloc_outputs(cfg, t)
     _alloc_scratch(cfg, geo, t)
     _constants(cfg, t)
+    zero_jobs: list[Any] = []
     if not cfg.dense or cfg.nv:
-        _init_outputs(cfg, geo, t)
+        zero_jobs = _init_outputs(cfg, geo, t)
     w_dense = None
     if cfg.dense:
         w_dense = _quantize_weights(cfg, geo, t, None)
     for b in range(cfg.N):
-        _block(cfg, geo, t, w_dense, b)
+        jobs: list[Any] = []
+        if b == 0:
+            jobs = zero_jobs
+        _block(cfg, geo, t, w_dense, b, jobs)
     if cfg.bias:
         return (t["hsg"], t["dea"], t["dwgu"], t["dwd"], t["dbgu"], t["dbd"])
     return (t["hsg"], t["dea"], t["dwgu"], t["dwd"])

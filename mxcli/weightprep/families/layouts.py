@@ -20,7 +20,7 @@ import torch
 from mxcli.errors import InputError
 from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint, CheckpointReader
 from mxcli.weightprep.families.routing import ConfigError
-from mxcli.weightprep.sources import decode_mxfp4, dequant_fp8_block
+from mxcli.weightprep.sources import CtQuant, decode_mxfp4, dequant_fp8_block
 
 # -- expert layouts on disk ---------------------------------------------------------------------
 
@@ -61,10 +61,19 @@ class Scratch:
         return t2(x)
 
 
-def load_weight(rd: CheckpointReader, name: str, fp8_block: tuple[int, int] | None) -> torch.Tensor:
-    """One 2-D source weight as bf16, FP8 block weights dequantized with ``name + "_scale_inv"``."""
+def load_weight(
+    rd: CheckpointReader, name: str, fp8_block: tuple[int, int] | CtQuant | None
+) -> torch.Tensor:
+    """One 2-D source weight as bf16, FP8 block weights dequantized with ``name + "_scale_inv"``
+    (compressed-tensors sources: with ``name + "_scale"``, `CtQuant`)."""
     info = rd.ckpt.info(name)
+    if isinstance(fp8_block, CtQuant) and info.dtype in FP8_SOURCE_DTYPES:
+        sname = fp8_block.scale_name(name)
+        if not rd.ckpt.has(sname):
+            raise ConfigError(f"{name}: FP8 weight without its {sname} (cannot dequantize)")
+        return fp8_block.dequant(rd.get(name), rd.get(sname), name)
     if info.dtype in FP8_SOURCE_DTYPES:
+        assert not isinstance(fp8_block, CtQuant)
         scale_name = name + "_scale_inv"
         if not rd.ckpt.has(scale_name):
             raise ConfigError(f"{name}: FP8 weight without its {scale_name} (cannot dequantize)")

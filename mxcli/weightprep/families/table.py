@@ -29,6 +29,7 @@ from mxcli.weightprep.families.routing import (
     kernel_router,
     with_backward,
 )
+from mxcli.weightprep.sources import CT_QUANT_METHOD, CtQuant, ct_quant
 
 REQUIRED = object()
 
@@ -755,7 +756,8 @@ class ModelConfig:
     family: Family
     values: dict[str, Any]  # role -> value
     used: dict[str, Any]  # config key -> value, as recorded in the manifest
-    fp8_block: tuple[int, int] | None  # DeepSeek FP8 source block size
+    # DeepSeek FP8 source block size, or a compressed-tensors source's scheme (`CtQuant`)
+    fp8_block: tuple[int, int] | CtQuant | None
     router: RouterSpec
 
     @property
@@ -913,7 +915,7 @@ def bind_tensor_names(
 
 def _quantization(
     config: dict[str, Any], family: Family
-) -> tuple[tuple[int, int] | None, str | None]:
+) -> tuple[tuple[int, int] | CtQuant | None, str | None]:
     q = config.get("quantization_config")
     if q is None:
         return None, None
@@ -936,9 +938,12 @@ def _quantization(
         return (block[0], block[1]), "fp8"
     if method == "mxfp4" and isinstance(family.experts, Fused):
         return None, "mxfp4"
+    if method == CT_QUANT_METHOD and not isinstance(family.experts, Fused):
+        return ct_quant(q), CT_QUANT_METHOD
     raise ConfigError(
         f"config.json: quantization_config.quant_method {method!r} is not supported for {family.name} "
-        "(supported: fp8 block-scaled, mxfp4 for gpt_oss)"
+        "(supported: fp8 block-scaled, compressed-tensors MXFP8/FP8 for per-expert layouts, "
+        "mxfp4 for gpt_oss)"
     )
 
 

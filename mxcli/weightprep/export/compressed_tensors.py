@@ -1,0 +1,309 @@
+"""``--output-format compressed-tensors``: a Hugging Face checkpoint folder whose routed-expert
+Linear weights are MXFP8 in compressed-tensors form, everything else copied unchanged.
+
+The on-disk form is the one the compressed_tensors library (0.20.1; the tests' oracle) writes and
+reads for format ``mxfp8-quantized`` (`compressors/mxfp8/base.py`): per expert projection
+``X.weight`` float8_e4m3fn ``[out, in]`` and ``X.weight_scale`` uint8 E8M0 ``[out, in/32]``
+(value = ``fp8 * 2^(byte - 127)``, groups of 32 along ``in``), and ``config.json``'s
+``quantization_config`` with ``quant_method: compressed-tensors``, the MXFP8 preset scheme
+(8-bit float weights, group 32, uint8 scales; dynamic MXFP8 activations) targeting the expert
+modules. vLLM (Neuron: ``quantization: "mxfp8"``; GPU) loads it.
+
+Scale rule: OCP (``byte = exponent(amax) - 8``). The format has no field for the rule
+(QuantizationArgs forbids extra keys; QuantizationConfig ignores them) and its readers decode any
+byte as ``2^(byte - 127)``, so NEURON scales would load but be mislabelled: `PrepOptions` refuses
+``--scale-rule neuron`` for this format. The rule and the FP8 range are recorded in the shard
+metadata and in ``mxcli-export.json``.
+
+A compressed-tensors MXFP8 source is passed through byte for byte (its scales follow the
+library's own rule, `generate_mx_scales`: OCP's exponent, rounded up when the group maximum's
+mantissa is 1.75 or more, so those groups do not saturate; re-quantizing them under OCP would).
+
+``--formats bf16`` writes the experts in bf16 (exactly the dequantized source) and no
+quantization_config: the escape hatch for stacks that cannot take MX.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxcli import __version__
+from mxcli.errors import InputError
+from mxcli.fsutil import default_mode
+from mxcli.mx import dequantize_mx, quantize_mx
+from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, INDEX_NAME, Checkpoint
+from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
+from mxcli.weightprep.families import PerExpert, load_weight
+from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
+from mxcli.weightprep.sources import CtQuant
+from mxcli.weightprep.writer import StreamingWriter, TensorSpec, write_index
+
+CT_FORMAT = "mxfp8-quantized"
+MX_GROUP = 32
+
+
+def _mx_args(dynamic: bool) -> dict[str, Any]:
+    """QuantizationArgs of the compressed-tensors MXFP8 preset (quant_scheme.py, ``MXFP8``)."""
+    return {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": MX_GROUP,
+        "strategy": "group",
+        "dynamic": dynamic,
+        "scale_dtype": "torch.uint8",
+    }
+
+
+def expert_targets(fam: Any) -> list[str]:
+    """``re:`` module-name targets matching exactly the family's per-expert Linear modules."""
+    ex = fam.experts
+    alts = []
+    for tmpl in (ex.gate, ex.up, ex.down):
+        module = tmpl.rsplit(".", 1)[0]  # drop ".weight"
+        alts.append(re.escape(module).replace(re.escape("{e}"), r"\d+"))
+    return [r"re:.*\.(" + "|".join(alts) + r")$"]
+
+
+def quantization_config(fam: Any) -> dict[str, Any]:
+    """``config.json``'s quantization_config, as compressed_tensors' ModelCompressor writes it."""
+    return {
+        "config_groups": {
+            "group_0": {
+                "targets": expert_targets(fam),
+                "weights": _mx_args(False),
+                "input_activations": _mx_args(True),
+                "output_activations": None,
+                "format": None,
+            }
+        },
+        "format": CT_FORMAT,
+        "global_compression_ratio": None,
+        "ignore": [],
+        "kv_cache_scheme": None,
+        "quant_method": "compressed-tensors",
+        "quantization_status": "compressed",
+        "sparsity_config": {},
+        "transform_config": {},
+        "producer": f"mxcli {__version__}",
+    }
+
+
+def quantize_weight(w: torch.Tensor, fp8_range: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A Linear weight ``[out, in]`` -> (float8_e4m3fn ``[out, in]``, uint8 E8M0 ``[out, in/32]``,
+    codes clipped for a +-240 target): `mxcli.mx.quantize_mx`, 32 along ``in``, OCP's algorithm
+    for the target's element (byte = exponent - 8 for +-448, - 7 for +-240: `Fp8Semantics`)."""
+    rule = Fp8Semantics(fp8_range, "ocp").rule_bytes
+    codes, scales = quantize_mx(w, axis=-1, rule=rule, scheme="1x32")
+    clipped = clip_codes(codes, fp8_range)
+    return codes.view(torch.float8_e4m3fn), scales, clipped
+
+
+def dequantized(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """mxcli's own decoding of an exported expert weight, rounded to bf16 as readers hold it."""
+    return dequantize_mx(weight.view(torch.uint8), scale, axis=-1, scheme="1x32").to(torch.bfloat16)
+
+
+def _expert_names(plan: Any) -> set[str]:
+    m = plan.model
+    names: set[str] = set()
+    for L in plan.layers:
+        names.update(m.family.experts.expected(plan.layer_prefix(L), m.E, m.H, m.I))
+    return names
+
+
+def _scale_companions(ckpt: Checkpoint, experts: set[str]) -> dict[str, str]:
+    """The source scale tensors of FP8 expert weights (scale name -> weight name); an FP8
+    tensor outside the experts is refused (copied unchanged it would lose its scheme)."""
+    scale_of = {}
+    for n in experts:
+        if ckpt.in_header(n) and ckpt.info(n).dtype in FP8_SOURCE_DTYPES:
+            for sn in (n + "_scale_inv", n + "_scale"):
+                if ckpt.has(sn):
+                    scale_of[sn] = n
+    for n in ckpt.names():
+        if (
+            n not in experts
+            and n not in scale_of
+            and ckpt.in_header(n)
+            and ckpt.info(n).dtype in FP8_SOURCE_DTYPES
+        ):
+            raise InputError(
+                f"{n}: FP8 outside the routed experts; the compressed-tensors export copies "
+                "those unchanged and would lose their scheme (dequantize them first)"
+            )
+    return scale_of
+
+
+def check_plan(plan: Any) -> None:
+    o = plan.options
+    fam = plan.model.family
+    if not isinstance(fam.experts, PerExpert):
+        raise InputError(
+            f"--output-format compressed-tensors: {fam.name} stores its experts fused "
+            f"({type(fam.experts).__name__}); compressed-tensors MXFP8 has per-expert Linear "
+            "weights (families with PerExpert layouts only)"
+        )
+    if o.tp != 1 or o.ep != 1:
+        raise InputError(
+            "--output-format compressed-tensors: a Hugging Face checkpoint is not sharded by "
+            f"rank (got --tp {o.tp} --ep {o.ep}; the serving stack shards it)"
+        )
+    if o.layers not in (None, "", "all"):
+        raise InputError(
+            f"--output-format compressed-tensors: exports every MoE layer (got --layers {o.layers})"
+        )
+    m = plan.model
+    if "mxfp8" in o.formats and (m.H % MX_GROUP or m.I % MX_GROUP):
+        raise InputError(
+            f"--output-format compressed-tensors: MXFP8 groups of 32 need hidden_size ({m.H}) "
+            f"and intermediate size ({m.I}) multiples of 32"
+        )
+    _scale_companions(Checkpoint(plan.source, require_shards=False), _expert_names(plan))
+
+
+def export_compressed_tensors(
+    plan: Any, out: Path | str, force: bool, progress: Callable[[int], None] | None = None
+) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    out = Path(out)
+    ckpt = Checkpoint(plan.source)
+    check_plan(plan)
+    mx = "mxfp8" in plan.options.formats
+    fp8_range = plan.options.fp8_range
+    experts = _expert_names(plan)
+    q = plan.model.fp8_block
+    scale_of = _scale_companions(ckpt, experts)  # not copied
+    # a compressed-tensors MXFP8 source keeps its codes and scales (re-quantizing them under
+    # OCP would saturate the groups whose scale the library rounded up, see the module doc)
+    passthrough = isinstance(q, CtQuant) and q.scheme == "mxfp8" and fp8_range == 448
+    stats: dict[str, Any] = {
+        "passed_through": 0,
+        "experts": 0,
+        "clipped": 0,
+        "changed_values": 0,
+        "values": 0,
+        "worst_sqnr_db": None,
+    }
+    weight_map: dict[str, str] = {}
+    total = 0
+    fp8_meta = plan.options.fp8().metadata() if mx else {}
+    with export_folder(out, ckpt.root, force) as tmp:
+        for f in ckpt.root.iterdir():  # tokenizer, generation config, ...: unchanged
+            if (
+                f.is_file()
+                and not f.name.endswith(".safetensors")
+                and f.name not in ("config.json", INDEX_NAME, SIDECAR)
+            ):
+                shutil.copy2(f, tmp / f.name)
+        by_file: dict[str, list[str]] = {}
+        for n in ckpt.names():
+            if n not in scale_of:
+                by_file.setdefault(ckpt.info(n).file, []).append(n)
+        with ckpt.reader() as rd:
+            for fname, names in sorted(by_file.items()):
+                specs: list[TensorSpec] = []
+                for n in names:
+                    info = ckpt.info(n)
+                    if n in experts and mx:
+                        o_, i_ = info.shape
+                        specs.append(TensorSpec(n, "F8_E4M3", (o_, i_)))
+                        specs.append(TensorSpec(n + "_scale", "U8", (o_, i_ // MX_GROUP)))
+                    elif n in experts:
+                        specs.append(TensorSpec(n, "BF16", info.shape))
+                    else:
+                        specs.append(TensorSpec(n, info.dtype, info.shape))
+                md = {"format": "pt", "producer": f"mxcli {__version__} prep-weights", **fp8_meta}
+                path = tmp / fname
+                with ExitStack() as stack:
+                    fd = _open(path, stack)
+                    w = StreamingWriter(fd, specs, md)
+                    for n in names:
+                        if n not in experts:
+                            w.write(n, rd.get(n))
+                            continue
+                        stats["experts"] += 1
+                        if progress:
+                            progress(2 * ckpt.info(n).shape[0] * ckpt.info(n).shape[1])
+                        if mx and passthrough:  # already this format: the bytes stay as they are
+                            w.write(n, rd.get(n))
+                            w.write(n + "_scale", rd.get(n + "_scale"))
+                            stats["passed_through"] += 1
+                            continue
+                        src = load_weight(rd, n, q)  # bf16, dequantized exactly
+                        if not mx:
+                            w.write(n, src)
+                            continue
+                        wq, sc, clipped = quantize_weight(src, fp8_range)
+                        w.write(n, wq)
+                        w.write(n + "_scale", sc)
+                        _account(stats, clipped, dequantized(wq, sc), src)
+                    w.finish()
+                    os.ftruncate(fd, w.total_bytes)
+                for spec in specs:
+                    weight_map[spec.name] = fname
+                total += sum(spec.nbytes for spec in specs)
+        config = dict(ckpt.config)
+        config.pop("quantization_config", None)
+        if mx:
+            config["quantization_config"] = quantization_config(plan.model.family)
+        write_json(tmp / "config.json", config)
+        if len(by_file) > 1 or ckpt.index_name:
+            write_index(tmp / INDEX_NAME, weight_map, total, {"producer": f"mxcli {__version__}"})
+        result = {
+            "output": str(out),
+            "output_format": "compressed-tensors",
+            "family": plan.model.family.name,
+            "source_format": plan.source_format,
+            "experts_format": "mxfp8" if mx else "bf16",
+            "quantization_config": config.get("quantization_config"),
+            "expert_tensors": stats["experts"],
+            "passed_through": stats["passed_through"],
+            "fp8": plan.options.fp8().to_dict() if mx else None,
+            "fp8_clipped": stats["clipped"],
+            "changed_values": stats["changed_values"],
+            "values": stats["values"],
+            "worst_sqnr_db": stats["worst_sqnr_db"],
+            "files": sorted(by_file),
+            "notes": (
+                [
+                    "expert codes and scales passed through from the compressed-tensors source: "
+                    "their scale bytes follow compressed_tensors' generate_mx_scales rule"
+                ]
+                if stats["passed_through"]
+                else []
+            ),
+        }
+        write_json(tmp / SIDECAR, sidecar(plan, "compressed-tensors", {"result": result}))
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    return result
+
+
+def _open(path: Path, stack: ExitStack) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, default_mode())
+    stack.callback(os.close, fd)
+    return fd
+
+
+def _account(stats: dict[str, Any], clipped: int, deq: torch.Tensor, src: torch.Tensor) -> None:
+    """Clipped codes, values the MXFP8 quantization changed, and the worst per-tensor SQNR."""
+    stats["clipped"] += clipped
+    d = deq.to(torch.float32) - src.to(torch.float32)
+    stats["changed_values"] += int((d != 0).sum())
+    stats["values"] += d.numel()
+    noise = float(d.double().pow(2).sum())
+    signal = float(src.to(torch.float64).pow(2).sum())
+    if noise > 0 and signal > 0:
+        db = round(10 * math.log10(signal / noise), 3)
+        worst = stats["worst_sqnr_db"]
+        stats["worst_sqnr_db"] = db if worst is None else min(worst, db)
