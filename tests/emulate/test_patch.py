@@ -34,13 +34,17 @@ def _check_family(model_type: str) -> None:
     ids = torch.randint(1, 64, (2, 24), generator=torch.Generator().manual_seed(0))
     ref = model(input_ids=ids).logits.detach()
     routers_before = {
-        n: p for n, p in model.named_parameters() if "gate" in n and "experts" not in n
+        n: p
+        for n, p in model.named_parameters()
+        if ("gate" in n or "router" in n) and "experts" not in n
     }
     names = patch(model, "exact")
     assert names and all(isinstance(model.get_submodule(n), MxExperts) for n in names)
     # The router stays the model's own (same parameter objects).
     assert routers_before == {
-        n: p for n, p in model.named_parameters() if "gate" in n and "experts" not in n
+        n: p
+        for n, p in model.named_parameters()
+        if ("gate" in n or "router" in n) and "experts" not in n
     }
     out = model(input_ids=ids).logits
     # exact mode = fp32 math of the same experts; only fp32 summation order differs.
