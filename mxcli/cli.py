@@ -9,6 +9,7 @@ from typing import Any
 import typer
 
 from mxcli import __version__
+from mxcli.commands._shared import journey_group
 
 
 def _exception_classes(name: str) -> tuple[type[BaseException], ...]:
@@ -30,9 +31,17 @@ _NO_ARGS_IS_HELP = _exception_classes("NoArgsIsHelpError")
 _USAGE_ERRORS = _exception_classes("UsageError")
 _ABORTS: tuple[type[BaseException], ...] = (typer.Abort, *_exception_classes("Abort"))
 
+# The commands in the order of the user's journey: `mxcli --help` lists them so.
+JOURNEY = ("prep-weights", "make-inputs", "run-prefill", "run-bwd", "verify", "inspect",
+           "profile", "demo", "emulate")  # fmt: skip
+
 app = typer.Typer(
     name="mxcli",
-    help="MXFP8 MoE kernels for AWS Trainium: prepare weights, run kernels, verify outputs.",
+    cls=journey_group(JOURNEY),
+    help="MXFP8 MoE kernels for AWS Trainium: prepare weights, run kernels, verify outputs.\n\n"
+    "In journey order: prep-weights, make-inputs, run-prefill / run-bwd, verify; inspect and "
+    "profile look inside; demo runs it all on tiny models; emulate measures what MXFP8 does "
+    "to a training loss.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -66,22 +75,28 @@ from mxcli.commands import prep_weights  # noqa: E402
 from mxcli.commands import profile as _profile  # noqa: E402
 from mxcli.commands import run as _run  # noqa: E402
 from mxcli.commands import verify as _verify  # noqa: E402
+from mxcli.commands._shared import PlainCommand  # noqa: E402
 
-app.command("make-inputs")(_make_inputs.make_inputs)
-app.command("run-prefill")(_run.run_prefill)
-app.command("run-bwd")(_run.run_bwd)
-app.command("verify")(_verify.verify)
-app.command("inspect")(_inspect.inspect)
-app.command("demo")(_demo.demo)
-app.command("emulate")(_emulate.emulate)
-app.command("prep-weights")(prep_weights.main)
+app.command("prep-weights", cls=PlainCommand)(prep_weights.main)
+app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_inputs)
+app.command("run-prefill", cls=PlainCommand)(_run.run_prefill)
+app.command("run-bwd", cls=PlainCommand)(_run.run_bwd)
+app.command("verify", cls=PlainCommand)(_verify.verify)
+app.command("inspect", cls=PlainCommand)(_inspect.inspect)
+app.command("emulate", cls=PlainCommand)(_emulate.emulate)
 app.add_typer(_profile.app, name="profile")
+app.command("demo", cls=PlainCommand)(_demo.demo)
 
 
 def _usage_message(exc: Any) -> str:
-    """A usage error as one line, with the command's --help as the hint."""
+    """A usage error as one line, with the failing command's --help as the hint (the whole
+    command path: ``mxcli profile prefill --help``)."""
     ctx = getattr(exc, "ctx", None)
-    hint = f" (see 'mxcli {ctx.info_name} --help')" if ctx is not None and ctx.parent else ""
+    names = []
+    while ctx is not None:
+        names.append(ctx.info_name if ctx.parent is not None else "mxcli")
+        ctx = ctx.parent
+    hint = f" (see '{' '.join(reversed(names))} --help')" if names else ""
     return " ".join(exc.format_message().split()) + hint
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from mxcli.errors import MxcliError, OutputExistsError
+from mxcli.errors import InputError, MxcliError, OutputExistsError
 
 TEMP_SUFFIX = ".tmp"
 # errors of the file system being written (as opposed to a bad path, reported as it is)
@@ -234,6 +234,40 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+@contextlib.contextmanager
+def utf8_path(path: str | os.PathLike[str]) -> Iterator[str]:
+    """A path string for libraries that accept only UTF-8 paths (safetensors' ``safe_open``
+    rejects a name holding byte 0xff, which POSIX allows). A non-UTF-8 path is opened here and
+    named by its descriptor (``/proc/self/fd/N``, ``/dev/fd/N``), valid inside the block; the
+    library opens its own handle, which stays valid after it."""
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield text
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for folder in ("/proc/self/fd", "/dev/fd"):
+            if os.path.isdir(folder):
+                yield f"{folder}/{fd}"
+                return
+        raise InputError(
+            f"{display_path(path)}: the path is not valid UTF-8 and this system has no "
+            "/proc/self/fd or /dev/fd to open it by; rename the file"
+        )
+    finally:
+        os.close(fd)
+
+
+def display_path(path: str | os.PathLike[str]) -> str:
+    """A path for messages: bytes that are not UTF-8 shown as ``\\xff`` escapes (printing the
+    raw surrogates would fail on a UTF-8 stdout)."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 class FolderBusyError(MxcliError):

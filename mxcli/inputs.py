@@ -20,6 +20,7 @@ legacy numpy RNG, seeded likewise): the same arguments give the same bytes.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,26 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
-from mxcli.tensorio import BWD, PREFILL
+from mxcli.io.files import describe_tensors, write_file
+from mxcli.io.metadata import inputs_metadata
+from mxcli.kernels import backends
+from mxcli.kernels.blockwise_moe import SPEC as BWD
+from mxcli.kernels.blockwise_moe import (
+    MXFP8MOEBwdConfig,
+    blockwise_mm_fwd_mxfp8,
+    build_block_plan,
+    build_dense_block_plan,
+    build_expert_affinities_masked,
+    prequantize_weights,
+)
+from mxcli.kernels.blockwise_moe.config import ClampLimits
+from mxcli.kernels.blockwise_moe.upstream_cases import upstream_router_choices
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
+from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType, arrange_router_weights
+from mxcli.kernels.rmsnorm_mx_prefill.contract import validate as validate_prefill
+from mxcli.kernels.spec import get_spec
+from mxcli.memory import check_fits
+from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
 
 
 @dataclass
@@ -66,8 +86,6 @@ def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float
 
 def _check_memory(what: str, need: int) -> None:
     """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
-    from mxcli.memory import check_fits
-
     check_fits(f"tokens: {what}", need)
 
 
@@ -124,8 +142,6 @@ def make_prefill_inputs(
     ``router_bias`` defaults to on for NOAUX_TC (where it is required) and off otherwise;
     ``router_dtype`` (``bf16``/``fp16``) defaults to the upstream tests' choice.
     """
-    from mxcli.kernels import RouterActFnType, arrange_router_weights
-
     _check_positive(batch=batch, seq=seq, hidden=hidden, experts=experts, top_k=top_k)
     if hidden % 512:
         raise InputError(f"hidden: expected a multiple of 512, got {hidden}")
@@ -194,9 +210,7 @@ def make_prefill_inputs(
     }
     # the kernel contract's own validation (top_k <= 8 and <= E, n_group | E, ...): what the
     # kernel would reject is never written
-    from mxcli.kernels.rmsnorm_mx_prefill.contract import validate
-
-    validate(
+    validate_prefill(
         tensors["hidden_states"],
         tensors["gamma"],
         tensors.get("router_weights"),
@@ -204,7 +218,7 @@ def make_prefill_inputs(
         residual=tensors.get("residual"),
         **kwargs,
     )
-    return KernelInputs(PREFILL, tensors, kwargs, generator)
+    return KernelInputs(PREFILL.name, tensors, kwargs, generator)
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -227,8 +241,6 @@ def _dtype(name: str) -> torch.dtype:
 
 def _clamp_limits(clamp: Any) -> Any:
     """``None``, a `ClampLimits`, or ``(nl_lower, nl_upper, l_lower, l_upper)`` (None = unset)."""
-    from mxcli.kernels.blockwise_moe.config import ClampLimits
-
     if clamp is None or isinstance(clamp, ClampLimits):
         return clamp
     values = list(clamp)
@@ -276,16 +288,6 @@ def make_bwd_inputs(
     the weights are zero-padded past it (`mxcli.weightprep.padding`); the hidden states and the
     output gradient are then zero there too, which keeps the padding exact.
     """
-    from mxcli.kernels.blockwise_moe import (
-        MXFP8MOEBwdConfig,
-        blockwise_mm_fwd_mxfp8,
-        build_block_plan,
-        build_dense_block_plan,
-        build_expert_affinities_masked,
-        prequantize_weights,
-    )
-    from mxcli.kernels.blockwise_moe.inputs import upstream_router_choices
-
     _check_positive(
         tokens=tokens,
         hidden=hidden,
@@ -407,7 +409,7 @@ def make_bwd_inputs(
     }
     generator.update(generator_info or {})
     return KernelInputs(
-        BWD,
+        BWD.name,
         tensors,
         {"block_size": B, "config": config},
         generator,
@@ -423,8 +425,7 @@ def _prefill_routing(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """Route T tokens with the prefill reference (SOFTMAX router): ((index, affinities), norm)."""
     if H % 512:
-        raise InputError(f"hidden: router=prefill needs a multiple of 512, got {H}")
-    from mxcli.tensorio import kernel_io, resolve_kwargs, run_kernel
+        raise InputError(f"hidden: prefill routing needs a multiple of 512, got {H}")
 
     pre = make_prefill_inputs(
         seq=T,
@@ -435,9 +436,14 @@ def _prefill_routing(
         emit_norm_bf16=True,
         seed=(seed + 1) % (SEED_MAX + 1),
     )
-    kwargs = resolve_kwargs(kernel_io(PREFILL), pre.kwargs)
-    out = run_kernel(PREFILL, pre.tensors, kwargs, backend="reference").outputs
+    out = _reference_outputs(pre.tensors, PREFILL.resolve_kwargs(pre.kwargs))
     return (out["expert_index"], out["expert_affinities"].float()), out["norm_bf16"]
+
+
+def _reference_outputs(tensors: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The prefill reference's named outputs (the router of synthetic bwd inputs)."""
+    call = PREFILL.call(tensors, kwargs)
+    return PREFILL.name_outputs(call, backends.get(PREFILL.name, "reference")(call))
 
 
 # --------------------------------------------------------------------------------------------
@@ -445,21 +451,12 @@ def _prefill_routing(
 # --------------------------------------------------------------------------------------------
 
 
-def layer_run_inputs(
-    kernel: str, weights: str | os.PathLike[str], layer: int, *, verify_hashes: bool = True
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and kwargs a prepared layer supplies to a run command (``--weights --layer``).
+def _prefill_layer(m: Any, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    tensors, pre_kwargs = load_prefill_inputs(m, layer)
+    return dict(tensors), dict(pre_kwargs)
 
-    prefill: ``gamma``, ``router_weights`` (and ``router_bias``) with the router kwargs;
-    bwd: the bf16 ``gate_up_proj_weight`` and ``down_proj_weight`` when the folder has them,
-    else the MXFP8 x4 data and scales with the matching scale layout in the config.
-    """
-    from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
 
-    m = load_manifest(Path(weights), verify_hashes=verify_hashes)
-    if kernel == PREFILL:
-        tensors, pre_kwargs = load_prefill_inputs(m, layer)
-        return dict(tensors), dict(pre_kwargs)
+def _bwd_layer(m: Any, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     fmt = "bf16" if "bf16" in m.settings["formats"] else "mxfp8"
     w = load_backward_weights(m, layer, fmt=fmt)
     kwargs: dict[str, Any] = {}
@@ -471,6 +468,25 @@ def layer_run_inputs(
             "phase2_config": {"enable_scale_packing": packed},
         }
     return dict(w), kwargs
+
+
+_LAYER_INPUTS: dict[str, Callable[[Any, int], tuple[dict[str, torch.Tensor], dict[str, Any]]]] = {
+    PREFILL.name: _prefill_layer,
+    BWD.name: _bwd_layer,
+}
+
+
+def layer_run_inputs(
+    kernel: str, weights: str | os.PathLike[str], layer: int, *, verify_hashes: bool = True
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Tensors and kwargs a prepared layer supplies to a run command (``--weights --layer``).
+
+    prefill: ``gamma``, ``router_weights`` (and ``router_bias``) with the router kwargs;
+    bwd: the bf16 ``gate_up_proj_weight`` and ``down_proj_weight`` when the folder has them,
+    else the MXFP8 x4 data and scales with the matching scale layout in the config.
+    """
+    m = load_manifest(Path(weights), verify_hashes=verify_hashes)
+    return _LAYER_INPUTS[get_spec(kernel).name](m, layer)
 
 
 def inputs_from_weights(
@@ -494,9 +510,6 @@ def inputs_from_weights(
     synthetic inputs, with the layer's bf16 expert weights (pre-quantized with ``prequantize``,
     in the folder's scale layout).
     """
-    from mxcli.tensorio import kernel_io, resolve_kwargs, run_kernel
-    from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
-
     _check_positive(tokens=tokens, batch=batch)
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
@@ -524,8 +537,8 @@ def inputs_from_weights(
         # run-* and verify read it: bwd gradients are un-padded to these true sizes
         "padding": padding.to_dict(),
     }
-    if kind == PREFILL or kind == "prefill":
-        return KernelInputs(PREFILL, tensors, dict(kw), info)
+    if get_spec(kind) is PREFILL:
+        return KernelInputs(PREFILL.name, tensors, dict(kw), info)
 
     # bwd: route with the prefill reference, feed its bf16 norm to the experts
     if "bf16" not in m.settings["formats"]:
@@ -533,8 +546,8 @@ def inputs_from_weights(
             f"{weights}: bwd inputs need the bf16 expert weights "
             "(prep-weights --formats bf16,mxfp8)"
         )
-    pre_kwargs = resolve_kwargs(kernel_io(PREFILL), {**kw, "emit_norm_bf16": True})
-    out = run_kernel(PREFILL, tensors, pre_kwargs, backend="reference").outputs
+    pre_kwargs = PREFILL.resolve_kwargs({**kw, "emit_norm_bf16": True})
+    out = _reference_outputs(tensors, pre_kwargs)
     aff = out["expert_affinities"].float()  # [T, E]
     K = int(pre_kwargs["top_k"])
     index = out.get("expert_index")
@@ -562,18 +575,55 @@ def inputs_from_weights(
     )  # fmt: skip
 
 
+def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
+    """What a prepared layer fixes, by `make-inputs` flag (underscored): ``hidden`` (the
+    model's and the padded H), ``experts``, ``intermediate`` (I per rank), and the router's
+    ``top_k``, ``router_act``, ``n_group``, ``topk_group``, ``routed_scaling_factor`` and
+    ``unpadded_hidden_size``, and the folder's MXFP8 ``scale_layout``. Read from the manifest
+    alone (no tensor data)."""
+    from mxcli.weightprep.manifest import load_manifest
+
+    m = load_manifest(Path(weights))
+    kw = m.prefill_kwargs(layer)
+    specs = m.rank_entry(layer, 0)["tensors"]
+    hp = int(specs["gamma"]["shape"][-1])
+    facts: dict[str, Any] = {
+        "hidden": sorted({hp, int(kw.get("unpadded_hidden_size") or hp)}),
+        "experts": int(specs["router_weights"]["shape"][-1]),
+        "top_k": int(kw["top_k"]),
+        "router_act": str(getattr(kw["router_act_fn"], "name", kw["router_act_fn"])).lower(),
+        "n_group": int(kw.get("n_group", 1)),
+        "topk_group": int(kw.get("topk_group", 1)),
+        "routed_scaling_factor": float(kw.get("routed_scaling_factor", 1.0)),
+        "unpadded_hidden_size": kw.get("unpadded_hidden_size"),
+        "scale_layout": m.settings.get("scale_layout"),
+    }
+    if "gate_up_proj_weight" in specs:
+        facts["intermediate"] = int(specs["gate_up_proj_weight"]["shape"][-1])
+    return facts
+
+
 def describe_inputs(inputs: KernelInputs, path: str | os.PathLike[str]) -> dict[str, Any]:
     """JSON-ready summary of written inputs (``make-inputs --json``)."""
-    from mxcli.tensorio import describe_tensors, dump_kwargs, kernel_io, resolve_kwargs
-
-    io = kernel_io(inputs.kernel)
+    spec = get_spec(inputs.kernel)
     return {
         "kernel": inputs.kernel,
         "output": str(path),
         "generator": inputs.generator,
-        "kwargs": dump_kwargs(io, resolve_kwargs(io, inputs.kwargs)),
+        "kwargs": spec.dump_kwargs(spec.resolve_kwargs(inputs.kwargs)),
         "tensors": describe_tensors(inputs.tensors),
     }
+
+
+def make_inputs(kernel: str, **params: Any) -> KernelInputs:
+    """Seeded synthetic inputs of `kernel` (`make_prefill_inputs`, `make_bwd_inputs`)."""
+    return _SYNTHETIC[get_spec(kernel).name](**params)
+
+
+_SYNTHETIC: dict[str, Callable[..., KernelInputs]] = {
+    PREFILL.name: make_prefill_inputs,
+    BWD.name: make_bwd_inputs,
+}
 
 
 # --------------------------------------------------------------------------------------------
@@ -585,20 +635,20 @@ def write_inputs(
     inputs: KernelInputs, path: str | os.PathLike[str], *, force: bool = False
 ) -> None:
     """Write an input file: tensors by argument name, kwargs and generator in the metadata."""
-    from mxcli.tensorio import inputs_metadata, kernel_io, resolve_kwargs, write_file
-
-    io = kernel_io(inputs.kernel)
-    kwargs = resolve_kwargs(io, inputs.kwargs)
+    spec = get_spec(inputs.kernel)
+    kwargs = spec.dump_kwargs(spec.resolve_kwargs(inputs.kwargs))
     write_file(
-        path, inputs.tensors, inputs_metadata(inputs.kernel, kwargs, inputs.generator), force=force
+        path, inputs.tensors, inputs_metadata(spec.name, kwargs, inputs.generator), force=force
     )
 
 
 __all__ = [
-    "BWD",
-    "PREFILL",
     "KernelInputs",
+    "describe_inputs",
+    "inputs_from_weights",
+    "layer_run_inputs",
     "make_bwd_inputs",
+    "make_inputs",
     "make_prefill_inputs",
     "write_inputs",
 ]

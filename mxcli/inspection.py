@@ -17,14 +17,18 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
-from mxcli.tensorio import (
-    PREFILL,
-    TensorFile,
-    describe_dtype,
-    nonfinite_counts,
-    read_file,
-    tensor_sha256,
-)
+from mxcli.io.files import TensorFile, describe_dtype, tensor_sha256
+from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.blockwise_moe.prequant import dequantize_weight_x4, scale_row_index, scale_rows
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
+from mxcli.kernels.spec import read_kernel_file
+from mxcli.mx import unpack_x4
+from mxcli.verification.finite import nonfinite_counts
+from mxcli.weightprep.manifest import MANIFEST_NAME, load_manifest, verify_layer_file
+
+# the prefill's packed rows: decoded (codes, scales, values, affinity tail), never shown as bytes
+assert PREFILL.packed is not None
+PACKED = PREFILL.packed
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -67,9 +71,7 @@ def _mx_summary(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor)
 
 
 def _decode_packed(f: TensorFile) -> dict[str, Any] | None:
-    from mxcli.verification.policy import decode_packed, packed_geometry
-
-    t = f.tensors.get("norm_quant_packed")
+    t = f.tensors.get(PACKED.name)
     if t is None:
         return None
     kwargs = f.kwargs
@@ -77,10 +79,10 @@ def _decode_packed(f: TensorFile) -> dict[str, Any] | None:
     H = geo.get("hidden_size") if isinstance(geo, Mapping) else None
     pack_aff = bool(kwargs.get("pack_affinities")) and bool(geo.get("num_experts"))
     if H is None:
-        H, _ = packed_geometry(kwargs, t)
-    dec = decode_packed(t, kwargs, int(H), int(geo["num_experts"]) if pack_aff else None)
+        H, _ = PACKED.geometry(kwargs, t)
+    dec = PACKED.decode(t, kwargs, int(H), int(geo["num_experts"]) if pack_aff else None)
     out = {
-        "tensor": "norm_quant_packed",
+        "tensor": PACKED.name,
         "kind": "packed prefill rows",
         "hidden_size": int(H),
         **_mx_summary(dec.values, dec.codes, dec.scales),
@@ -92,8 +94,6 @@ def _decode_packed(f: TensorFile) -> dict[str, Any] | None:
 
 def _weight_layout(f: TensorFile, K: int, rows: int, which: str) -> str:
     """Scale layout of a pre-quantized weight: from the metadata, else from the row count."""
-    from mxcli.kernels.blockwise_moe.prequant import scale_rows
-
     cfg = f.kwargs.get("config")
     if isinstance(cfg, Mapping):
         phase = cfg.get("phase2_config" if which == "gate_up" else "phase1_config") or {}
@@ -124,10 +124,6 @@ def _x4_pairs(names: list[str]) -> list[tuple[str, str, str]]:
 
 
 def _decode_x4(f: TensorFile, data: str, scales: str, which: str) -> dict[str, Any] | None:
-    from mxcli.kernels.blockwise_moe.numerics import Grouping
-    from mxcli.kernels.blockwise_moe.prequant import dequantize_weight_x4, scale_row_index
-    from mxcli.mx import unpack_x4
-
     x4, s = f.tensors[data], f.tensors[scales]
     if x4.dtype != torch.uint32 or s.dtype != torch.uint8 or x4.dim() != 3:
         return None
@@ -148,7 +144,7 @@ def _decode_x4(f: TensorFile, data: str, scales: str, which: str) -> dict[str, A
 
 def inspect_file(path: str | os.PathLike[str], *, stats: bool = True) -> dict[str, Any]:
     """JSON-ready description of a safetensors file (see the module docstring)."""
-    f = read_file(path)
+    f = read_kernel_file(path)
     meta: dict[str, Any] = {}
     for k in sorted(f.metadata):
         meta[k] = f.meta_json(k)
@@ -161,13 +157,13 @@ def inspect_file(path: str | os.PathLike[str], *, stats: bool = True) -> dict[st
             "sha256": tensor_sha256(t),
         }
         if stats:
-            if name == "norm_quant_packed" or t.dtype in _FP8 or t.dtype == torch.uint32:
+            if name == PACKED.name or t.dtype in _FP8 or t.dtype == torch.uint32:
                 row["note"] = (
                     "MX bytes, decoded below"
-                    if name == "norm_quant_packed" or t.dtype == torch.uint32
+                    if name == PACKED.name or t.dtype == torch.uint32
                     else "fp8 codes"
                 )
-                if t.dtype in _FP8 and name != "norm_quant_packed":
+                if t.dtype in _FP8 and name != PACKED.name:
                     row.update(value_stats(t.float()))
                 else:
                     row.update(nan=0, inf=0)
@@ -176,7 +172,7 @@ def inspect_file(path: str | os.PathLike[str], *, stats: bool = True) -> dict[st
         tensors.append(row)
     mx: list[dict[str, Any]] = []
     if stats:
-        if f.kernel == PREFILL or "norm_quant_packed" in f.tensors:
+        if PACKED.name in f.tensors:
             dec = _decode_packed(f)
             if dec is not None:
                 mx.append(dec)
@@ -207,8 +203,6 @@ def inspect_dir(
 
     Any other folder: the safetensors files in it, each described without data statistics.
     """
-    from mxcli.weightprep.manifest import MANIFEST_NAME, load_manifest, verify_layer_file
-
     p = Path(path)
     if not (p / MANIFEST_NAME).exists():
         files = sorted(p.glob("*.safetensors"))

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, blockwise_mm_bwd_mxfp8
-from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
 
 
 def best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -95,7 +95,7 @@ def bench_case(
     repeats: int,
 ) -> float:
     dense = E == 1 and K == 1 and T % B == 0
-    inp = make_bwd_inputs(T, H, E, B, K, I, dense=dense)
+    inp = make_upstream_case(T, H, E, B, K, I, dense=dense)
     cfg = MXFP8MOEBwdConfig() if dense else MXFP8MOEBwdConfig.routed(top_k=K)
     kwargs = inp.kwargs()
 

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
+from typer._click.formatting import HelpFormatter
+from typer.core import TyperCommand, TyperGroup
 
 from mxcli.errors import report_user_errors
 
@@ -151,7 +156,210 @@ class Steps:
 
 
 def complete_backend(incomplete: str) -> list[str]:
-    from mxcli.tensorio import BWD, PREFILL, available_backends
+    from mxcli.kernels.spec import all_specs
+    from mxcli.runs import available_backends
 
-    names = ["auto", *available_backends(PREFILL), *available_backends(BWD)]
+    names = ["auto", *(n for spec in all_specs() for n in available_backends(spec.name))]
     return sorted({n for n in names if n.startswith(incomplete)})
+
+
+# ---- help layout ----
+def _plain_argument_name(param: Any) -> str:
+    """An argument as a conventional usage line names it: ``SOURCE``, or ``{prefill|bwd}`` for a
+    choice (typer 0.29 writes ``{source}`` for a required argument and adds ``<str>``)."""
+    if param.metavar:
+        return str(param.metavar)
+    desc = getattr(param, "type_descriptor", None)
+    choices = getattr(desc, "choices", None) or getattr(
+        getattr(param, "type", None), "choices", None
+    )
+    if choices:
+        return "{" + "|".join(str(getattr(c, "value", c)) for c in choices) + "}"
+    return str(param.name).upper()
+
+
+_NB_HYPHEN = "\u2011"  # stands in for "-" while click wraps help text
+
+
+class _HelpFormatter(HelpFormatter):
+    """click's formatter, except that lines never break at a hyphen: ``run-prefill`` and
+    ``--weights`` stay whole (the wrapper breaks only at spaces)."""
+
+    def write_usage(self, prog: str, args: str = "", prefix: str | None = None) -> None:
+        super().write_usage(prog.replace("-", _NB_HYPHEN), args.replace("-", _NB_HYPHEN), prefix)
+
+    def write_text(self, text: str) -> None:
+        super().write_text(text.replace("-", _NB_HYPHEN))
+
+    def write_dl(self, rows: Any, *args: Any, **kwargs: Any) -> None:
+        rows = [(a.replace("-", _NB_HYPHEN), b.replace("-", _NB_HYPHEN)) for a, b in rows]
+        super().write_dl(rows, *args, **kwargs)
+
+    def getvalue(self) -> str:
+        return super().getvalue().replace(_NB_HYPHEN, "-")
+
+
+class _Context(typer.Context):
+    formatter_class = _HelpFormatter
+
+
+class PlainCommand(TyperCommand):
+    """click's conventional help: ``Usage: mxcli prep-weights [OPTIONS] SOURCE [OUTPUT]``,
+    and the Arguments rows named as in the usage line."""
+
+    context_class = _Context
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        for p in self.params:  # error messages then say 'SOURCE', as the usage line does
+            if p.param_type_name == "argument" and p.metavar is None:
+                name = _plain_argument_name(p)
+                if not name.startswith("{"):
+                    p.metavar = name
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if p.param_type_name != "argument":
+                continue
+            name = _plain_argument_name(p)
+            name = name if p.required else f"[{name}]"
+            pieces.append(name + ("..." if p.nargs != 1 else ""))
+        return pieces
+
+    def format_options(self, ctx: Any, formatter: Any) -> None:
+        args, opts = [], []
+        for p in self.get_params(ctx):
+            rv = p.get_help_record(ctx)
+            if rv is None:
+                continue
+            if p.param_type_name == "argument":
+                args.append((_plain_argument_name(p), rv[1]))
+            else:
+                opts.append(rv)
+        for title, rows in (("Arguments", args), ("Options", opts)):
+            if rows:
+                with formatter.section(title):
+                    formatter.write_dl(rows)
+
+
+# ---- output layout: lines that fit the terminal, never cut inside a name or a number ----
+# the dtype names of the safetensors format (as the README's I/O contract writes them)
+_ST_DTYPE = {
+    "bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "int8": "I8", "int16": "I16", "int32": "I32", "int64": "I64", "uint8": "U8",
+    "uint16": "U16", "uint32": "U32", "uint64": "U64", "bool": "BOOL",
+}  # fmt: skip
+HASH_DIGITS = 12  # hex digits of a sha256 shown on screen (--json has all 64)
+
+
+def st_dtype(name: str) -> str:
+    """A torch dtype name (``bfloat16``) as safetensors names it (``BF16``), for the screen."""
+    return _ST_DTYPE.get(name.removeprefix("torch."), name)
+
+
+def shape_text(shape: Any) -> str:
+    return "[" + ", ".join(str(n) for n in shape) + "]"
+
+
+def wrap_items(head: str, items: list[str], width: int, indent: int = 4) -> list[str]:
+    """``head`` then the items separated by ", ", wrapped only between items; continuation
+    lines are indented by `indent`."""
+    lines: list[str] = []
+    cur = head
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if cur.strip() and len(cur) + 1 + len(piece) > width and cur != head:
+            lines.append(cur)
+            cur = " " * indent + piece
+        else:
+            cur = f"{cur} {piece}" if cur else piece
+    lines.append(cur)
+    return lines
+
+
+def aligned_rows(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:
+    """Rows of cells as aligned text columns (two spaces apart; `right` columns right-aligned)."""
+    if not rows:
+        return []
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+
+
+def print_rows(
+    con: Any,
+    header: list[str],
+    rows: list[list[str]],
+    *,
+    right: frozenset[int] = frozenset(),
+    indent: int = 0,
+    title: str | None = None,
+) -> None:
+    """A table as aligned columns when it fits the console; otherwise each row as its first
+    cell on a line of its own and the other cells (``header value``) wrapped below it. No cell
+    is ever cut or wrapped inside. The rows are indented by `indent`, the title is not."""
+    from rich.text import Text
+
+    pad = " " * indent
+    if title:
+        con.print(Text(title, style="bold"), soft_wrap=True)
+    lines = aligned_rows([header, *rows], right)
+    if all(len(pad) + len(line) <= con.width for line in lines):
+        con.print(Text(pad + lines[0], style="bold"), soft_wrap=True)
+        for line in lines[1:]:
+            con.print(Text(pad + line), soft_wrap=True)
+        return
+    for row in rows:
+        con.print(Text(pad + row[0]), soft_wrap=True)
+        items = [f"{h} {v}" for h, v in zip(header[1:], row[1:], strict=True)]
+        for line in wrap_items(pad + "   ", items, con.width, indent=len(pad) + 4):
+            con.print(Text(line), soft_wrap=True)
+
+
+def journey_group(order: tuple[str, ...]) -> type:
+    """A command group that lists its commands in `order` (the user's journey) in --help,
+    whether they are commands or sub-groups (typer lists the groups last)."""
+
+    class JourneyGroup(TyperGroup):
+        context_class = _Context
+
+        def list_commands(self, ctx: Any) -> list[str]:
+            names = super().list_commands(ctx)
+            return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
+
+    return JourneyGroup
+
+
+@functools.cache
+def kernel_defaults(source: str, function: str) -> dict[str, str]:
+    """The defaults of a kernel's public signature as the help texts show them, read from the
+    source file `source` (relative to the package) rather than imported: the signature stays the
+    one place holding them, and ``mxcli --help`` does not import torch. Booleans read ``on`` /
+    ``off``, enum members their lower-case name, strings unquoted, numbers as written."""
+    path = Path(__file__).resolve().parent.parent / source
+    text = path.read_text(encoding="utf-8")
+    for node in ast.parse(text).body:
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            args = node.args.args
+            pairs = zip(
+                args[len(args) - len(node.args.defaults) :], node.args.defaults, strict=True
+            )
+            return {a.arg: _shown(d, text) for a, d in pairs}
+    raise LookupError(f"{source}: no function {function}")
+
+
+def _shown(node: ast.expr, text: str) -> str:
+    if isinstance(node, ast.Constant) and isinstance(node.value, bool):
+        return "on" if node.value else "off"
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return node.value
+    if isinstance(node, ast.Attribute):  # an enum member: RouterActFnType.SIGMOID
+        return node.attr.lower()
+    return ast.get_source_segment(text, node) or ast.unparse(node)

@@ -22,6 +22,7 @@ from mxcli.commands._shared import (
     Json,
     Quiet,
     Steps,
+    aligned_rows,
     complete_backend,
     guarded,
     print_json,
@@ -67,9 +68,9 @@ def demo(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run the whole journey on tiny built-in checkpoints and list every file written.
+    """Run the whole journey on tiny built-in models.
 
-    prep-weights -> make-inputs -> run-prefill -> run-bwd -> verify, for a Qwen3-style (softmax)
+    It lists every file written: prep-weights -> make-inputs -> run-prefill -> run-bwd -> verify, for a Qwen3-style (softmax)
     and a DeepSeek-V3-style (noaux_tc) model. Without --out it works in a temporary folder and
     removes it at the end (--keep keeps it); the summary says where it was.
     """
@@ -149,7 +150,8 @@ def _journey(
     """The eight steps for one model; returns one summary row per step (``force``: replace what
     an earlier demo wrote in ``d``)."""
     from mxcli.inputs import inputs_from_weights, write_inputs
-    from mxcli.tensorio import BWD, PREFILL, run_file
+    from mxcli.kernels.spec import all_specs
+    from mxcli.runs import run_file
     from mxcli.verification.golden import check_run, compare_files
     from mxcli.weightprep import PrepOptions, build_checkpoint, prepare_weights
 
@@ -238,7 +240,7 @@ def _journey(
 
         return fn
 
-    for kind, kernel in (("prefill", PREFILL), ("bwd", BWD)):
+    for kind, kernel in ((spec.short, spec.name) for spec in all_specs()):
         extra = f" --weights {prep} --layer {L} --tokens {tokens}" + (
             " --prequantize" if kind == "bwd" else ""
         )
@@ -266,26 +268,27 @@ def _journey(
 def _print(
     root: Path, rows: list[dict[str, Any]], files: list[str], passed: bool, *, removed: bool
 ) -> None:
-    from rich.table import Table
+    import textwrap
+
+    from rich.text import Text
 
     con = stdout_console()
-    table = Table(title="mxcli demo", header_style="bold", show_lines=False)
-    for col in ("model", "step", "seconds", "result", "command / detail"):
-        table.add_column(col, overflow="fold", justify="right" if col == "seconds" else "left")
-    for r in rows:
-        table.add_row(
-            r["model"],
-            r["step"],
-            f"{r['seconds']:.2f}",
-            "[green]ok[/]" if r["passed"] else "[red]FAIL[/]",
-            f"{r['command']}\n[dim]{r['detail']}[/]",
-        )
-    con.print(table)
+    con.print(Text("mxcli demo", style="bold"), soft_wrap=True)
+    # a row per step, its command and detail below it, wrapped at spaces only (a path or a flag
+    # is never split, as a table column folding at 80 columns would)
+    cells = [[r["model"], r["step"], f"{r['seconds']:.2f} s", "ok" if r["passed"] else "FAIL"]
+             for r in rows]  # fmt: skip
+    for r, line in zip(rows, aligned_rows(cells, right=frozenset({2})), strict=True):
+        con.print(Text("  " + line, style="" if r["passed"] else "red bold"), soft_wrap=True)
+        for text, style in ((r["command"], ""), (r["detail"], "dim")):
+            for part in textwrap.wrap(str(text), max(con.width, 40), initial_indent="      ",
+                                      subsequent_indent="        ", break_long_words=False,
+                                      break_on_hyphens=False):  # fmt: skip
+                con.print(Text(part, style=style), soft_wrap=True)
     if removed:
-        con.print(
-            f"[bold]{len(files)} files written[/] under {root}, now removed "
-            "(keep them with --keep or --out DIR)"
-        )
+        con.print(Text(f"{len(files)} files written under {root}, now removed", style="bold"),
+                  soft_wrap=True)  # fmt: skip
+        con.print(Text("  (keep them with --keep or --out DIR)"), soft_wrap=True)
     else:
         con.print(f"[bold]files written[/] under {root}:")
         for f in files:

@@ -7,7 +7,18 @@ from typing import Annotated, Any
 
 import typer
 
-from mxcli.commands._shared import Debug, Json, Quiet, Steps, guarded, print_json, stdout_console
+from mxcli.commands._shared import (
+    HASH_DIGITS,
+    Debug,
+    Json,
+    Quiet,
+    Steps,
+    guarded,
+    print_json,
+    shape_text,
+    st_dtype,
+    stdout_console,
+)
 
 
 def inspect(
@@ -43,10 +54,11 @@ def inspect(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Show what a safetensors file or a prep-weights folder holds; MX tensors decoded.
+    """Show what a safetensors file or prep-weights folder holds.
 
     Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
-    prefill rows and x4 weights become scale histograms and dequantized statistics.
+    prefill rows and x4 weights become scale histograms and dequantized statistics. Hashes show
+    their first 12 hex digits (--json gives all of them and every value in full).
     """
 
     def body() -> None:
@@ -69,69 +81,106 @@ def _fmt(v: Any) -> str:
         return "-"
     if isinstance(v, float):
         return f"{v:.4g}"
+    if isinstance(v, int):
+        return f"{v:,}"
     return str(v)
 
 
-def _render(data: dict[str, Any], con: Any = None) -> None:
+def _short(v: Any) -> Any:
+    """A metadata value for the screen: sha256 digests cut to their first hex digits."""
+    if isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v):
+        return v[:HASH_DIGITS]
+    return v
+
+
+def _value(v: Any) -> str:
     import json
 
-    from rich.table import Table
+    v = _short(v)
+    return v if isinstance(v, str) else json.dumps(v, default=str)
+
+
+def _print_mapping(con: Any, head: str, value: Any, width: int, indent: int = 4) -> None:
+    """``head k=v, k=v, ...`` wrapped between items (continuation lines indented by `indent`);
+    a JSON string is shown as what it holds."""
+    import json
+
+    from mxcli.commands._shared import wrap_items
+
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    parts = _parts(value) if isinstance(value, dict) else [_value(value)]
+    for line in wrap_items(head, parts, width, indent=indent):
+        _out(con, line)
+
+
+def _parts(mapping: dict[str, Any]) -> list[str]:
+    """``k=v`` items; a nested mapping's items between braces, so that lines break between
+    them too: ``model_math={scoring=softmax``, ``top_k=2``, ..., ``topk_group=1}``."""
+    parts: list[str] = []
+    for k, v in mapping.items():
+        if isinstance(v, dict) and v:
+            inner = _parts(v)
+            inner[0], inner[-1] = f"{k}={{{inner[0]}", inner[-1] + "}"
+            parts += inner
+        else:
+            parts.append(f"{k}={_value(v)}")
+    return parts
+
+
+def _out(con: Any, line: str, style: str | None = None) -> None:
+    from rich.text import Text
+
+    con.print(Text(line, style=style or ""), soft_wrap=True)
+
+
+def _render(data: dict[str, Any], con: Any = None) -> None:
+    """The report at the console's width: full tensor names always (a row too wide for the
+    terminal is listed name first, its other columns below), lists wrapped between items."""
+    from mxcli.commands._shared import print_rows
 
     con = con or stdout_console()
+    width = con.width
     if data["kind"] == "file":
-        con.print(f"[bold]{data['path']}[/] ({data['size']:,} bytes)")
+        _out(con, f"{data['path']} ({data['size']:,} bytes)", "bold")
         if data["metadata"]:
-            meta = Table(title="metadata", show_header=False, box=None)
-            meta.add_column("key", style="cyan")
-            meta.add_column("value", overflow="fold")
+            _out(con, "metadata", "bold")
+            pad = max(len(k) for k in data["metadata"]) + 3
             for k, v in data["metadata"].items():
-                meta.add_row(k, v if isinstance(v, str) else json.dumps(v, default=str))
-            con.print(meta)
-        t = Table(title="tensors", header_style="bold")
-        for col in ("name", "dtype", "shape", "sha256", "min", "max", "mean", "NaN", "Inf"):
-            t.add_column(
-                col, justify="right" if col in ("min", "max", "mean", "NaN", "Inf") else "left"
-            )
-        for row in data["tensors"]:
-            t.add_row(
-                row["name"],
-                row["dtype"],
-                str(row["shape"]),
-                row["sha256"][:12],
-                _fmt(row.get("min")),
-                _fmt(row.get("max")),
-                _fmt(row.get("mean")),
-                _fmt(row.get("nan")),
-                _fmt(row.get("inf")),
-            )
-        con.print(t)
+                _print_mapping(con, f"  {k}".ljust(pad), v, width, indent=pad + 1)
+        rows = [[r["name"], st_dtype(r["dtype"]), shape_text(r["shape"]), r["sha256"][:HASH_DIGITS]]
+                for r in data["tensors"]]  # fmt: skip
+        print_rows(con, ["tensor", "dtype", "shape", "sha256"], rows, indent=2, title="tensors")
+        if any("min" in r for r in data["tensors"]):
+            stats = [[r["name"], *(_fmt(r.get(k)) for k in ("min", "max", "mean", "nan", "inf"))]
+                     for r in data["tensors"]]  # fmt: skip
+            print_rows(con, ["tensor", "min", "max", "mean", "NaN", "Inf"], stats,
+                       right=frozenset({1, 2, 3, 4, 5}), indent=2, title="values")  # fmt: skip
         for mx in data.get("mx", []):
             _render_mx(mx, con)
     elif data["kind"] == "prep-weights":
-        con.print(
-            f"[bold]{data['path']}[/]: prep-weights output of a "
-            f"{data['source'].get('family')} checkpoint ({data['source'].get('path')})"
-        )
+        _out(con, f"{data['path']}: prep-weights output of a {data['source'].get('family')} "
+                  f"checkpoint ({data['source'].get('path')})", "bold")  # fmt: skip
         for key in ("model", "settings", "router"):
-            con.print(f"[cyan]{key}[/]: " + json.dumps(data[key], default=str))
-        con.print(
-            f"[cyan]ranks[/]: {len(data['ranks'] or [])}; [cyan]layers[/]: "
-            + ", ".join(data["layers"])
-        )
+            _print_mapping(con, f"{key}:", data[key], width)
+        _out(con, f"ranks: {len(data['ranks'] or [])}; layers: " + ", ".join(data["layers"]))
         for L, entry in data["layers"].items():
-            t = Table(title=f"layer {L}", header_style="bold")
-            for col in ("tensor", "dtype", "shape", "kernel arg", "sha256"):
-                t.add_column(col)
-            for k, v in entry["tensors"].items():
-                t.add_row(
-                    k,
-                    v["dtype"],
-                    str(v["shape"]),
-                    str(v.get("kernel_arg") or "-"),
-                    (v.get("sha256") or "-")[:12],
-                )
-            con.print(t)
-            con.print("prefill kwargs: " + json.dumps(entry["prefill_kwargs"], default=str))
+            specs = entry["tensors"]
+            rows = [[k, v["dtype"], shape_text(v["shape"]), (v.get("sha256") or "-")[:HASH_DIGITS]]
+                    for k, v in specs.items()]  # fmt: skip
+            print_rows(con, ["tensor", "dtype", "shape", "sha256"], rows, indent=2,
+                       title=f"layer {L}")  # fmt: skip
+            passed = [f"{k} as {v['kernel_arg']}" for k, v in specs.items()
+                      if v.get("kernel_arg") and v["kernel_arg"] != k]  # fmt: skip
+            if passed:
+                from mxcli.commands._shared import wrap_items
+
+                for line in wrap_items("  kernel args:", passed, width):
+                    _out(con, line)
+            _print_mapping(con, "  prefill kwargs:", entry["prefill_kwargs"], width)
         if "layer_detail" in data:
             _render(data["layer_detail"], con)
     else:
@@ -140,28 +189,29 @@ def _render(data: dict[str, Any], con: Any = None) -> None:
 
 
 def _render_mx(mx: dict[str, Any], con: Any) -> None:
-    from rich.table import Table
+    from mxcli.commands._shared import aligned_rows, wrap_items
 
     d = mx["dequantized"]
-    title = f"{mx['tensor']}: {mx['kind']}"
+    parts = [str(mx["kind"])]
     if "scale_layout" in mx:
-        title += f", {mx['scale_layout']} scales"
-    con.print(
-        f"[bold]{title}[/]: {mx['groups']:,} MX groups, dequantized min {_fmt(d['min'])} "
-        f"max {_fmt(d['max'])} mean {_fmt(d['mean'])} std {_fmt(d['std'])}, "
-        f"zero codes {mx['zero_codes']:.2%}"
-    )
+        parts.append(f"{mx['scale_layout']} scales")
+    parts.append(f"{mx['groups']:,} MX groups")
+    for line in wrap_items(f"{mx['tensor']}:", parts, con.width):
+        _out(con, line, "bold")
+    for line in wrap_items("  dequantized:", [f"min {_fmt(d['min'])}", f"max {_fmt(d['max'])}",
+                           f"mean {_fmt(d['mean'])}", f"std {_fmt(d['std'])}",
+                           f"zero codes {mx['zero_codes']:.2%}"], con.width):  # fmt: skip
+        _out(con, line)
     hist = mx["scale_exponents"]
-    t = Table(title="scale exponents", header_style="bold", box=None)
-    t.add_column("scale")
-    t.add_column("groups", justify="right")
-    t.add_column("")
     top = max(hist.values()) if hist else 1
-    for k, n in hist.items():
-        t.add_row(k, f"{n:,}", "#" * max(1, round(30 * n / top)))
-    con.print(t)
+    rows = [["scale", "groups", ""]]
+    rows += [[k, f"{n:,}", "#" * max(1, round(30 * n / top))] for k, n in hist.items()]
+    lines = aligned_rows(rows, right=frozenset({1}))
+    _out(con, "  scale exponents", "bold")
+    _out(con, "    " + lines[0], "bold")
+    for line in lines[1:]:
+        _out(con, "    " + line)
     if "packed_affinities" in mx:
         a = mx["packed_affinities"]
-        con.print(
-            f"packed affinities: min {_fmt(a['min'])} max {_fmt(a['max'])} mean {_fmt(a['mean'])}"
-        )
+        _out(con, f"  packed affinities: min {_fmt(a['min'])} max {_fmt(a['max'])} "
+                  f"mean {_fmt(a['mean'])}")  # fmt: skip

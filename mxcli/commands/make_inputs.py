@@ -17,7 +17,11 @@ from mxcli.commands._shared import (
     Steps,
     guarded,
     print_json,
+    print_rows,
+    shape_text,
+    st_dtype,
     stdout_console,
+    wrap_items,
 )
 
 
@@ -26,11 +30,35 @@ class Kind(str, enum.Enum):
     bwd = "bwd"
 
 
+class Routing(str, enum.Enum):
+    seeded = "seeded"
+    prefill = "prefill"
+
+
+# flags that only one kind of input uses (given for the other kind they are refused)
+_PREFILL_ONLY = ("batch", "residual", "router_act", "n_group", "topk_group", "routed_scaling_factor",
+                 "router_bias", "router_dtype", "unpadded_hidden_size", "pack_scales",
+                 "pack_affinities", "emit_norm_bf16")  # fmt: skip
+_BWD_ONLY = ("intermediate", "block_size", "routing", "dense", "bias", "clamp", "prequantize",
+             "scale_layout")  # fmt: skip
+# with --weights: what the prepared layer fixes (a flag may repeat it, not contradict it) ...
+_LAYER_FACTS = ("hidden", "experts", "intermediate", "top_k", "router_act", "n_group",
+                "topk_group", "routed_scaling_factor", "unpadded_hidden_size", "scale_layout")  # fmt: skip
+# ... what it makes meaningless, and the prefill output kwargs that still apply
+_NOT_WITH_WEIGHTS = ("router_bias", "router_dtype", "routing", "dense", "bias", "clamp")
+_OUTPUT_KWARGS = ("pack_scales", "pack_affinities", "emit_norm_bf16")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _opt(flag: str, help: str, **kw: Any) -> Any:
     return typer.Option(flag, help=help, show_default=kw.pop("show_default", True), **kw)
 
 
 def make_inputs(
+    ctx: typer.Context,
     kind: Annotated[Kind, typer.Argument(help="Which kernel the inputs are for: prefill or bwd.")],
     output: Annotated[
         Path,
@@ -42,7 +70,9 @@ def make_inputs(
     ] = 1,
     hidden: Annotated[int, _opt("--hidden", "Hidden size H (prefill: a multiple of 512).")] = 512,
     experts: Annotated[int, _opt("--experts", "Experts E (prefill: 0 = no router).")] = 16,
-    top_k: Annotated[int, _opt("--top-k", "Experts per token K.")] = 2,
+    top_k: Annotated[
+        int, _opt("--top-k", "Experts per token K (the kernel API's default: 1).")
+    ] = 2,
     router_act: Annotated[
         str, _opt("--router-act", "prefill router: sigmoid, softmax or noaux_tc.")
     ] = "softmax",
@@ -68,7 +98,8 @@ def make_inputs(
         ),
     ] = None,
     residual: Annotated[
-        bool, _opt("--residual/--no-residual", "prefill: add a residual input.")
+        bool,
+        _opt("--residual/--no-residual", "prefill (bwd with --weights): add a residual input."),
     ] = False,
     unpadded_hidden_size: Annotated[
         int | None,
@@ -90,14 +121,16 @@ def make_inputs(
     intermediate: Annotated[
         int, _opt("--intermediate", "bwd: intermediate size I (per TP rank).")
     ] = 128,
-    block_size: Annotated[int, _opt("--block-size", "bwd: tokens per block B.")] = 128,
-    router: Annotated[
-        str,
+    block_size: Annotated[
+        int, _opt("--block-size", "bwd: tokens per block B (the kernel API's default: 4096).")
+    ] = 128,
+    routing: Annotated[
+        Routing,
         _opt(
-            "--router",
-            "bwd routing: seeded (K distinct experts per token) or prefill (the prefill reference).",
+            "--routing",
+            "bwd: seeded (K distinct experts per token) or prefill (the prefill reference).",
         ),
-    ] = "seeded",
+    ] = Routing.seeded,
     dense: Annotated[bool, _opt("--dense", "bwd: single-expert dense layout (E=1, K=1).")] = False,
     bias: Annotated[bool, _opt("--bias", "bwd: config.bias (also return bias gradients).")] = False,
     clamp: Annotated[
@@ -135,19 +168,29 @@ def make_inputs(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Write a complete, valid input file: seeded synthetic data or a prepared checkpoint layer.
+    """Write a kernel input file: synthetic, or from --weights.
 
-    bwd inputs route the tokens, build the block plan, run the forward reference for the
-    gate/up checkpoint and draw an output gradient.
+    Seeded synthetic data, or a prepared checkpoint layer (--weights and --layer). bwd
+    inputs route the tokens, build the block plan, run the forward reference for the gate/up
+    checkpoint and draw an output gradient. The defaults make a small test case (the kernel
+    API's own defaults, which run-prefill and run-bwd fall back to, are noted where they
+    differ). With --weights the layer fixes the shapes and the router: such a flag may repeat
+    the layer's value, and is refused when it contradicts it.
     """
 
     def body() -> None:
-        from mxcli import inputs as mk
-        from mxcli.errors import InputError
         from mxcli.fsutil import check_output_path, refuse_inputs
 
+        given = {n for n in ctx.params if _from_command_line(ctx, n)}
+        _check_flags(kind, given, locals_=dict(ctx.params), weights=weights)
         check_output_path(output, force)
         refuse_inputs(output, folders=[("--weights folder", weights)])
+        if weights is not None and layer is not None:
+            _check_weight_flags(given, dict(ctx.params), weights, layer)
+
+        from mxcli import inputs as mk  # torch: after the flags are known to be good
+        from mxcli.errors import InputError
+
         for flag, value in (("tokens", tokens), ("batch", batch)):
             if value < 1:
                 raise InputError(f"{flag}: expected a positive integer, got {value}")
@@ -169,6 +212,9 @@ def make_inputs(
                         prequantize=prequantize,
                         verify_hashes=not no_verify_hashes,
                     )
+                    for name in _OUTPUT_KWARGS:  # output layout, not a fact of the layer
+                        if name in given:
+                            made.kwargs[name] = ctx.params[name]
                 elif kind is Kind.prefill:
                     if tokens % batch:
                         raise InputError(
@@ -187,7 +233,7 @@ def make_inputs(
                         tokens=tokens, hidden=hidden, intermediate=intermediate, experts=experts,
                         top_k=top_k, block_size=block_size, dense=dense, bias=bias,
                         clamp=_parse_clamp(clamp), prequantize=prequantize, scale_layout=scale_layout,
-                        router=router, seed=seed,
+                        router=routing.value, seed=seed,
                     )  # fmt: skip
             with steps.step(f"Writing {output}"):
                 mk.write_inputs(made, output, force=force)
@@ -198,6 +244,59 @@ def make_inputs(
             _print(summary)
 
     guarded(debug, body, json_out=json_out)
+
+
+def _from_command_line(ctx: typer.Context, name: str) -> bool:
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def _check_flags(
+    kind: Kind, given: set[str], locals_: dict[str, Any], weights: Path | None
+) -> None:
+    """Refuse a flag that does nothing here: one of the other kind's, ``--scale-layout``
+    without ``--prequantize``, and with ``--weights`` one the layer makes meaningless."""
+    from mxcli.errors import InputError
+
+    other = _BWD_ONLY if kind is Kind.prefill else _PREFILL_ONLY
+    for name in other:
+        if name in given and not (name == "residual" and weights is not None):
+            raise InputError(
+                f"{name}: {_flag(name)} applies to make-inputs "
+                f"{'bwd' if kind is Kind.prefill else 'prefill'} only"
+            )
+    if "scale_layout" in given and not locals_["prequantize"]:
+        raise InputError("scale_layout: --scale-layout applies only with --prequantize")
+    if weights is None:
+        return
+    for name in _NOT_WITH_WEIGHTS:
+        if name in given:
+            raise InputError(
+                f"{name}: {_flag(name)} does not apply with --weights (the layer's own is used)"
+            )
+
+
+def _check_weight_flags(
+    given: set[str], locals_: dict[str, Any], weights: Path, layer: int
+) -> None:
+    """Refuse a flag that contradicts what the layer fixes (`mxcli.inputs.layer_facts`)."""
+    from mxcli.errors import InputError
+    from mxcli.inputs import layer_facts
+
+    facts = layer_facts(weights, layer)
+    for name in _LAYER_FACTS:
+        if name not in given or name not in facts:
+            continue
+        value, fixed = locals_[name], facts[name]
+        same = value in fixed if isinstance(fixed, list) else (
+            str(value).lower() == str(fixed).lower() if isinstance(fixed, str) else value == fixed
+        )  # fmt: skip
+        if not same:
+            shown = " or ".join(map(str, fixed)) if isinstance(fixed, list) else fixed
+            raise InputError(
+                f"{name}: expected {shown} (layer {layer} of {weights}), got {_flag(name)} "
+                f"{getattr(value, 'value', value)}; leave it out with --weights"
+            )
 
 
 def _parse_clamp(text: str | None) -> tuple[float | None, ...] | None:
@@ -215,18 +314,15 @@ def _parse_clamp(text: str | None) -> tuple[float | None, ...] | None:
 
 
 def _print(s: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     con = stdout_console()
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("tensor", "dtype", "shape"):
-        table.add_column(col)
-    for name, info in s["tensors"].items():
-        table.add_row(name, info["dtype"], str(info["shape"]))
-    con.print(
-        f"[bold]{s['kernel']}[/] inputs ({s['generator'].get('source', '?')}, "
-        f"seed {s['generator'].get('seed', '-')})"
-    )
-    con.print(table)
-    con.print("kwargs: " + ", ".join(f"{k}={v}" for k, v in s["kwargs"].items() if k != "config"))
-    con.print(f"wrote {s['output']}")
+    con.print(Text(f"{s['kernel']} inputs ({s['generator'].get('source', '?')}, "
+                   f"seed {s['generator'].get('seed', '-')})", style="bold"), soft_wrap=True)  # fmt: skip
+    rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"])]
+            for name, info in s["tensors"].items()]  # fmt: skip
+    print_rows(con, ["tensor", "dtype", "shape"], rows, indent=2)
+    kwargs = [f"{k}={v}" for k, v in s["kwargs"].items() if k != "config"]
+    for line in wrap_items("kwargs:", kwargs, con.width):
+        con.print(Text(line), soft_wrap=True)
+    con.print(Text(f"wrote {s['output']}"), soft_wrap=True)

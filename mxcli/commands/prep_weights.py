@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mxcli.commands._shared import Debug, Quiet, guarded, print_json
+from mxcli.commands._shared import Debug, Quiet, guarded, print_json, stdout_console
 
 
 def main(
@@ -70,22 +70,48 @@ def main(
     resume: bool = typer.Option(
         False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."
     ),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output folder."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output folder."),
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
     allow_nonfinite: bool = typer.Option(
         False, "--allow-nonfinite", help="Convert source weights holding NaN or Inf."
     ),
+    shard: str = typer.Option(
+        None,
+        "--shard",
+        help="I/N: convert shard I (0-based) of N, a byte-balanced share of the layers, into a "
+        "folder the other shards share. Default: from torchrun (RANK/WORLD_SIZE) or Slurm "
+        "(SLURM_PROCID/SLURM_NTASKS, SLURM_ARRAY_TASK_ID/COUNT); 0/1 turns sharding off.",
+    ),
+    finalize: bool = typer.Option(
+        False,
+        "--finalize",
+        help="Convert nothing: write the indexes and final manifest once every shard is done "
+        "(refuses, naming the missing shards, before). The last shard to finish does it too.",
+    ),
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Convert a Hugging Face MoE checkpoint into the tensors the prefill and backward kernels read."""
-    from mxcli.weightprep.plan import PrepOptions, parse_formats
-    from mxcli.weightprep.runner import prepare_weights
-    from mxcli.weightprep.summary import format_plan, format_result
+    """Prepare a Hugging Face MoE checkpoint for the kernels.
+
+    Writes, per layer and rank, what the prefill and backward kernels read, and a manifest
+    that the other commands take their kwargs from (--weights DIR --layer L).
+    """
 
     def body() -> None:
+        from mxcli.errors import InputError
+
+        if dry_run and check:
+            raise InputError(
+                "check: --check re-reads the written outputs and --dry-run writes none; "
+                "give one of them"
+            )
+        from mxcli.weightprep.plan import PrepOptions, parse_formats
+        from mxcli.weightprep.runner import prepare_weights
+        from mxcli.weightprep.shards import from_env, parse_shard
+        from mxcli.weightprep.summary import format_plan, format_result
+
         fmt = output_format.lower()
         rule = scale_rule.lower()
         if rule == "auto":
@@ -101,14 +127,17 @@ def main(
             threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
             output_format=fmt,
         )  # fmt: skip
+        import os
+
+        part = parse_shard(shard) if shard is not None else from_env(os.environ)
         reporter = None
-        if not dry_run and not quiet:
+        if not dry_run and not quiet and not finalize:
             from mxcli.weightprep.progress import RichReporter
 
             reporter = RichReporter()
         res = prepare_weights(
             source, output, opts, dry_run=dry_run, resume=resume, force=force, reporter=reporter,
-            revision=revision,
+            revision=revision, shard=part, finalize=finalize,
         )  # fmt: skip
         if json_out:
             print_json(res.get("plan", res))
@@ -117,7 +146,8 @@ def main(
 
             typer.echo(format_export(res))
         elif not quiet:
-            typer.echo(format_plan(res["plan"]) if dry_run else format_result(res))
+            width = stdout_console().width
+            typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))
 
     guarded(
         debug,

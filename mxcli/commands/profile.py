@@ -13,12 +13,29 @@ from typing import Annotated, Any
 
 import typer
 
-from mxcli.commands._shared import Debug, Force, Json, guarded, print_json, stdout_console
+from mxcli.commands._shared import (
+    Debug,
+    Force,
+    Json,
+    PlainCommand,
+    Quiet,
+    Steps,
+    aligned_rows,
+    guarded,
+    journey_group,
+    print_json,
+    stdout_console,
+    wrap_items,
+)
 from mxcli.errors import InputError
 
 app = typer.Typer(
     name="profile",
-    help="Estimate a kernel's time per engine (cost model + schedule; no hardware needed).",
+    cls=journey_group(("prefill", "bwd")),
+    help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
+    "interpreter's check-only mode; its instructions are costed from the documented engine "
+    "figures and list-scheduled. Shape defaults are DeepSeek-V3's (top-k 8, noaux_tc, 8 "
+    "groups, 4 kept).",
     no_args_is_help=True,
 )
 
@@ -56,7 +73,7 @@ def _shape_or_file(input: Path | None, shape: dict[str, Any]) -> None:
 
 
 def _finish(summary: dict[str, Any], prof: Any, trace: Path | None, force: bool,
-            json_out: bool) -> None:  # fmt: skip
+            json_out: bool, quiet: bool = False) -> None:  # fmt: skip
     if trace is not None:
         from mxcli.fsutil import atomic_output
 
@@ -65,41 +82,77 @@ def _finish(summary: dict[str, Any], prof: Any, trace: Path | None, force: bool,
         summary["trace"] = str(trace)
     if json_out:
         print_json(summary)
-    else:
+    elif not quiet:
         print_report(summary)
 
 
 def print_report(s: dict[str, Any]) -> None:
-    """The human-readable report of a profile summary."""
+    """The human-readable report of a profile summary, fitting the terminal: lists wrap between
+    items, and the source lines are shown relative to their common folder."""
+    import os
+
+    from rich.text import Text
+
     con = stdout_console()
-    con.print(f"[bold]{s['kernel']}[/] on {s['target']} (LNC={s['lnc']}), cost-model estimate")
-    con.print(
-        "  instructions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["instructions"].items()))
-    )
-    con.print("  busy per engine (us, busiest core): " + ", ".join(
-        f"{k} {v:.1f}" for k, v in s["busy_us"].items()))  # fmt: skip
-    con.print(f"  bottleneck: {s['bottleneck']}; lower bound {s['lower_bound_us']:.1f} us; "
-              f"list schedule {s['schedule_us']:.1f} us")  # fmt: skip
+
+    def out(line: str) -> None:
+        con.print(Text(line), soft_wrap=True)
+
+    def items(head: str, parts: list[str]) -> None:
+        for line in wrap_items(head, parts, con.width):
+            out(line)
+
+    con.print(Text(f"{s['kernel']} on {s['target']} (LNC={s['lnc']}), cost-model estimate",
+                   style="bold"), soft_wrap=True)  # fmt: skip
+    items("  instructions:", [f"{k} {v}" for k, v in sorted(s["instructions"].items())])
+    items("  busy per engine (us, busiest core):",
+          [f"{k} {v:.1f}" for k, v in s["busy_us"].items()])  # fmt: skip
+    out(f"  bottleneck: {s['bottleneck']}; lower bound {s['lower_bound_us']:.1f} us; "
+        f"list schedule {s['schedule_us']:.1f} us")  # fmt: skip
     u, ul = s["pe_utilization"], s["pe_utilization_at_lower_bound"]
-    con.print(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, BF16 "
-              f"{u['bf16']:.3f}); at the lower bound {ul['total']:.3f}")  # fmt: skip
+    out(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, "
+        f"BF16 {u['bf16']:.3f})")  # fmt: skip
+    out(f"    at the lower bound: {ul['total']:.3f}")
     d = s["dma"]
-    con.print(f"  DMA: {d['bytes'] / 1e6:.1f} MB ({d['hbm_bytes'] / 1e6:.1f} MB HBM) in "
-              f"{d['descriptors']} contiguous runs")  # fmt: skip
+    out(f"  DMA: {d['bytes'] / 1e6:.1f} MB ({d['hbm_bytes'] / 1e6:.1f} MB HBM) in "
+        f"{d['descriptors']} contiguous runs")  # fmt: skip
     if "plan_padding" in s:
         p = s["plan_padding"]
-        con.print(f"  plan padding: {p['pairs']} routed pairs in {p['blocks']} blocks x "
-                  f"{p['block_size']} = {p['positions']} positions ({p['efficiency']:.3f} useful)")  # fmt: skip
-    con.print("  top source lines (engine time, all cores):")
-    for r in s["top_lines"]:
-        con.print(f"    {r['busy_us']:10.1f} us {100 * r['share']:5.1f}%  {r['track']:<10} "
-                  f"{r['op']:<20} x{r['count']:<6} {r['source']}")  # fmt: skip
+        items("  plan padding:", [f"{p['pairs']} routed pairs in {p['blocks']} blocks x "
+                                  f"{p['block_size']} = {p['positions']} positions",
+                                  f"{p['efficiency']:.3f} useful"])  # fmt: skip
+    lines = s["top_lines"]
+    if lines:
+        sources = [str(r["source"]) for r in lines]
+        folder = os.path.commonpath([x.rsplit(":", 1)[0] for x in sources]) if sources else ""
+        if folder and not os.path.isdir(folder):  # one file: keep its name on every row
+            folder = os.path.dirname(folder)
+        head = "  top source lines (engine time, all cores)"
+        if not folder:
+            out(head + ":")
+        elif len(head) + len(folder) + 6 <= con.width:
+            out(f"{head} in {folder}/:")
+        else:
+            out(head)
+            out(f"    in {folder}/:")
+        rows = [[f"{r['busy_us']:.1f} us", f"{100 * r['share']:.1f}%", str(r["track"]),
+                 str(r["op"]), f"x{r['count']}",
+                 os.path.relpath(src, folder) if folder else src]
+                for r, src in zip(lines, sources, strict=True)]  # fmt: skip
+        for line in aligned_rows(rows, right=frozenset({0, 1})):
+            if len(line) + 4 <= con.width:
+                out("    " + line)
+            else:  # a long op name: the source line goes below its row
+                head, src = line.rsplit("  ", 1)
+                out("    " + head.rstrip())
+                out("      " + src.strip())
     if "trace" in s:
-        con.print(f"  wrote {s['trace']}")
+        out(f"  wrote {s['trace']}")
 
 
 def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, Any], lnc: int,
-         target: str, trace: Path | None, force: bool, json_out: bool, top: int) -> None:  # fmt: skip
+         target: str, trace: Path | None, force: bool, json_out: bool, top: int,
+         quiet: bool = False) -> None:  # fmt: skip
     from mxcli.fsutil import check_output_path, refuse_inputs
     from mxcli.kernels import profiling
 
@@ -113,19 +166,20 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
         shape = {"input": str(input)}
     else:
         tensors, kwargs = tensors_kwargs()
-    kp = profiling.profile_kernel(kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape)
-    _finish(kp.summary(top), kp.profile, trace, force, json_out)
+    with Steps(quiet) as steps, steps.step(f"Profiling {kernel}"):
+        kp = profiling.profile_kernel(kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape)
+    _finish(kp.summary(top), kp.profile, trace, force, json_out, quiet)
 
 
-@app.command("prefill")
+@app.command("prefill", cls=PlainCommand)
 def prefill(
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
     experts: Annotated[int | None, _opt_int("--experts", "E, router experts.")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
-    router: Annotated[
-        str, typer.Option("--router", help="noaux_tc, sigmoid or softmax.")
+    router_act: Annotated[
+        str, typer.Option("--router-act", help="Router activation: noaux_tc, sigmoid or softmax.")
     ] = "noaux_tc",
     n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = 8,
     topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = 4,
@@ -135,9 +189,13 @@ def prefill(
     top: TopOpt = 10,
     force: Force = False,
     json_out: Json = False,
+    quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Profile rmsnorm_mx_prefill (file, or --tokens/--hidden/--experts)."""
+    """Profile rmsnorm_mx_prefill from a file or shape flags.
+
+    Give a make-inputs file, or --tokens, --hidden and --experts.
+    """
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -145,15 +203,15 @@ def prefill(
         shape = {"tokens": tokens, "hidden": hidden, "experts": experts}
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(
-            shape, top_k=top_k, router=router, n_group=n_group, topk_group=topk_group
+            shape, top_k=top_k, router_act=router_act, n_group=n_group, topk_group=topk_group
         )
-        _run(profiling.PREFILL, input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
-             full, lnc, target, trace, force, json_out, top)  # fmt: skip
+        _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
+             full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
 
-    guarded(debug, body)
+    guarded(debug, body, json_out=json_out)
 
 
-@app.command("bwd")
+@app.command("bwd", cls=PlainCommand)
 def bwd(
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
@@ -168,9 +226,13 @@ def bwd(
     top: TopOpt = 10,
     force: Force = False,
     json_out: Json = False,
+    quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Profile blockwise_mm_bwd_mxfp8 (file, or --tokens/--hidden/--intermediate/--experts)."""
+    """Profile blockwise_mm_bwd_mxfp8 from a file or shape flags.
+
+    Give a make-inputs file, or --tokens, --hidden, --intermediate and --experts.
+    """
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -179,7 +241,7 @@ def bwd(
                  "experts": experts}  # fmt: skip
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
-        _run(profiling.BWD, input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
-             full, lnc, target, trace, force, json_out, top)  # fmt: skip
+        _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
+             full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
 
-    guarded(debug, body)
+    guarded(debug, body, json_out=json_out)

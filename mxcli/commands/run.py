@@ -8,6 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
+    HASH_DIGITS,
     Debug,
     Force,
     Json,
@@ -16,9 +17,18 @@ from mxcli.commands._shared import (
     Steps,
     complete_backend,
     guarded,
+    kernel_defaults,
     print_json,
+    print_rows,
+    shape_text,
+    st_dtype,
     stdout_console,
+    wrap_items,
 )
+
+# the defaults the help texts show: those of the kernels' public signatures
+_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
+_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
 
 # ---- options shared by both run commands ----
 InputArg = Annotated[
@@ -84,7 +94,7 @@ def _run(
     strict: bool = False,
     verify_hashes: bool = True,
 ) -> None:
-    from mxcli.tensorio import run_file
+    from mxcli.runs import run_file
 
     with Steps(quiet) as steps:
         summary = run_file(
@@ -119,54 +129,66 @@ def _check_nonfinite(counts: dict[str, int], strict: bool) -> None:
 
 
 def _print_summary(s: dict[str, Any]) -> None:
-    from rich.table import Table
+    from rich.text import Text
 
     con = stdout_console()
     t = s["timing_s"]
-    con.print(
-        f"[bold]{s['kernel']}[/] on [cyan]{s['backend']}[/] ({s['device']}): "
-        f"ran in {t['run']:.3f} s (read {t['read']:.3f} s, write {t['write']:.3f} s)"
-    )
-    table = Table(show_header=True, header_style="bold", box=None)
-    for col in ("output", "dtype", "shape", "sha256"):
-        table.add_column(col)
-    for name, info in s["outputs"].items():
-        table.add_row(name, info["dtype"], str(info["shape"]), info["sha256"][:16])
-    con.print(table)
-    con.print(f"wrote {s['output']}")
+    con.print(Text(f"{s['kernel']} on {s['backend']} ({s['device']})", style="bold"),
+              soft_wrap=True)  # fmt: skip
+    for line in wrap_items("  ran in", [f"{t['run']:.3f} s; read {t['read']:.3f} s",
+                           f"write {t['write']:.3f} s"], con.width):  # fmt: skip
+        con.print(Text(line), soft_wrap=True)
+    rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"]),
+             info["sha256"][:HASH_DIGITS]] for name, info in s["outputs"].items()]  # fmt: skip
+    print_rows(con, ["output", "dtype", "shape", "sha256"], rows, indent=2)
+    con.print(Text(f"wrote {s['output']}"), soft_wrap=True)
 
 
 def run_prefill(
     input: InputArg,
     output: OutputOpt,
     eps: Annotated[
-        float | None, typer.Option(help="RMSNorm epsilon (default: 1e-6).", show_default=False)
+        float | None,
+        typer.Option(help=f"RMSNorm epsilon (kernel API: {_PRE['eps']}).", show_default=False),
     ] = None,
     top_k: Annotated[
         int | None,
-        typer.Option("--top-k", help="Experts per token, <= 8 (default: 1).", show_default=False),
+        typer.Option(
+            "--top-k",
+            help=f"Experts per token, <= 8 (kernel API: {_PRE['top_k']}).",
+            show_default=False,
+        ),
     ] = None,
     router_act: Annotated[
         str | None,
         typer.Option(
             "--router-act",
-            help="Router activation: sigmoid, softmax or noaux_tc (default: sigmoid).",
+            help="Router activation: sigmoid, softmax or noaux_tc "
+            f"(kernel API: {_PRE['router_act_fn']}).",
             show_default=False,
         ),
     ] = None,
     n_group: Annotated[
         int | None,
-        typer.Option("--n-group", help="NOAUX_TC expert groups (default: 1).", show_default=False),
+        typer.Option(
+            "--n-group",
+            help=f"NOAUX_TC expert groups (kernel API: {_PRE['n_group']}).",
+            show_default=False,
+        ),
     ] = None,
     topk_group: Annotated[
         int | None,
-        typer.Option("--topk-group", help="NOAUX_TC groups kept (default: 1).", show_default=False),
+        typer.Option(
+            "--topk-group",
+            help=f"NOAUX_TC groups kept (kernel API: {_PRE['topk_group']}).",
+            show_default=False,
+        ),
     ] = None,
     routed_scaling_factor: Annotated[
         float | None,
         typer.Option(
             "--routed-scaling-factor",
-            help="NOAUX_TC affinity multiplier (default: 1.0).",
+            help=f"NOAUX_TC affinity multiplier (kernel API: {_PRE['routed_scaling_factor']}).",
             show_default=False,
         ),
     ] = None,
@@ -174,7 +196,7 @@ def run_prefill(
         str | None,
         typer.Option(
             "--qmx-output-dtype",
-            help="float8_e4m3fn_x4 or float8_e5m2_x4 (default: e4m3fn).",
+            help=f"float8_e4m3fn_x4 or float8_e5m2_x4 (kernel API: {_PRE['qmx_output_dtype']}).",
             show_default=False,
         ),
     ] = None,
@@ -182,7 +204,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-scales/--no-pack-scales",
-            help="Fold scale tiles (default: on).",
+            help=f"Fold scale tiles (kernel API: {_PRE['pack_scales']}).",
             show_default=False,
         ),
     ] = None,
@@ -190,7 +212,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--pack-affinities/--no-pack-affinities",
-            help="Affinities in the row tail (default: off).",
+            help=f"Affinities in the row tail (kernel API: {_PRE['pack_affinities']}).",
             show_default=False,
         ),
     ] = None,
@@ -198,7 +220,7 @@ def run_prefill(
         int | None,
         typer.Option(
             "--unpadded-hidden-size",
-            help="Real H for the RMS mean (default: H).",
+            help="Real H for the RMS mean (kernel API: H).",
             show_default=False,
         ),
     ] = None,
@@ -206,7 +228,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--emit-norm-bf16/--no-emit-norm-bf16",
-            help="Also write norm_bf16 (default: off).",
+            help=f"Also write norm_bf16 (kernel API: {_PRE['emit_norm_bf16']}).",
             show_default=False,
         ),
     ] = None,
@@ -214,7 +236,7 @@ def run_prefill(
         bool | None,
         typer.Option(
             "--hidden-interleaved/--no-hidden-interleaved",
-            help="Inputs stored 4-way interleaved (default: off).",
+            help=f"Inputs stored 4-way interleaved (kernel API: {_PRE['hidden_interleaved']}).",
             show_default=False,
         ),
     ] = None,
@@ -230,9 +252,11 @@ def run_prefill(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run rmsnorm_mx_prefill: fused RMSNorm + MXFP8 quantization (+ router top-K).
+    """Run rmsnorm_mx_prefill on an input file.
 
-    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    Fused RMSNorm + MXFP8 quantization (+ router top-K). A flag overrides the kwarg stored in
+    the input file's metadata; without the flag the file's value is used, and without either
+    the kernel API's default (in parentheses).
     """
     overrides = {
         "eps": eps,
@@ -251,7 +275,7 @@ def run_prefill(
     guarded(
         debug,
         lambda: _run(
-            "rmsnorm_mx_prefill",
+            "prefill",
             overrides,
             input=input,
             output=output,
@@ -277,7 +301,7 @@ def run_bwd(
         int | None,
         typer.Option(
             "--block-size",
-            help="Tokens per block (128 ... 4096) (default: 4096).",
+            help=f"Tokens per block (128 ... 4096) (kernel API: {_BWD['block_size']}).",
             show_default=False,
         ),
     ] = None,
@@ -302,9 +326,11 @@ def run_bwd(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Run blockwise_mm_bwd_mxfp8: the MXFP8 backward pass of a blockwise MoE layer.
+    """Run blockwise_mm_bwd_mxfp8 on an input file.
 
-    Flags override the kwargs stored in the input file's metadata (defaults in parentheses).
+    The MXFP8 backward pass of a blockwise MoE layer. A flag overrides the kwarg stored in the
+    input file's metadata; without the flag the file's value is used, and without either the
+    kernel API's default (in parentheses).
     """
 
     def body() -> None:
@@ -315,7 +341,7 @@ def run_bwd(
             refuse_inputs(output, [("--config file", config)])
             overrides["config"] = _read_config(config)
         _run(
-            "blockwise_mm_bwd_mxfp8",
+            "bwd",
             overrides,
             input=input,
             output=output,

@@ -150,10 +150,12 @@ def verify(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Verify kernel outputs: OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full;
-    or a weight folder: --checkpoint OUT --against SRC.
+    """Check outputs, or prepared weights, against references.
 
-    Per tensor: max abs/rel error, cosine, mismatch count, bit-exactness (codes, scales,
+    OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full; or a weight folder:
+    --checkpoint OUT --against SRC.
+
+    OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full. Per tensor: max abs/rel error, cosine, mismatch count, bit-exactness (codes, scales,
     indices). Exit code 1 when any check fails, 2 on a user error.
     """
 
@@ -292,9 +294,8 @@ def _suite(
     json_out: bool,
     quiet: bool,
 ) -> int:
-    from mxcli.tensorio import resolve_device
+    from mxcli.runs import resolve_backends, resolve_device, run_suite
     from mxcli.verification.cases import select
-    from mxcli.verification.suite import resolve_backends, run_suite
 
     cases = select(suite, pattern)
     if list_cases:

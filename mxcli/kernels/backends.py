@@ -1,7 +1,7 @@
 """Backend registry: which implementation runs a kernel.
 
-A backend is a callable with the kernel's exact signature (minus `backend`). Backends are
-registered per kernel by name, either directly or lazily as a ``"module:function"`` string so
+A backend is a callable taking the kernel's validated call object (`PrefillCall`, `BwdCall`,
+see `mxcli.kernels.spec`). Backends are registered per kernel by name, either directly or lazily as a ``"module:function"`` string so
 that optional stacks (the NKI interpreter, the Neuron SDK) are imported only when chosen.
 
 Names in use:
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxcli.errors import MxcliError
+from mxcli.kernels.spec import find_spec
 
 
 class UnknownBackendError(MxcliError, ValueError):
@@ -62,18 +63,31 @@ def register(
     _REGISTRY.setdefault(kernel, {})[backend] = _Entry(target, probe)
 
 
-_KERNEL_PACKAGES = {
-    "rmsnorm_mx_prefill": "mxcli.kernels.rmsnorm_mx_prefill",
-    "blockwise_mm_bwd_mxfp8": "mxcli.kernels.blockwise_moe",
-}
+def register_nki(kernel: str, package: str) -> None:
+    """Register the ``sim`` and ``neuron`` backends of `kernel`, lazily: ``run_sim`` and
+    ``run_neuron`` of ``{package}.nki_backend``. Nothing of the NKI stack is imported until one
+    of them is chosen or probed."""
+    register(
+        kernel,
+        "sim",
+        f"{package}.nki_backend:run_sim",
+        "mxcli.kernels.nki_runtime:sim_unavailable_reason",
+    )
+    register(
+        kernel,
+        "neuron",
+        f"{package}.nki_backend:run_neuron",
+        "mxcli.kernels.nki_runtime:neuron_unavailable_reason",
+    )
+
+
 _ORDER = {"reference": 0, "sim": 1, "neuron": 2}
 
 
 def _ensure_loaded(kernel: str) -> None:
-    """Import the kernel's package so that its reference backend is registered."""
-    package = _KERNEL_PACKAGES.get(kernel)
-    if package is not None:
-        importlib.import_module(package)
+    """Import the kernel's package (through its spec) so that its backends are registered."""
+    if kernel not in _REGISTRY:
+        find_spec(kernel)
 
 
 def backend_names(kernel: str) -> list[str]:
@@ -124,20 +138,3 @@ def get(kernel: str, backend: str = "reference") -> Callable[..., Any]:
     if reason is not None:
         raise BackendUnavailableError(f"backend: {name!r} cannot run {kernel} here: {reason}")
     return _REGISTRY[kernel][name].load()
-
-
-# The NKI backends of both kernels, registered lazily: nothing of the NKI stack is imported
-# until one of them is chosen or probed.
-for _kernel, _package in _KERNEL_PACKAGES.items():
-    register(
-        _kernel,
-        "sim",
-        f"{_package}.nki_backend:run_sim",
-        "mxcli.kernels.nki_runtime:sim_unavailable_reason",
-    )
-    register(
-        _kernel,
-        "neuron",
-        f"{_package}.nki_backend:run_neuron",
-        "mxcli.kernels.nki_runtime:neuron_unavailable_reason",
-    )

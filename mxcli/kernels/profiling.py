@@ -16,10 +16,13 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.kernels.blockwise_moe import SPEC as BWD
+from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
+from mxcli.kernels.spec import get_spec, read_kernel_file
+from mxcli.nkisim import cost, schedule, trace
 
 __all__ = [
-    "PREFILL",
-    "BWD",
     "PrefillShape",
     "BwdShape",
     "PlanPadding",
@@ -30,20 +33,18 @@ __all__ = [
     "profile_kernel",
 ]
 
-PREFILL = "rmsnorm_mx_prefill"
-BWD = "blockwise_mm_bwd_mxfp8"
 TARGETS = ("trn3", "trn2")
 
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router."""
+    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation."""
 
     tokens: int
     hidden: int
     experts: int
     top_k: int
-    router: str = "noaux_tc"
+    router_act: str = "noaux_tc"
     n_group: int = 8
     topk_group: int = 4
 
@@ -110,14 +111,14 @@ def _positive(name: str, v: int) -> None:
 
 def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
     """Zero inputs of the prefill kernel at shape `s` (values do not matter in check-only)."""
-    from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
-
     for k in ("tokens", "hidden", "experts", "top_k", "n_group", "topk_group"):
         _positive(k, getattr(s, k))
     acts = {a.name.lower(): a for a in RouterActFnType}
-    if s.router.lower() not in acts:
-        raise InputError(f"router: expected one of {', '.join(sorted(acts))}, got {s.router!r}")
-    act = acts[s.router.lower()]
+    if s.router_act.lower() not in acts:
+        raise InputError(
+            f"router_act: expected one of {', '.join(sorted(acts))}, got {s.router_act!r}"
+        )
+    act = acts[s.router_act.lower()]
     bf = torch.bfloat16
     tensors = {
         "hidden_states": torch.zeros(1, s.tokens, s.hidden, dtype=bf),
@@ -134,8 +135,6 @@ def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
 def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
     """Inputs of the backward kernel at shape `s`: zeros, and a round-robin routing with
     `top_k` distinct experts per token (even expert loads: the padding is the plan's own)."""
-    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
-
     for k in ("tokens", "hidden", "intermediate", "experts", "top_k", "block_size"):
         _positive(k, getattr(s, k))
     if s.top_k > s.experts:
@@ -162,28 +161,20 @@ def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
 
 def file_inputs(kernel: str, path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Tensors and kwargs of a ``make-inputs`` file (``.safetensors``) for `kernel`."""
-    from mxcli.tensorio import (
-        check_tensors,
-        kernel_io,
-        metadata_kwargs,
-        read_file,
-        resolve_kwargs,
-    )
-
-    io = kernel_io(kernel)
-    f = read_file(path)
-    if f.kernel not in (None, kernel):
-        raise InputError(f"{f.path}: input file is for {f.kernel}, not {kernel}")
+    spec = get_spec(kernel)
+    f = read_kernel_file(path)
+    if f.kernel not in (None, spec.name):
+        raise InputError(f"{f.path}: input file is for {f.kernel}, not {spec.name}")
     tensors = dict(f.tensors)
-    check_tensors(io, tensors, str(f.path), allow_nonfinite=True)
-    kwargs = resolve_kwargs(io, metadata_kwargs(io, f.metadata))
+    spec.check_tensors(tensors, str(f.path))
+    kwargs = spec.resolve_kwargs(spec.metadata_kwargs(f.metadata))
     return tensors, kwargs
 
 
 def _padding(tensors: dict[str, Any], kwargs: dict[str, Any]) -> PlanPadding:
     tpi = torch.as_tensor(tensors["token_position_to_id"]).reshape(-1)
     b2e = torch.as_tensor(tensors["block_to_expert"]).reshape(-1)
-    B = int(kwargs.get("block_size") or 4096)
+    B = int(BWD.value(kwargs, "block_size"))
     valid = tpi.reshape(-1, B) >= 0 if tpi.numel() % B == 0 else None
     pairs = int((tpi >= 0).sum())
     needed = int(valid.any(dim=1).sum()) if valid is not None else int(b2e.numel())
@@ -199,9 +190,8 @@ def profile_kernel(
     target: str = "trn3",
     shape: dict[str, Any] | None = None,
 ) -> KernelProfile:
-    """Run `kernel` in check-only mode with recording and return its cost-model profile."""
-    from mxcli.nkisim import cost, schedule, trace
-
+    """Run `kernel` (mxcli's NKI implementation) in check-only mode with recording and return
+    its cost-model profile."""
     if target not in TARGETS:
         raise InputError(f"target: expected trn3 or trn2, got {target!r}")
     if target != "trn3":
@@ -211,21 +201,18 @@ def profile_kernel(
         )
     if lnc not in (1, 2):
         raise InputError(f"lnc: expected 1 or 2, got {lnc}")
-    if kernel == PREFILL:
-        from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import launch_sim
-    elif kernel == BWD:
-        from mxcli.kernels.blockwise_moe.nki_backend import launch_sim  # type: ignore[no-redef]
-    else:
-        raise InputError(f"kernel: expected {PREFILL} or {BWD}, got {kernel!r}")
+    spec = get_spec(kernel)
+    launch_sim = spec.implementation("mxcli").load_launcher()
+    assert launch_sim is not None
     t0 = time.perf_counter()
     with trace.recording() as recorders:
         launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True)
     secs = time.perf_counter() - t0
     prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
-    padding = _padding(tensors, kwargs) if kernel == BWD else None
+    padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    return KernelProfile(kernel, prof, shape, padding, secs)
+    return KernelProfile(spec.name, prof, shape, padding, secs)
 
 
 def _sample_bwd_inputs(
@@ -233,8 +220,6 @@ def _sample_bwd_inputs(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """A plan of `n_blocks` full blocks (block b: expert b mod `n_experts`, tokens b*B.. mod T)
     at the shape's T, H, I and B with `n_experts` experts and the shape's top-K config."""
-    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
-
     T, H, I, E, B = s.tokens, s.hidden, s.intermediate, n_experts, s.block_size  # noqa: E741
     bf = torch.bfloat16
     tpi = (torch.arange(n_blocks * B, dtype=torch.int64) % T).to(torch.int32)
@@ -288,13 +273,18 @@ def profile_bwd_scaled(
     runs = []
     for nb, ne in ((n1, e1), (n2, e1), (n1, e2)):
         tensors, kwargs = _sample_bwd_inputs(s, nb, ne)
-        runs.append(profile_kernel(BWD, tensors, kwargs, lnc=lnc, target=target))
+        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target))
     pad = _padding(*bwd_inputs(s))
     base, pb, pe = (r.summary(10) for r in runs)
     db = (pad.blocks - n1) / (n2 - n1)
     de = (s.experts - e1) / (e2 - e1)
     keys = ("busy_us", "dma_queue_us", "schedule_us", "pe_flops", "dma", "instructions")
-    out: dict[str, Any] = {"kernel": BWD, "shape": dict(s.__dict__), "target": target, "lnc": lnc}
+    out: dict[str, Any] = {
+        "kernel": BWD.name,
+        "shape": dict(s.__dict__),
+        "target": target,
+        "lnc": lnc,
+    }
     for k in keys:
         out[k] = _extrapolate(base[k], pb[k], pe[k], db, de)
     busy = out["busy_us"]

@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from mxcli.io.kwargs import coerce_enum
+
 
 class ElemFormat(str, enum.Enum):
     """FP8 element format of an MX block.
@@ -44,15 +46,26 @@ class ElemFormat(str, enum.Enum):
         return 0x7F
 
 
-def as_elem_format(elem: ElemFormat | str) -> ElemFormat:
-    """Accept ``"e4m3fn"``/``"e5m2"`` (or the x4 dtype names) as well as the enum."""
-    if isinstance(elem, ElemFormat):
-        return elem
-    name = str(elem).lower().removeprefix("float8_").removesuffix("_x4")
-    try:
-        return ElemFormat(name)
-    except ValueError:
-        raise ValueError(f"elem: expected 'e4m3fn' or 'e5m2', got {elem!r}") from None
+# Other names of the two formats: the torch dtypes and the NKI x4 dtype names
+# (``float8_e4m3fn_x4``, the prefill's ``qmx_output_dtype``).
+FP8_ALIASES: dict[Any, ElemFormat] = {
+    torch.float8_e4m3fn: ElemFormat.E4M3FN,
+    torch.float8_e5m2: ElemFormat.E5M2,
+    **{f"{p}e4m3fn{s}": ElemFormat.E4M3FN for p in ("", "float8_") for s in ("", "_x4")},
+    **{f"{p}e5m2{s}": ElemFormat.E5M2 for p in ("", "float8_") for s in ("", "_x4")},
+}
+
+
+def as_elem_format(
+    elem: Any,
+    name: str = "elem",
+    *,
+    error: type[Exception] = ValueError,
+    expected: str = "'e4m3fn' or 'e5m2'",
+) -> ElemFormat:
+    """The enum from itself, ``"e4m3fn"``/``"e5m2"`` (any case), the x4 dtype names or the torch
+    fp8 dtypes (`coerce_enum` with `FP8_ALIASES`)."""
+    return coerce_enum(ElemFormat, elem, name, aliases=FP8_ALIASES, expected=expected, error=error)
 
 
 def as_tensor(x: Any) -> torch.Tensor:

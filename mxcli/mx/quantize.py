@@ -14,6 +14,7 @@ from typing import Any, overload
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.kwargs import coerce_enum
 from mxcli.mx.formats import ElemFormat, as_elem_format, as_tensor
 
 GROUP_SIZE = 32
@@ -33,8 +34,14 @@ class ScaleRule(enum.Enum):
       ``byte = clamp(E - (Emax - 1), 0, 255)``, i.e. ``E - 7`` for E4M3FN and ``E - 14`` for
       E5M2. The block scale ``X = 2^(byte - 127)`` is twice the OCP one, so the group maximum
       lands in [128, 256) (E4M3FN) and can round up without saturating.
-    - ``OCP`` (OCP MX v1.0 sample algorithm): ``byte = clamp(E - Emax, 0, 255)``, i.e. ``E - 8``
-      / ``E - 15``; the group maximum lands in [256, 512) and values above 448 saturate.
+    - ``OCP`` (alias ``FLOOR``; the OCP MX v1.0 sample algorithm, torchao's
+      ``ScaleCalculationMode.FLOOR``): ``byte = clamp(E - Emax, 0, 255)``, i.e. ``E - 8`` /
+      ``E - 15``, the floor of ``log2(amax)`` minus the format's Emax; the group maximum lands
+      in [256, 512) and values above 448 saturate.
+
+    The members are named after where each rule comes from; by the rule itself, ``NEURON`` is
+    ``FLOOR`` plus one (a scale twice as large: the maximum never saturates), which is none of
+    torchao's modes (FLOOR, CEIL, RCEIL, EVEN).
 
     An all-zero group gets byte 0 (``X = 2^-127``) under both rules; so does any group with
     ``E < Emax - 1`` (|amax| < 2^-120 for E4M3FN/NEURON), a clamp the hardware behaviour of which
@@ -44,6 +51,7 @@ class ScaleRule(enum.Enum):
 
     NEURON = "neuron"
     OCP = "ocp"
+    FLOOR = "ocp"  # the same rule, by its name in torchao
 
     def exponent_offset(self, elem: ElemFormat | str) -> int:
         fmt = as_elem_format(elem)
@@ -65,23 +73,22 @@ class QuantScheme(str, enum.Enum):
     WRAPX = "wrapx"
 
 
-def as_scheme(scheme: QuantScheme | str) -> QuantScheme:
-    if isinstance(scheme, QuantScheme):
-        return scheme
-    name = str(scheme).lower().lstrip("_")
-    try:
-        return QuantScheme(name)
-    except ValueError:
-        raise InputError(f"scheme: expected '1x32' or 'wrapx', got {scheme!r}") from None
+# the bwd spec's spelling of the contiguous scheme (``_1x32``, §5.3)
+SCHEME_ALIASES = {"_1x32": QuantScheme.MX1X32}
 
 
-def as_rule(rule: ScaleRule | str) -> ScaleRule:
-    if isinstance(rule, ScaleRule):
-        return rule
-    try:
-        return ScaleRule(str(rule).lower())
-    except ValueError:
-        raise InputError(f"rule: expected 'neuron' or 'ocp', got {rule!r}") from None
+def as_scheme(
+    scheme: Any, name: str = "scheme", expected: str = "'1x32' or 'wrapx'", **options: Any
+) -> QuantScheme:
+    """The enum from itself, its value or name (any case), or ``_1x32`` (`coerce_enum`)."""
+    return coerce_enum(
+        QuantScheme, scheme, name, aliases=SCHEME_ALIASES, expected=expected, **options
+    )
+
+
+def as_rule(rule: Any) -> ScaleRule:
+    """The enum from itself or its value or name (any case) (`coerce_enum`)."""
+    return coerce_enum(ScaleRule, rule, "rule", expected="'neuron' or 'ocp'")
 
 
 def wrapx_chunks(K: int, tile_k: int = 512) -> list[tuple[int, int]]:

@@ -5,7 +5,7 @@
 - `policy`: which tolerance applies to which kernel output; kernel-aware comparison of two
   output sets (``verify OUT --golden GOLDEN``, backend vs reference).
 - `exact`: independent float64 math and the MXFP8 error bounds the references must meet.
-- `cases` / `suite`: ``verify --suite quick|full``.
+- `cases`: the case matrix of ``verify --suite quick|full`` (run by `mxcli.runs.run_suite`).
 - `report`: rich table, JSON, JUnit XML.
 """
 

@@ -11,7 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxcli.tensorio import BWD, PREFILL
+from mxcli.errors import InputError
+from mxcli.inputs import KernelInputs, make_inputs
+from mxcli.kernels.blockwise_moe import SPEC as BWD
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
 
 SUITES = ("quick", "full")
 
@@ -23,21 +26,17 @@ class Case:
     params: dict[str, Any] = field(default_factory=dict)
     quick: bool = False  # also in the quick suite (the full suite runs every case)
 
-    def make(self) -> Any:
-        """The case's `mxcli.inputs.KernelInputs`."""
-        import mxcli.inputs as inputs
-
-        if self.kernel == PREFILL:
-            return inputs.make_prefill_inputs(**self.params)
-        return inputs.make_bwd_inputs(**self.params)
+    def make(self) -> KernelInputs:
+        """The case's seeded inputs (`mxcli.inputs.make_inputs`)."""
+        return make_inputs(self.kernel, **self.params)
 
 
 def _p(name: str, quick: bool = False, **params: Any) -> Case:
-    return Case(f"prefill/{name}", PREFILL, params, quick)
+    return Case(f"{PREFILL.short}/{name}", PREFILL.name, params, quick)
 
 
 def _b(name: str, quick: bool = False, **params: Any) -> Case:
-    return Case(f"bwd/{name}", BWD, params, quick)
+    return Case(f"{BWD.short}/{name}", BWD.name, params, quick)
 
 
 _SOFTMAX: dict[str, Any] = {"router_act_fn": "SOFTMAX"}
@@ -428,8 +427,6 @@ def select(
     """Cases of ``suite`` (``quick`` or ``full``), optionally filtered by a name substring or
     glob and by kernel."""
     import fnmatch
-
-    from mxcli.errors import InputError
 
     if suite not in SUITES:
         raise InputError(f"suite: expected one of {', '.join(SUITES)}, got {suite!r}")

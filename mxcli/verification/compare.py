@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from mxcli.verification.mxchain import ChainTolerance, compare_chain
+
 
 @dataclass(frozen=True)
 class Tolerance:
@@ -186,8 +188,6 @@ def compare_tensors(
 
     chain = None
     if tol.kind == "chain":
-        from mxcli.verification.mxchain import ChainTolerance, compare_chain
-
         chain = compare_chain(
             a.where(finite, b),
             b,

@@ -42,6 +42,20 @@ from typing import Any
 
 import torch
 
+from mxcli.errors import InputError
+from mxcli.kernels import unarrange_router_weights
+from mxcli.kernels.blockwise_moe import SPEC as BWD
+from mxcli.kernels.blockwise_moe import (
+    MXFP8MOEBwdConfig,
+    PrequantizedWeights,
+    ScaleLayout,
+    dequantize_weights,
+)
+from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
+from mxcli.kernels.rmsnorm_mx_prefill.spec import decode_packed
+from mxcli.kernels.spec import get_spec
+from mxcli.mx import ElemFormat
 from mxcli.verification.compare import TensorReport, Tolerance, add_note, compare_tensors
 
 CHECK = "reference vs exact"
@@ -65,14 +79,12 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 def _act_name(kwargs: Mapping[str, Any]) -> str:
-    act = kwargs.get("router_act_fn", "SIGMOID")
+    act = PREFILL.value(kwargs, "router_act_fn")
     return str(getattr(act, "name", act)).upper()
 
 
 def prefill_exact(inputs: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """float64 RMSNorm (and router logits) of the prefill inputs."""
-    from mxcli.kernels import unarrange_router_weights
-
     hs = inputs["hidden_states"]
     H = int(hs.shape[-1])
     x = hs.reshape(-1, H).to(F64)
@@ -83,14 +95,14 @@ def prefill_exact(inputs: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any])
     if kwargs.get("hidden_interleaved"):
         x = _deinterleave(x)
     N = kwargs.get("unpadded_hidden_size") or H
-    eps = float(kwargs.get("eps", 1e-6))
+    eps = float(PREFILL.value(kwargs, "eps"))
     gamma = inputs["gamma"].reshape(H).to(F64)
     inv = 1.0 / torch.sqrt((x * x).sum(-1, keepdim=True) / N + eps)
     y = x * inv * gamma
     out: dict[str, Any] = {"y": y, "pre_norm": pre_norm}
     w = inputs.get("router_weights")
     if w is not None:
-        w_nat = unarrange_router_weights(w, kwargs.get("router_act_fn", "SIGMOID")).to(F64)
+        w_nat = unarrange_router_weights(w, PREFILL.value(kwargs, "router_act_fn")).to(F64)
         logits = y @ w_nat
         bias = inputs.get("router_bias")
         out["bias"] = bias.reshape(-1).to(F64) if bias is not None else None
@@ -109,7 +121,7 @@ def _routing_exact(ex: Mapping[str, Any], kwargs: Mapping[str, Any]) -> dict[str
     logits: torch.Tensor = ex["logits"]
     bias = ex.get("bias")
     T, E = logits.shape
-    K = int(kwargs.get("top_k", 1))
+    K = int(PREFILL.value(kwargs, "top_k"))
     act = _act_name(kwargs)
     if act == "NOAUX_TC":
         return _noaux_exact(logits, bias, kwargs)
@@ -143,10 +155,10 @@ def _noaux_exact(
 ) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 group-limited routing (prefill spec §5.3), float64, bias for selection only."""
     T, E = logits.shape
-    K = int(kwargs.get("top_k", 1))
-    G = int(kwargs.get("n_group", 1))
-    TG = int(kwargs.get("topk_group", 1))
-    rsf = float(kwargs.get("routed_scaling_factor", 1.0))
+    K = int(PREFILL.value(kwargs, "top_k"))
+    G = int(PREFILL.value(kwargs, "n_group"))
+    TG = int(PREFILL.value(kwargs, "topk_group"))
+    rsf = float(PREFILL.value(kwargs, "routed_scaling_factor"))
     s = torch.sigmoid(logits)
     sfc = s + (bias if bias is not None else 0.0)
     epg = E // G
@@ -178,8 +190,6 @@ def check_prefill(
     outputs: Mapping[str, torch.Tensor],
 ) -> list[TensorReport]:
     """The reference's prefill outputs against float64 math within MXFP8 bounds (module doc)."""
-    from mxcli.mx import ElemFormat
-    from mxcli.verification.policy import decode_packed
 
     ex = prefill_exact(inputs, kwargs)
     y: torch.Tensor = ex["y"]
@@ -310,6 +320,10 @@ def bwd_exact(
     Wd = [w_d[e].clone().requires_grad_(True) for e in range(E)]  # [I, H]
     A = inputs["expert_affinities_masked"].to(F64).reshape(T, E).detach().requires_grad_(True)
     dY = inputs["output_hidden_states_grad"].to(F64)
+    if "gate_up_proj_act_checkpoint_T" not in inputs:  # the exact forward starts from it
+        raise InputError(
+            "gate_up_proj_act_checkpoint_T: missing from the inputs (verify --inputs needs it)"
+        )
     ckpt = inputs["gate_up_proj_act_checkpoint_T"].to(F64)  # [N, 2, I, B]
     tpi = inputs["token_position_to_id"].long().reshape(-1)
     b2e = inputs["block_to_expert"].long().reshape(-1)
@@ -399,3 +413,75 @@ def check_bwd(
             continue
         reports.append(compare_tensors(name, outputs[name].to(F64), ex, _BWD_TOL, check=CHECK))
     return reports
+
+
+def bwd_exact_weights(tensors: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """bf16-valued weights of a bwd input: as given, or dequantized when pre-quantized."""
+    w = {k: tensors[k] for k in ("gate_up_proj_weight", "down_proj_weight")}
+    if "gate_up_weight_scales" not in tensors and "down_weight_scales" not in tensors:
+        return w
+    cfg = config if config is not None else MXFP8MOEBwdConfig()
+    p1, p2 = cfg.phase1_config, cfg.phase2_config  # filled by the config's validation
+    assert p1 is not None and p2 is not None
+    gu, gu_s = tensors["gate_up_proj_weight"], tensors.get("gate_up_weight_scales")
+    d, d_s = tensors["down_proj_weight"], tensors.get("down_weight_scales")
+    H = int(tensors["hidden_states"].shape[-1])
+    pq = PrequantizedWeights(
+        gu if gu_s is not None else None, gu_s, d if d_s is not None else None, d_s,
+        Grouping.for_phase(p2), Grouping.for_phase(p1, H, cfg.fast_dma_transpose),
+        ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED,
+        ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED,
+    )  # fmt: skip
+    gu_deq, d_deq = dequantize_weights(pq)
+    if gu_deq is not None:
+        w["gate_up_proj_weight"] = gu_deq
+    if d_deq is not None:
+        w["down_proj_weight"] = d_deq
+    return w
+
+
+def _check_prefill(
+    inputs: Mapping[str, torch.Tensor],
+    kwargs: Mapping[str, Any],
+    outputs: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | None,
+    source: str,
+) -> list[TensorReport]:
+    return check_prefill(inputs, kwargs, outputs)
+
+
+def _check_bwd(
+    inputs: Mapping[str, torch.Tensor],
+    kwargs: Mapping[str, Any],
+    outputs: Mapping[str, torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | None,
+    source: str,
+) -> list[TensorReport]:
+    if weights is None:
+        missing = [k for k in ("gate_up_proj_weight", "down_proj_weight") if k not in inputs]
+        if missing:
+            raise InputError(
+                f"{source}: missing {', '.join(missing)} (given by --weights at "
+                "run time?); the exact check needs the input file to hold them"
+            )
+        weights = bwd_exact_weights(inputs, kwargs.get("config"))
+    return check_bwd(inputs, kwargs, outputs, weights)
+
+
+_CHECKS = {PREFILL.name: _check_prefill, BWD.name: _check_bwd}
+
+
+def check_exact(
+    kernel: str,
+    inputs: Mapping[str, torch.Tensor],
+    kwargs: Mapping[str, Any],
+    outputs: Mapping[str, torch.Tensor],
+    *,
+    weights: Mapping[str, torch.Tensor] | None = None,
+    source: str = "inputs",
+) -> list[TensorReport]:
+    """The reference's outputs of `kernel` against its independent exact math (module doc).
+
+    bwd: `weights` are the bf16 weights behind pre-quantized ones (default: as given, or
+    dequantized); `source` names the inputs in the error when they lack the weights."""
+    return _CHECKS[get_spec(kernel).name](inputs, kwargs, outputs, weights, source)

@@ -23,10 +23,18 @@ from typing import Any
 
 import torch
 
-from mxcli.tensorio import PREFILL
+from mxcli.kernels.spec import get_spec
 
 # pre-quantized (x4) weights: four E4M3 codes per 32-bit word; 0x7F / 0xFF are NaN
 X4_WEIGHTS = ("gate_up_proj_weight", "down_proj_weight")
+
+
+def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor; (0, 0) for integer and byte tensors."""
+    if not t.is_floating_point() or t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return 0, 0
+    f = t.detach().float()
+    return int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
 
 
 def input_nonfinite(name: str, t: torch.Tensor) -> tuple[int, int]:
@@ -34,8 +42,6 @@ def input_nonfinite(name: str, t: torch.Tensor) -> tuple[int, int]:
     if name in X4_WEIGHTS and t.dtype in (torch.uint32, torch.int32):
         b = t.detach().contiguous().view(torch.uint8)
         return int(((b & 0x7F) == 0x7F).sum()), 0
-    from mxcli.tensorio import nonfinite_counts
-
     return nonfinite_counts(t)
 
 
@@ -49,61 +55,43 @@ def _rows_nonfinite(t: torch.Tensor | None, T: int) -> torch.Tensor:
     return _nonfinite(t.reshape(T, -1)).any(dim=1).cpu()
 
 
-def _prefill_views(
-    outputs: Mapping[str, torch.Tensor], kwargs: Mapping[str, Any], H: int, E: int | None
-) -> dict[str, torch.Tensor]:
-    """The floating values of each prefill output; the packed rows decoded (codes x scales,
-    affinity tail), never their raw bytes (holes and scale bytes are not fp8 values)."""
-    from mxcli.kernels.rmsnorm_mx_prefill import packed_bytes
-    from mxcli.verification.policy import decode_packed
-
-    views: dict[str, torch.Tensor] = {}
-    for name, t in outputs.items():
-        if name == "norm_quant_packed":
-            packed_e = E if kwargs.get("pack_affinities") else None
-            dec = decode_packed(packed_bytes(t).cpu(), kwargs, H, packed_e)
-            views["norm_quant_packed"] = dec.values
-            if dec.affinities is not None:
-                views["norm_quant_packed.affinities"] = dec.affinities
-        elif t.is_floating_point():
-            views[name] = t
-    return views
-
-
 def unexplained_nonfinite(
     kernel: str,
     inputs: Mapping[str, torch.Tensor],
     outputs: Mapping[str, torch.Tensor],
     kwargs: Mapping[str, Any],
 ) -> dict[str, int]:
-    """``{output name: count}`` of NaN/Inf output values the inputs do not explain (see the
-    module doc); empty when there are none."""
-    if kernel == PREFILL:
-        hs = inputs["hidden_states"]
-        H = int(hs.shape[-1])
-        T = hs.numel() // H
-        w = inputs.get("router_weights")
-        E = int(w.shape[1]) if w is not None else None
-        if any(
-            t is not None and t.is_floating_point() and bool(_nonfinite(t).any())
-            for t in (inputs.get(n) for n in ("gamma", "router_weights", "router_bias"))
-        ):
+    """``{output name: count}`` of NaN/Inf output values the inputs do not explain (the
+    kernel's `NonfiniteRule`, see the module doc); empty when there are none."""
+    rule = get_spec(kernel).nonfinite
+
+    def values() -> dict[str, torch.Tensor]:
+        return dict(outputs) if rule.views is None else rule.views(outputs, kwargs, inputs)
+
+    if rule.token_inputs is None:  # every output depends on every input
+        if any(sum(input_nonfinite(n, t)) for n, t in inputs.items()):
             return {}
-        explained = _rows_nonfinite(hs, T) | _rows_nonfinite(inputs.get("residual"), T)
-        counts = {}
-        for name, v in _prefill_views(outputs, kwargs, H, E).items():
-            bad = _nonfinite(v.reshape(T, -1)).cpu() & ~explained[:, None]
-            if bool(bad.any()):
-                counts[name] = int(bad.sum())
-        return counts
-    if any(sum(input_nonfinite(n, t)) for n, t in inputs.items()):
+        totals = {
+            name: int(_nonfinite(v).sum()) for name, v in values().items() if v.is_floating_point()
+        }
+        return {name: c for name, c in totals.items() if c}
+    # per-token inputs explain their own token's outputs; any other input explains all
+    if any(
+        t is not None and t.is_floating_point() and bool(_nonfinite(t).any())
+        for n, t in inputs.items()
+        if n not in rule.token_inputs
+    ):
         return {}
+    first = inputs[rule.token_inputs[0]]
+    T = first.numel() // int(first.shape[-1])
+    explained = torch.zeros(T, dtype=torch.bool)
+    for token_input in rule.token_inputs:
+        explained |= _rows_nonfinite(inputs.get(token_input), T)
     counts = {}
-    for name, t in outputs.items():
-        if t.is_floating_point():
-            n = int(_nonfinite(t).sum())
-            if n:
-                counts[name] = n
+    for name, v in values().items():
+        bad = _nonfinite(v.reshape(T, -1)).cpu() & ~explained[:, None]
+        if bool(bad.any()):
+            counts[name] = int(bad.sum())
     return counts
 
 
@@ -116,4 +104,4 @@ def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
     ]
 
 
-__all__ = ["input_nonfinite", "nonfinite_warnings", "unexplained_nonfinite"]
+__all__ = ["input_nonfinite", "nonfinite_counts", "nonfinite_warnings", "unexplained_nonfinite"]

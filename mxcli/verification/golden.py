@@ -16,20 +16,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from mxcli.errors import InputError
-from mxcli.tensorio import BWD as BWD_KERNEL
-from mxcli.tensorio import (
-    INPUTS_FORMAT,
-    KERNEL_IO,
-    OUTPUTS_FORMAT,
-    TensorFile,
-    kernel_io,
-    read_file,
-    required_output_names,
-    resolve_kwargs,
-)
-from mxcli.verification.compare import fail_report, missing_report
+from mxcli.io.files import TensorFile, tensor_sha256
+from mxcli.io.metadata import INPUTS_FORMAT, OUTPUTS_FORMAT
+from mxcli.kernels.spec import find_spec, get_spec, read_kernel_file
+from mxcli.verification.compare import TensorReport, fail_report, missing_report
+from mxcli.verification.exact import CHECK as EXACT_CHECK
+from mxcli.verification.exact import check_exact
 from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
+from mxcli.weightprep.padding import repad_bwd_outputs
 
 CHECK = "output vs golden"
 
@@ -44,14 +39,14 @@ def compare_files(
 ) -> CaseResult:
     """Compare output file ``output`` with ``golden``; unreadable files raise ``InputError``."""
     t0 = time.perf_counter()
-    out = read_file(output)
-    gold = read_file(golden)
+    out = read_kernel_file(output)
+    gold = read_kernel_file(golden)
     if out.kernel and gold.kernel and out.kernel != gold.kernel:
         raise InputError(
             f"{out.path}: outputs of {out.kernel}, but the golden {gold.path} is of {gold.kernel}"
         )
     kernel = gold.kernel or out.kernel
-    if kernel is not None and kernel not in KERNEL_IO:
+    if kernel is not None and find_spec(kernel) is None:
         raise InputError(f"{gold.path}: unknown kernel {kernel!r} in the metadata")
     for f in (out, gold):
         _require_format(f, OUTPUTS_FORMAT)
@@ -71,13 +66,14 @@ def compare_files(
     kwargs: dict[str, Any] = {}
     geometry: dict[str, Any] = {}
     if kernel is not None:
-        kwargs = resolve_kwargs(kernel_io(kernel), gold.kwargs)
+        kwargs = get_spec(kernel).resolve_kwargs(gold.kwargs)
         geometry = geometry_args(gold.meta_json("geometry") or out.meta_json("geometry"))
     missing: list[str] = []
     if kernel is not None:  # a golden without the kernel's outputs would pass on nothing
         recorded = gold.meta_json("input_sha256") or out.meta_json("input_sha256")
         names = list(recorded) if isinstance(recorded, Mapping) else None
-        missing = [n for n in required_output_names(kernel, kwargs, names) if n not in gold.tensors]
+        required = get_spec(kernel).required_outputs(kwargs, names)
+        missing = [n for n in required if n not in gold.tensors]
         result.reports += [missing_report(n, CHECK, f"the golden {gold.path}") for n in missing]
     if not gold.tensors:
         result.reports.append(fail_report("(outputs)", CHECK, f"{gold.path} holds no tensors"))
@@ -114,8 +110,6 @@ def padding_reports(meta: Any, check: str) -> list[Any]:
     left every gradient's pad rows and columns exactly zero before they were cut off."""
     if not isinstance(meta, Mapping) or not isinstance(meta.get("pad_max_abs"), Mapping):
         return []
-    from mxcli.verification.compare import TensorReport
-
     reports: list[Any] = []
     for name, v in sorted(meta["pad_max_abs"].items()):
         ok = float(v) == 0.0
@@ -153,56 +147,20 @@ def _provenance(out: Mapping[str, str], gold: Mapping[str, str]) -> list[Any]:
     return reports
 
 
-def bwd_exact_weights(tensors: Mapping[str, Any], config: Any) -> dict[str, Any]:
-    """bf16-valued weights of a bwd input: as given, or dequantized when pre-quantized."""
-    w = {k: tensors[k] for k in ("gate_up_proj_weight", "down_proj_weight")}
-    if "gate_up_weight_scales" not in tensors and "down_weight_scales" not in tensors:
-        return w
-    from mxcli.kernels.blockwise_moe import (
-        MXFP8MOEBwdConfig,
-        PrequantizedWeights,
-        ScaleLayout,
-        dequantize_weights,
-    )
-    from mxcli.kernels.blockwise_moe.numerics import Grouping
-
-    cfg = config if config is not None else MXFP8MOEBwdConfig()
-    p1, p2 = cfg.phase1_config, cfg.phase2_config  # filled by the config's validation
-    assert p1 is not None and p2 is not None
-    gu, gu_s = tensors["gate_up_proj_weight"], tensors.get("gate_up_weight_scales")
-    d, d_s = tensors["down_proj_weight"], tensors.get("down_weight_scales")
-    H = int(tensors["hidden_states"].shape[-1])
-    pq = PrequantizedWeights(
-        gu if gu_s is not None else None, gu_s, d if d_s is not None else None, d_s,
-        Grouping.for_phase(p2), Grouping.for_phase(p1, H, cfg.fast_dma_transpose),
-        ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED,
-        ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED,
-    )  # fmt: skip
-    gu_deq, d_deq = dequantize_weights(pq)
-    if gu_deq is not None:
-        w["gate_up_proj_weight"] = gu_deq
-    if d_deq is not None:
-        w["down_proj_weight"] = d_deq
-    return w
-
-
 def check_run(
     output: str | os.PathLike[str],
     inputs: str | os.PathLike[str],
 ) -> CaseResult:
     """``verify OUT --inputs IN``: the outputs of a run against independent exact math of its
     inputs (`mxcli.verification.exact`); the input hashes recorded in OUT must match IN."""
-    from mxcli.tensorio import metadata_kwargs, tensor_sha256
-    from mxcli.verification.exact import CHECK as EXACT_CHECK
-    from mxcli.verification.exact import check_bwd, check_prefill
-
     t0 = time.perf_counter()
-    out = read_file(output)
-    inp = read_file(inputs)
+    out = read_kernel_file(output)
+    inp = read_kernel_file(inputs)
     _require_format(out, OUTPUTS_FORMAT)
     _require_format(inp, INPUTS_FORMAT)
     kernel = out.kernel or inp.kernel
-    if kernel not in KERNEL_IO:
+    spec = find_spec(kernel)
+    if kernel is None or spec is None:
         raise InputError(f"{out.path}: no kernel recorded in the metadata")
     if inp.kernel not in (None, kernel):
         raise InputError(
@@ -231,33 +189,19 @@ def check_run(
             )
             result.seconds = time.perf_counter() - t0
             return result
-    io = kernel_io(kernel)
     # the kwargs the run used (recorded in OUT), else those of the input file
-    kwargs = resolve_kwargs(io, metadata_kwargs(io, inp.metadata), out.kwargs)
+    kwargs = spec.resolve_kwargs(spec.metadata_kwargs(inp.metadata), out.kwargs)
     tensors = dict(inp.tensors)
     # a run must have written every output its kernel returns for these inputs and kwargs
-    missing_out = [
-        n for n in required_output_names(kernel, kwargs, list(tensors)) if n not in out.tensors
-    ]
+    missing_out = [n for n in spec.required_outputs(kwargs, tensors) if n not in out.tensors]
     result.reports += [missing_report(n, EXACT_CHECK, str(out.path)) for n in missing_out]
-    if kernel == BWD_KERNEL:
-        missing_w = [k for k in ("gate_up_proj_weight", "down_proj_weight") if k not in tensors]
-        if missing_w:
-            raise InputError(
-                f"{inp.path}: missing {', '.join(missing_w)} (given by --weights at "
-                "run time?); the exact check needs the input file to hold them"
-            )
-        from mxcli.weightprep.padding import repad_bwd_outputs
-
-        pad_meta = out.meta_json("padding")
-        outputs = out.tensors
-        if isinstance(pad_meta, Mapping):  # un-padded gradients: compare at the kernel's sizes
-            result.reports += padding_reports(pad_meta, EXACT_CHECK)
-            outputs = repad_bwd_outputs(outputs, pad_meta)
-        result.reports += check_bwd(
-            tensors, kwargs, outputs, bwd_exact_weights(tensors, kwargs.get("config"))
-        )
-    elif "norm_quant_packed" not in missing_out:  # the other outputs are read through it
-        result.reports += check_prefill(tensors, kwargs, out.tensors)
+    pad_meta = out.meta_json("padding")
+    outputs = out.tensors
+    if isinstance(pad_meta, Mapping):  # un-padded results: compare at the kernel's sizes
+        result.reports += padding_reports(pad_meta, EXACT_CHECK)
+        outputs = repad_bwd_outputs(outputs, pad_meta)
+    # the other outputs are read through the packed one (the prefill's rows)
+    if spec.packed is None or spec.packed.name not in missing_out:
+        result.reports += check_exact(kernel, tensors, kwargs, outputs, source=str(inp.path))
     result.seconds = time.perf_counter() - t0
     return result

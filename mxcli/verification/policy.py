@@ -18,9 +18,10 @@ Profiles (the tolerance a comparison of two runs of the *same* numerics deserves
   affinities cosine >= 0.98 (0.93 for NOAUX_TC) and within ``5e-2 * max + 1e-3`` for 95%; every
   bwd output cosine >= 0.99, normalised L2 <= 0.7 and within ``0.5 * max``.
 
-``norm_quant_packed`` is never compared byte by byte (its holes and pads are unspecified, prefill
-spec §4.2): it is decoded with `decode_packed_rows` into ``.codes`` (bit-exact), ``.scales``
-(bit-exact), ``.values`` (dequantized) and, with ``pack_affinities``, ``.affinities``.
+A kernel's packed output (`KernelSpec.packed`: ``norm_quant_packed``) is never compared byte by
+byte (its holes and pads are unspecified, prefill spec §4.2): it is decoded into ``.codes``
+(bit-exact), ``.scales`` (bit-exact), ``.values`` (dequantized) and, with ``pack_affinities``,
+``.affinities``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from mxcli.tensorio import BWD, KERNEL_IO, PREFILL
+from mxcli.kernels.spec import PackedOutput, find_spec
 from mxcli.verification.compare import (
     EXACT,
     TensorReport,
@@ -126,48 +127,10 @@ def tolerance_for(
 
 def geometry_args(geometry: Any) -> dict[str, Any]:
     """`compare_outputs`' ``hidden`` and ``num_experts`` from a recorded ``geometry`` (see
-    `mxcli.tensorio.geometry_metadata`); empty without one."""
+    `KernelSpec.geometry`); empty without one."""
     if isinstance(geometry, Mapping) and geometry.get("hidden_size"):
         return {"hidden": int(geometry["hidden_size"]), "num_experts": geometry.get("num_experts")}
     return {}
-
-
-def decode_packed(
-    packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
-) -> Any:
-    """`decode_packed_rows` of prefill output rows, with the layout the kwargs give."""
-    from mxcli.kernels import decode_packed_rows
-
-    return decode_packed_rows(
-        packed,
-        hidden,
-        pack_scales=bool(kwargs.get("pack_scales", True)),
-        num_experts=num_experts,
-        router_act_fn=kwargs.get("router_act_fn", "SIGMOID"),
-        qmx_output_dtype=kwargs.get("qmx_output_dtype", "float8_e4m3fn_x4"),
-    )
-
-
-def packed_geometry(kwargs: Mapping[str, Any], packed: torch.Tensor) -> tuple[int, int | None]:
-    """(H, E or None) of a packed prefill output without recorded geometry: H from the row width.
-
-    Only possible without an affinity tail (its width depends on E and its pad); output files
-    written by mxcli record ``geometry`` (``hidden_size``, ``num_experts``) in their metadata.
-    """
-    from mxcli.errors import InputError
-    from mxcli.kernels.rmsnorm_mx_prefill import packed_bytes, row_geometry
-
-    width = int(packed_bytes(packed).shape[1])
-    if kwargs.get("pack_affinities"):
-        raise InputError(
-            "norm_quant_packed: rows with packed affinities need the geometry "
-            "(hidden_size, num_experts) in the file metadata"
-        )
-    pack_scales = bool(kwargs.get("pack_scales", True))
-    for H in range(512, width + 1, 512):
-        if row_geometry(H, pack_scales=pack_scales).row_region == width:
-            return H, None
-    raise InputError(f"norm_quant_packed: row width {width} matches no hidden size")
 
 
 def compare_outputs(
@@ -185,7 +148,9 @@ def compare_outputs(
 ) -> list[TensorReport]:
     """Compare two output sets of ``kernel`` name by name (the golden is ``expected``)."""
     reports: list[TensorReport] = []
-    order = {n: i for i, n in enumerate(KERNEL_IO[kernel].outputs)} if kernel in KERNEL_IO else {}
+    spec = find_spec(kernel or None)
+    packed = spec.packed if spec is not None else None
+    order = {n: i for i, n in enumerate(spec.outputs)} if spec is not None else {}
     expected = dict(sorted(expected.items(), key=lambda kv: order.get(kv[0], len(order))))
     for name in expected:
         if name not in actual:
@@ -197,9 +162,10 @@ def compare_outputs(
         act = actual.get(name)
         if act is None:
             continue
-        if kernel == PREFILL and name == "norm_quant_packed":
+        if packed is not None and name == packed.name:
             reports.extend(
                 _compare_packed(
+                    packed,
                     act,
                     exp,
                     kwargs,
@@ -220,6 +186,7 @@ def compare_outputs(
 
 
 def _compare_packed(
+    packed: PackedOutput,
     act: torch.Tensor,
     exp: torch.Tensor,
     kwargs: Mapping[str, Any],
@@ -232,28 +199,26 @@ def _compare_packed(
     hidden: int | None,
     num_experts: int | None,
 ) -> list[TensorReport]:
-    from mxcli.kernels.rmsnorm_mx_prefill import packed_bytes
-
-    a_bytes, e_bytes = packed_bytes(act), packed_bytes(exp)
+    a_bytes, e_bytes = packed.as_bytes(act), packed.as_bytes(exp)
     if a_bytes.shape != e_bytes.shape:
         return [
             fail_report(
-                "norm_quant_packed",
+                packed.name,
                 check,
                 f"row shape {list(a_bytes.shape)} != expected {list(e_bytes.shape)}",
             )
         ]
     H, E = hidden, (num_experts if kwargs.get("pack_affinities") else None)
     if H is None:
-        H, E = packed_geometry(kwargs, exp)
-    da = decode_packed(a_bytes, kwargs, H, E)
-    de = decode_packed(e_bytes, kwargs, H, E)
+        H, E = packed.geometry(kwargs, exp)
+    da = packed.decode(a_bytes, kwargs, H, E)
+    de = packed.decode(e_bytes, kwargs, H, E)
     out = []
-    for part in ("codes", "scales", "values", "affinities"):
+    for part in packed.parts:
         x, y = getattr(da, part), getattr(de, part)
         if y is None:
             continue
-        name = f"norm_quant_packed.{part}"
+        name = f"{packed.name}.{part}"
         out.append(
             compare_tensors(
                 name, x, y, tolerance_for(name, profile, y, overrides, exact), check=check
@@ -262,4 +227,4 @@ def _compare_packed(
     return out
 
 
-__all__ = ["BWD", "PREFILL", "PROFILES", "compare_outputs", "profile_for_backend", "tolerance_for"]
+__all__ = ["PROFILES", "compare_outputs", "geometry_args", "profile_for_backend", "tolerance_for"]

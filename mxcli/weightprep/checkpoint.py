@@ -156,10 +156,13 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
 def open_safetensors(path: Path) -> Any:
     from safetensors import safe_open
 
-    try:
-        return safe_open(str(path), framework="pt", device="cpu", backend="pread")
-    except TypeError:  # safetensors < 0.7: no backend choice, memory-mapped
-        return safe_open(str(path), framework="pt", device="cpu")
+    from mxcli.fsutil import utf8_path
+
+    with utf8_path(path) as name:  # the handle safe_open returns stays valid after the block
+        try:
+            return safe_open(name, framework="pt", device="cpu", backend="pread")
+        except TypeError:  # safetensors < 0.7: no backend choice, memory-mapped
+            return safe_open(name, framework="pt", device="cpu")
 
 
 class Checkpoint:

@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from mxcli.errors import InputError, MxcliError
+from mxcli.io.files import tensor_sha256
 
 if TYPE_CHECKING:
     from mxcli.weightprep.padding import Padding
@@ -307,7 +308,7 @@ def load_layer_tensors(
     """
     from safetensors import safe_open
 
-    from mxcli.weightprep.writer import sha256_tensor
+    from mxcli.fsutil import utf8_path
 
     m = _as_manifest(path)
     if verify is None:
@@ -325,7 +326,7 @@ def load_layer_tensors(
         raise ManifestError(f"{fpath}: listed in the manifest but missing")
     out: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(fpath), framework="pt", device="cpu") as f:
+        with utf8_path(fpath) as opened, safe_open(opened, framework="pt", device="cpu") as f:
             for k in wanted:
                 out[k] = f.get_tensor(specs[k]["name"])
     except MxcliError:
@@ -337,7 +338,7 @@ def load_layer_tensors(
             raise ManifestError(
                 f"{fpath}: {k} has shape {list(t.shape)}, manifest says {specs[k]['shape']}"
             )
-        if verify and sha256_tensor(t) != specs[k]["sha256"]:
+        if verify and tensor_sha256(t) != specs[k]["sha256"]:
             raise ManifestError(
                 f"{fpath}: {k} does not match its sha256 in the manifest (a damaged or "
                 "replaced file; --no-verify-hashes skips this check)"

@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
-PREFILL_H_MULTIPLE = 512  # prefill spec §2.3
-BWD_MULTIPLE = 128  # bwd spec §10, both H and I
+from mxcli.kernels.blockwise_moe.contract import DIM_MULTIPLE as BWD_MULTIPLE  # bwd spec §10
+from mxcli.kernels.blockwise_moe.spec import SPEC as BWD_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill.contract import HIDDEN_MULTIPLE as PREFILL_H_MULTIPLE
+from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC as PREFILL_SPEC
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -125,23 +127,11 @@ def pad_dims(x: torch.Tensor, sizes: Mapping[int, int]) -> torch.Tensor:
     return out
 
 
-# bwd tensors: name -> {dim: "H" | "I"} (bwd spec §1 layouts; gradients share their layouts)
-_BWD_INPUT_DIMS: dict[str, dict[int, str]] = {
-    "hidden_states": {1: "H"},  # [T, H]
-    "output_hidden_states_grad": {1: "H"},  # [T, H]
-    "gate_up_proj_act_checkpoint_T": {2: "I"},  # [N, 2, I, B]
-    "gate_act_checkpoint_T": {1: "I"},  # [N, I, B]
-    "intermediate_checkpoint_T": {1: "I"},  # [N, I, B]
-    "scaled_intermediate_checkpoint_T": {1: "I"},  # [N, I, B]
-    "down_proj_act_checkpoint": {2: "H"},  # [N, B, H]
-}
-BWD_OUTPUT_DIMS: dict[str, dict[int, str]] = {
-    "hidden_states_grad": {1: "H"},  # [T, H]
-    "gate_up_proj_weight_grad": {1: "H", 3: "I"},  # [E, H, 2, I]
-    "down_proj_weight_grad": {1: "I", 2: "H"},  # [E, I, H]
-    "gate_and_up_proj_bias_grad": {2: "I"},  # [E, 2, I]
-    "down_proj_bias_grad": {1: "H"},  # [E, H]
-}
+# tensor name -> {dim: "H" | "I"}: the kernels' padded dims (their `KernelSpec`)
+assert BWD_SPEC.padded is not None and PREFILL_SPEC.padded is not None
+_BWD_INPUT_DIMS = BWD_SPEC.padded.inputs
+BWD_OUTPUT_DIMS = BWD_SPEC.padded.outputs
+_PREFILL_INPUT_DIMS = PREFILL_SPEC.padded.inputs
 
 
 def _sizes(dims: Mapping[int, str], h: int, i: int) -> dict[int, int]:
@@ -202,85 +192,22 @@ def pad_region_max_abs(
 
 def pad_prefill_inputs(tensors: Mapping[str, torch.Tensor], Hp: int) -> dict[str, torch.Tensor]:  # noqa: N803
     """Prefill activations (``hidden_states``, ``residual`` ``[B, S, H]``) zero-padded to `Hp`
-    (a last dim of `Hp` or more is left as it is)."""
+    (an H dim of `Hp` or more is left as it is)."""
     out = dict(tensors)
-    for name in ("hidden_states", "residual"):
+    for name, dims in _PREFILL_INPUT_DIMS.items():
         t = tensors.get(name)
-        if t is not None and t.dim() and t.shape[-1] < Hp:
-            out[name] = pad_dims(t, {t.dim() - 1: Hp})
+        if t is not None and t.dim():
+            grow = {d % t.dim(): Hp for d in dims if t.shape[d] < Hp}
+            if grow:
+                out[name] = pad_dims(t, grow)
     return out
-
-
-# -- run-* and verify: the padding of a prepared layer, applied to a kernel run ------------------
-
-PREFILL_KERNEL = "rmsnorm_mx_prefill"
-BWD_KERNEL = "blockwise_mm_bwd_mxfp8"
-
-
-def _bwd_expert_sizes(tensors: Mapping[str, torch.Tensor]) -> int | None:
-    """The I of the backward's down weight (``[E, I, H]``, pre-quantized ``[E, H/4, I]``)."""
-    d = tensors.get("down_proj_weight")
-    if d is None or d.dim() != 3:
-        return None
-    return int(d.shape[2] if "down_weight_scales" in tensors else d.shape[1])
-
-
-def _shared_for(tensors: Mapping[str, torch.Tensor], pad: Padding) -> bool | None:
-    """Whether the run's weights are the routed (False) or the shared (True) expert stack of
-    `pad`; None when their I is neither (the padding does not describe them)."""
-    i = _bwd_expert_sizes(tensors)
-    if i == pad.padded_intermediate_size:
-        return False
-    if i is not None and i == pad.padded_shared_intermediate_size:
-        return True
-    return None
-
-
-def pad_run_inputs(
-    kernel: str, tensors: Mapping[str, torch.Tensor], pad: Padding
-) -> dict[str, torch.Tensor]:
-    """A run's activations at the model's true sizes, zero-padded to the prepared weights'."""
-    if kernel == PREFILL_KERNEL:
-        return pad_prefill_inputs(tensors, pad.prefill_hidden_size)
-    shared = _shared_for(tensors, pad)
-    return dict(tensors) if shared is None else pad_bwd_inputs(tensors, pad, shared)
-
-
-def unpad_run_outputs(
-    kernel: str,
-    outputs: Mapping[str, torch.Tensor],
-    tensors: Mapping[str, torch.Tensor],
-    pad: Padding,
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(outputs, metadata)`` of a padded run.
-
-    bwd: the gradients cut to the true H and I_TP, with ``pad_max_abs`` (the largest ``|value|``
-    found in the dropped pad rows and columns: 0.0 when the padding was exact, which `verify`
-    checks). prefill: the outputs as the kernel wrote them (the next kernel reads them padded).
-    """
-    meta: dict[str, Any] = {**pad.to_dict()}
-    if kernel == BWD_KERNEL:
-        shared = _shared_for(tensors, pad)
-        if shared is not None:
-            meta.update(
-                outputs="unpadded",
-                expert_stack="shared" if shared else "routed",
-                pad_max_abs=pad_region_max_abs(outputs, pad, shared),
-            )
-            return unpad_bwd_outputs(outputs, pad, shared), meta
-    meta["outputs"] = (
-        f"padded: H columns past unpadded_hidden_size={pad.hidden_size} are padding"
-        if kernel == PREFILL_KERNEL
-        else "as computed (the weights do not match the recorded padding)"
-    )
-    return dict(outputs), meta
 
 
 def repad_bwd_outputs(
     outputs: Mapping[str, torch.Tensor], meta: Mapping[str, Any]
 ) -> dict[str, torch.Tensor]:
-    """Un-padded gradients (`unpad_run_outputs` metadata `meta`) zero-padded back to the
-    kernel's sizes, for a comparison with math done at the padded sizes."""
+    """Un-padded gradients (`mxcli.runs.unpad_run_outputs` metadata `meta`) zero-padded back
+    to the kernel's sizes, for a comparison with math done at the padded sizes."""
     if meta.get("outputs") != "unpadded":
         return dict(outputs)
     pad = Padding.from_dict(meta)

@@ -152,9 +152,12 @@ def parse_formats(text: str) -> tuple[str, ...]:
 
 
 def parse_layers(spec: str | None, num_layers: int) -> list[int] | None:
-    """``"3-10,12"`` -> sorted layer indices (inclusive ranges); None/"all" -> None."""
-    if spec is None or spec.strip().lower() in ("", "all"):
+    """``"3-10,12"`` -> sorted layer indices (inclusive ranges); None/"all" -> None. An empty
+    spec is an error, not "all" (``--layers "$UNSET"`` must not convert every layer)."""
+    if spec is None or spec.strip().lower() == "all":
         return None
+    if not spec.strip():
+        raise InputError(f"--layers: expected 'all', e.g. '3-10' or '0,2,5-7', got {spec!r}")
     out: set[int] = set()
     for part in spec.split(","):
         part = part.strip()

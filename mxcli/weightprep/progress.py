@@ -24,10 +24,14 @@ def _gb(n: float) -> str:
 
 
 class RichReporter(Reporter):
-    """Bar over the bf16 bytes of the layers to convert; a line per layer with its throughput."""
+    """Bar over the bf16 bytes of the layers to convert; a line per layer with its throughput.
+
+    The bar shows only on a terminal (in a pipe or a log it would print its last frame), and
+    it shrinks to the terminal's width; the layer lines are short and never wrapped by rich.
+    """
 
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True)
+        self.console = console or Console(stderr=True, highlight=False)
         self.progress: Progress | None = None
         self.task: Any = None
         self.plan: Plan | None = None
@@ -39,12 +43,14 @@ class RichReporter(Reporter):
             self.console.print(f"resume: {len(skipped)} layer(s) already complete, skipped")
         self.progress = Progress(
             TextColumn("[bold]prep-weights[/] {task.description}"),
-            BarColumn(),
+            BarColumn(bar_width=None),  # takes what the other columns leave
             DownloadColumn(),
             TransferSpeedColumn(),
             TimeRemainingColumn(),
             console=self.console,
-            transient=False,
+            transient=True,
+            expand=True,
+            disable=not self.console.is_terminal,
         )
         self.progress.start()
         total = plan.source_bf16_bytes * len(layers)
@@ -62,21 +68,19 @@ class RichReporter(Reporter):
         secs = max(float(record.get("seconds") or 0.0), 1e-9)
         gbps = self.plan.source_bf16_bytes / secs / 1e9
         if self.progress is not None:
-            self.progress.update(
-                self.task,
-                description=f"{self._n}/{self._total_layers} layers (layer {layer}: {gbps:.2f} GB/s)",
-            )
-        msg = f"layer {layer}: {_gb(self.plan.source_bf16_bytes)} in {secs:.1f} s ({gbps:.2f} GB/s)"
+            self.progress.update(self.task, description=f"{self._n}/{self._total_layers} layers")
+        msg = f"layer {layer}: {_gb(self.plan.source_bf16_bytes)} in {secs:.1f} s, {gbps:.2f} GB/s"
         if record.get("check"):
             from mxcli.weightprep.check import summarize
 
             s = summarize(record["check"])
             sq = [v["sqnr_db"] for v in s.values() if v.get("sqnr_db") is not None]
             exact = all(v["exact"] for k, v in s.items() if "_mxfp8" not in k)
-            msg += f"; check: {'exact' if exact else 'MISMATCH'} bf16/router"
+            msg += f"; bf16/router {'exact' if exact else 'MISMATCH'}"
             if sq:
-                msg += f", MXFP8 SQNR >= {min(sq):.1f} dB"
-        (self.progress.console if self.progress else self.console).print(msg)
+                msg += f", SQNR >= {min(sq):.1f} dB"
+        # soft_wrap: rich never breaks the line itself (it fits 80 columns up to layer 999)
+        (self.progress.console if self.progress else self.console).print(msg, soft_wrap=True)
 
     def finish(self) -> None:
         if self.progress is not None:

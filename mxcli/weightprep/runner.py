@@ -9,6 +9,12 @@
    each finished layer is recorded in the manifest at once (written atomically), so an
    interrupted run loses at most the layers in flight and ``--resume`` picks up from there;
 4. optionally ``check`` each layer against the source; hash the source files meanwhile.
+
+Across processes or hosts (`mxcli.weightprep.shards`): each process converts its shard's layers
+into the shared folder with ``--resume`` semantics, recording them in ``manifest.json`` under the
+lock; the per-rank indexes and rank-view manifests are written once, by the process that finds
+every selected layer recorded (the last to finish) or by ``finalize``, which refuses while
+shards are missing and names them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing import Any
 from mxcli import __version__
 from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
 from mxcli.fsutil import default_mode, hold_folder, refuse_inputs, remove_stale_temporaries
+from mxcli.io.files import tensor_sha256
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
     FORMAT,
@@ -39,7 +46,8 @@ from mxcli.weightprep.manifest import (
     read_manifest_json,
 )
 from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
-from mxcli.weightprep.writer import sha256_tensor, write_index, write_json
+from mxcli.weightprep.shards import Shard, describe, partition
+from mxcli.weightprep.writer import write_index, write_json
 
 LOCK_NAME = ".prep-weights.lock"
 # held for a whole run (`hold_folder`): exclusively by a run that starts the folder (new, or
@@ -153,10 +161,13 @@ def _rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
     return view
 
 
-def save_manifest(out: Path, manifest: dict[str, Any]) -> None:
-    """Write OUT/manifest.json and, per rank, its index and rank-view manifest (all atomic)."""
+def save_manifest(out: Path, manifest: dict[str, Any], indexes: bool = True) -> None:
+    """Write OUT/manifest.json and, per rank, its index and rank-view manifest (all atomic).
+
+    ``indexes=False`` (a shard of a multi-process run, before the last one finishes): the
+    manifest alone, so that no index names a partial set of layers."""
     manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda kv: int(kv[0])))
-    for rk in manifest["ranks"]:
+    for rk in manifest["ranks"] if indexes else []:
         r = rk["rank"]
         rdir = out / rk["dir"]
         rdir.mkdir(parents=True, exist_ok=True)
@@ -218,21 +229,29 @@ def _remove_stale(out: Path, plan: Plan) -> None:
         remove_stale_temporaries(out / rk.dir)
 
 
-def _record_layer(out: Path, manifest: dict[str, Any], record: dict[str, Any]) -> None:
+def _merge_from_disk(out: Path, manifest: dict[str, Any]) -> None:
+    """Add the layers and source files that parallel runs recorded meanwhile (under the lock)."""
+    path = out / MANIFEST_NAME
+    if not path.is_file():
+        return
+    on_disk = read_manifest_json(path)
+    for k, v in on_disk["layers"].items():
+        manifest["layers"].setdefault(k, v)
+    for name, f in on_disk["source"]["files"].items():
+        mine = manifest["source"]["files"].setdefault(name, f)  # other shards' source files
+        if mine.get("sha256") is None and f.get("sha256"):
+            mine["sha256"] = f["sha256"]
+
+
+def _record_layer(
+    out: Path, manifest: dict[str, Any], record: dict[str, Any], indexes: bool = True
+) -> None:
     """Merge one finished layer into the manifest on disk (re-read under the lock, so parallel
     runs on other layers are kept) and into `manifest`."""
     with _locked(out):
-        path = out / MANIFEST_NAME
-        if path.is_file():
-            on_disk = read_manifest_json(path)
-            for k, v in on_disk["layers"].items():
-                manifest["layers"].setdefault(k, v)
-            for name, f in on_disk["source"]["files"].items():
-                mine = manifest["source"]["files"].get(name)
-                if mine is not None and mine.get("sha256") is None and f.get("sha256"):
-                    mine["sha256"] = f["sha256"]
+        _merge_from_disk(out, manifest)
         manifest["layers"][str(record["layer"])] = record
-        save_manifest(out, manifest)
+        save_manifest(out, manifest, indexes)
 
 
 # -- output folder policy -----------------------------------------------------------------------
@@ -262,11 +281,20 @@ def _check_writable(out: Path) -> None:
         raise MxcliError(f"{out}: output folder {parent} is not writable")
 
 
-def _make_folder(out: Path, plan: Plan, resume: bool, force: bool) -> bool:
+def _make_folder(
+    out: Path, plan: Plan, resume: bool, force: bool, shard: Shard | None = None
+) -> bool:
     """Check the output folder's place and create it when absent; whether this run made it.
     (Of runs racing to make it, one does; `hold_folder` then decides which of them runs.)"""
     if resume and force:
         raise InputError("--resume and --force exclude each other (--force starts over)")
+    if shard is not None and shard.count > 1:
+        if force:
+            raise InputError(
+                f"--force with shard {shard} of {shard.count} ({shard.source}): every shard would "
+                "delete the others' layers; remove the output folder first to start over"
+            )
+        resume = True
     refuse_inputs(out, folders=[("checkpoint folder", plan.source)])
     _check_writable(out)
     try:
@@ -279,15 +307,25 @@ def _make_folder(out: Path, plan: Plan, resume: bool, force: bool) -> bool:
 
 
 def _open_output(
-    out: Path, plan: Plan, source_files: dict[str, dict[str, Any]], resume: bool, force: bool
+    out: Path,
+    plan: Plan,
+    source_files: dict[str, dict[str, Any]],
+    resume: bool,
+    force: bool,
+    shard: Shard | None = None,
 ) -> dict[str, Any]:
     """Reuse the output folder (made by `_make_folder`, held by this run); return the manifest
-    to extend."""
+    to extend. A shard of several joins the folder the other shards share, as ``--resume``."""
+    if shard is not None and shard.count > 1:
+        resume = True
     fresh = new_manifest(plan, source_files)
     mpath = out / MANIFEST_NAME
     if resume and mpath.is_file():
-        old = read_manifest_json(mpath)
+        old = read_manifest_json(mpath)  # replaced atomically: always whole
         _check_compatible(old, fresh, plan)
+        _check_shards(old, shard)
+        if old.get("shards"):
+            fresh["shards"] = old["shards"]
         _remove_stale(out, plan)
         fresh["layers"] = dict(old["layers"])
         for name, f in old["source"]["files"].items():
@@ -339,6 +377,17 @@ def _remove_previous_outputs(out: Path) -> None:
         mpath.unlink()
 
 
+def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
+    """Shards of one folder must agree on N (the split of the layers depends on it)."""
+    n_old = int((old.get("shards") or {}).get("count") or 1)
+    n = shard.count if shard is not None else 1
+    if shard is not None and n > 1 and n_old > 1 and n != n_old:
+        raise InputError(
+            f"shard {shard} ({shard.source}): this output is being prepared in {n_old} shards, "
+            f"this run asks {n} (use the same N on every process)"
+        )
+
+
 def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) -> None:
     where = "--resume"
     if old["source"]["family"] != fresh["source"]["family"]:
@@ -377,7 +426,7 @@ def layer_is_complete(out: Path, record: dict[str, Any] | None, plan: Plan) -> b
         try:
             with open_safetensors(path) as f:
                 for t in fe["tensors"].values():
-                    if sha256_tensor(f.get_tensor(t["name"])) != t["sha256"]:
+                    if tensor_sha256(f.get_tensor(t["name"])) != t["sha256"]:
                         return False
         except Exception:
             return False
@@ -476,11 +525,16 @@ def prepare_weights(
     force: bool = False,
     reporter: Reporter | None = None,
     revision: str | None = None,
+    shard: Shard | None = None,
+    finalize: bool = False,
 ) -> dict[str, Any]:
     """Plan (``dry_run``) or run a conversion; returns the plan or the result as a JSON-able dict.
 
     `source`: a checkpoint folder, or a Hugging Face repo id (`mxcli.weightprep.hub`, with
     `revision`), of which only config, index and the selected layers' shards are fetched.
+    `shard`: convert only this process's share of the selected layers (`shards.partition`) into
+    a folder the other shards share. `finalize`: convert nothing; write the indexes and the
+    final manifest once every shard's layers are recorded (else refuse, naming the shards).
     """
     from mxcli.weightprep.hub import open_source
 
@@ -501,6 +555,11 @@ def prepare_weights(
             res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]
             res["plan"]["would_refuse"] = problem
         return res
+    if finalize:
+        if output is None:
+            raise InputError("OUTPUT folder is required with --finalize")
+        plan = build_plan(root, options, ckpt, config_only_ok=True)  # reads no tensor data
+        return finalize_output(Path(output), plan)
     if hub is not None:  # fetch the shards of the selected layers, then plan from their headers
         first = build_plan(root, options, ckpt, config_only_ok=True)
         hub.fetch_shards(hub.shards_for(first.source_files))
@@ -520,12 +579,15 @@ def prepare_weights(
         return run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
-    # config, index and the shards the selected layers read
-    touched = sorted({plan.source_files[n] for L in plan.layers for n in plan.source_tensors[L]})
+    if shard is not None and shard.count <= 1:
+        shard = None
+    mine = plan.layers if shard is None else shard_layers(plan, shard.count)[shard.index]
+    # config, index and the shards this run's layers read
+    touched = sorted({plan.source_files[n] for L in mine for n in plan.source_tensors[L]})
     extra = ["config.json"] + ([INDEX_NAME] if ckpt.index_name else [])
     source_files = {name: _stat_entry(ckpt.root / name) for name in extra + touched}
     try:
-        return _run(ckpt, plan, out, source_files, options, resume, force, rep)
+        return _run(ckpt, plan, out, source_files, options, resume, force, rep, shard, mine)
     except OSError as exc:  # disk full, permissions, ...: the output could not be written
         if isinstance(exc, MxcliError):  # OutputExistsError is a FileExistsError
             raise
@@ -541,15 +603,20 @@ def _run(
     resume: bool,
     force: bool,
     rep: Reporter,
+    shard: Shard | None,
+    mine: list[int],
 ) -> dict[str, Any]:
-    created = _make_folder(out, plan, resume, force)
+    created = _make_folder(out, plan, resume, force, shard)
+    joined = resume or shard is not None  # a shard of several joins the folder as --resume
     try:
-        with hold_folder(out, RUN_LOCK_NAME, shared=resume, busy=_BUSY):
-            manifest = _open_output(out, plan, source_files, resume, force)
+        with hold_folder(out, RUN_LOCK_NAME, shared=joined, busy=_BUSY):
+            manifest = _open_output(out, plan, source_files, resume, force, shard)
+            if shard is not None:
+                manifest.setdefault("shards", {"count": shard.count, "complete": False})
             try:
-                return _convert(ckpt, plan, out, manifest, options, resume, rep)
+                return _convert(ckpt, plan, out, manifest, options, joined, rep, shard, mine)
             except BaseException:
-                if not resume:  # held exclusively: what is here now is ours
+                if not joined:  # held exclusively: what is here now is ours
                     _remove_unfinished(out, plan, created)
                 raise
             finally:
@@ -591,9 +658,12 @@ def _convert(
     options: PrepOptions,
     resume: bool,
     rep: Reporter,
+    shard: Shard | None = None,
+    mine: list[int] | None = None,
 ) -> dict[str, Any]:
     todo, done = [], []
-    for L in plan.layers:
+    indexes = shard is None  # a shard leaves the indexes to the last one to finish
+    for L in plan.layers if mine is None else mine:
         if resume and layer_is_complete(out, manifest["layers"].get(str(L)), plan):
             done.append(L)
         else:
@@ -610,16 +680,20 @@ def _convert(
             with _torch_threads(options.threads_per_worker()):
                 for L in todo:
                     rec = convert_and_check(plan, ckpt, L, out, rep.advance)
-                    _record_layer(out, manifest, rec)
+                    _record_layer(out, manifest, rec, indexes)
                     records[L] = rec
                     rep.layer_done(L, rec)
         else:
-            _run_pool(plan.source, options, out, todo, manifest, records, rep)
+            _run_pool(plan.source, options, out, todo, manifest, records, rep, indexes)
         hasher.join()
         if hasher.error is not None:
             raise MxcliError(f"{ckpt.root}: cannot hash the source files ({hasher.error})")
         with _locked(out):
-            save_manifest(out, _merge_on_disk(out, manifest))
+            _merge_from_disk(out, manifest)
+            missing = missing_shards(out, plan, manifest) if shard is not None else []
+            if shard is not None:
+                manifest["shards"]["complete"] = not missing
+            save_manifest(out, manifest, indexes or not missing)
     finally:
         rep.finish()
     seconds = time.perf_counter() - t0
@@ -650,6 +724,15 @@ def _convert(
         + list(plan.model.router.notes)
         + list(plan.model.router.bwd_notes),
     }
+    if shard is not None:
+        result["shard"] = {
+            "index": shard.index,
+            "count": shard.count,
+            "from": shard.source,
+            "layers": mine,
+            "finalized": not missing,
+            "missing_shards": missing,
+        }
     if options.check:
         from mxcli.weightprep.check import summarize
 
@@ -662,12 +745,62 @@ def _convert(
     return result
 
 
-def _merge_on_disk(out: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+def shard_layers(plan: Plan, count: int) -> list[list[int]]:
+    """The selected layers split into `count` shards, balanced by their source bytes."""
+    return partition(plan.layers, plan.source_bytes, count)
+
+
+def _recorded(out: Path, plan: Plan, record: dict[str, Any] | None) -> bool:
+    """A layer whose record names every rank and whose files are there at their sizes (the
+    sha256 check is ``--resume``'s: re-reading every layer here would cost a second pass)."""
+    if record is None or set(record.get("ranks", {})) != {str(rk.rank) for rk in plan.ranks}:
+        return False
+    for fe in record["ranks"].values():
+        path = out / fe["file"]
+        if not path.is_file() or path.stat().st_size != int(fe["bytes"]):
+            return False
+    return True
+
+
+def missing_shards(out: Path, plan: Plan, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+    """The shards (of the manifest's count) with a selected layer not recorded, and those layers."""
+    count = int((manifest.get("shards") or {}).get("count") or 1)
+    out_list = []
+    for i, layers in enumerate(shard_layers(plan, count)):
+        lost = [L for L in layers if not _recorded(out, plan, manifest["layers"].get(str(L)))]
+        if lost:
+            out_list.append({"shard": f"{i}/{count}", "layers": lost})
+    return out_list
+
+
+def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
+    """``--finalize``: write the indexes and the final manifest of a sharded output, or refuse
+    (one line) naming the shards whose layers are not all recorded."""
     path = out / MANIFEST_NAME
-    if path.is_file():
-        for k, v in read_manifest_json(path)["layers"].items():
-            manifest["layers"].setdefault(k, v)
-    return manifest
+    if not path.is_file():
+        raise InputError(f"{out}: no {MANIFEST_NAME} to finalize (no shard has finished a layer)")
+    with _locked(out):
+        manifest = read_manifest_json(path)
+        _check_compatible(manifest, new_manifest(plan, {}), plan)
+        missing = missing_shards(out, plan, manifest)
+        if missing:
+            names = ", ".join(f"{m['shard']} (layers {describe(m['layers'])})" for m in missing)
+            raise InputError(
+                f"{out}: cannot finalize, shards not finished: {names}; run those shards "
+                "again with --resume"
+            )
+        if manifest.get("shards"):
+            manifest["shards"]["complete"] = True
+        save_manifest(out, manifest)
+    _remove_lock(out)
+    return {
+        "output": str(out),
+        "manifest": str(path),
+        "finalized": True,
+        "layers": plan.layers,
+        "ranks": len(plan.ranks),
+        "shards": int((manifest.get("shards") or {}).get("count") or 1),
+    }
 
 
 def _run_pool(
@@ -678,6 +811,7 @@ def _run_pool(
     manifest: dict[str, Any],
     records: dict[int, dict[str, Any]],
     rep: Reporter,
+    indexes: bool = True,
 ) -> None:
     workers = min(options.workers, len(todo))
     threads = options.threads_per_worker()
@@ -698,7 +832,7 @@ def _run_pool(
                     _drain(queue, rep)
                     for fut in finished:
                         rec = fut.result()
-                        _record_layer(out, manifest, rec)
+                        _record_layer(out, manifest, rec, indexes)
                         records[futures[fut]] = rec
                         rep.layer_done(futures[fut], rec)
             except BaseException:

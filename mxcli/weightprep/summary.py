@@ -15,7 +15,24 @@ def _ranges(xs: list[int]) -> str:
     return r(xs) or "none"
 
 
-def format_plan(plan: dict[str, Any]) -> str:
+def _fit(lines: list[str], width: int) -> str:
+    """Lines wrapped at spaces to `width`, never inside a word, a number or a name; a
+    ``key          value`` line continues under its value, any other under a 4-space indent."""
+    import textwrap
+
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        key = line[:14]
+        indent = 14 if len(key) == 14 and key.endswith("  ") and key.strip() else 4
+        out += textwrap.wrap(line, width, subsequent_indent=" " * indent,
+                             break_long_words=False, break_on_hyphens=False)  # fmt: skip
+    return "\n".join(out)
+
+
+def format_plan(plan: dict[str, Any], width: int = 80) -> str:
     r = plan["router"]
     o = plan["options"]
     lines = [
@@ -52,8 +69,13 @@ def format_plan(plan: dict[str, Any]) -> str:
         lines.append(f"note          {note}")
     first = next(iter(plan["outputs_per_layer"]))
     lines.append(f"outputs per layer and rank ({first} shown):")
-    for t in plan["outputs_per_layer"][first]:
-        lines.append(f"  {t['name']:<40} {t['dtype']:<5} {str(t['shape']):<24} {_gb(t['bytes'])}")
+    outs = plan["outputs_per_layer"][first]
+    wn = max((len(t["name"]) for t in outs), default=0)
+    ws = max((len(str(t["shape"])) for t in outs), default=0)
+    for t in outs:
+        lines.append(
+            f"  {t['name']:<{wn}}  {t['dtype']:<5} {str(t['shape']):<{ws}}  {_gb(t['bytes'])}"
+        )
     per = plan.get("per_layer") or []
     if per:
         lo, hi = min(e["source_bytes"] for e in per), max(e["source_bytes"] for e in per)
@@ -65,10 +87,15 @@ def format_plan(plan: dict[str, Any]) -> str:
         f"total         read {_gb(plan['source_bytes'])}, write {_gb(plan['output_bytes'])}",
         f"peak memory   ~{_gb(plan['estimated_peak_memory_bytes'])} (estimate)",
     ]
-    return "\n".join(lines)
+    return _fit(lines, width)
 
 
-def format_result(res: dict[str, Any]) -> str:
+def format_result(res: dict[str, Any], width: int = 80) -> str:
+    if res.get("finalized") is True and "layers_written" not in res:  # --finalize
+        return (
+            f"finalized {res['output']}: {len(res['layers'])} layer(s) x {res['ranks']} rank(s) "
+            f"from {res['shards']} shard(s)\nmanifest {res['manifest']}"
+        )
     lines = [
         f"wrote {len(res['layers_written'])} layer(s) x {res['ranks']} rank(s) to {res['output']}"
         + (f" ({len(res['layers_skipped'])} already complete)" if res["layers_skipped"] else ""),
@@ -101,11 +128,24 @@ def format_result(res: dict[str, Any]) -> str:
                 else ""
             )
         )
-    for L, rc in (res.get("routing_check") or {}).items():
+    routing = res.get("routing_check") or {}
+    for L, rc in routing.items():
         lines.append(
-            f"routing layer {L}: top-k agreement {rc['topk_agreement']:.2%}, max weight error "
-            f"{rc['max_weight_error']:.4f} ({'pass' if rc['passed'] else 'FAIL'}; "
-            f"{rc['tokens']} seeded tokens vs the family's fp32 routing)"
+            f"routing layer {L}: {'pass' if rc['passed'] else 'FAIL'}, top-k agreement "
+            f"{rc['topk_agreement']:.2%}, max weight error {rc['max_weight_error']:.4f}"
         )
+    sh = res.get("shard")
+    if sh:
+        from mxcli.weightprep.shards import describe
+
+        lines.append(
+            f"shard {sh['index']}/{sh['count']} (from {sh['from']}): layers {describe(sh['layers'])}; "
+            + ("all shards done, indexes written" if sh["finalized"] else "waiting for shards "
+               + ", ".join(m["shard"] for m in sh["missing_shards"]) + " (the last one, or "
+               "--finalize, writes the indexes)")
+        )  # fmt: skip
+    if routing:
+        tokens = next(iter(routing.values()))["tokens"]
+        lines.append(f"  (routing: {tokens} seeded tokens against the family's fp32 routing)")
     lines.append(f"manifest {res['manifest']}")
-    return "\n".join(lines)
+    return _fit(lines, width)

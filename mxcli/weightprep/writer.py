@@ -3,7 +3,8 @@
 `StreamingWriter` writes a safetensors file whose tensor list (names, dtypes, shapes) is known up
 front, as the plan knows it: the header goes first, then each tensor's bytes arrive in pieces
 (an expert chunk at a time) and go straight to their place in the file. Nothing but the piece
-being written is held, and each tensor's sha256 is computed on the way. The file is produced
+being written is held, and each tensor's sha256 (that of `mxcli.io.files.tensor_sha256`: the
+stored bytes) is computed on the way. The file is produced
 under a temporary name and renamed only when every byte has arrived (`mxcli.fsutil`).
 """
 
@@ -23,6 +24,7 @@ import torch
 
 from mxcli.errors import MxcliError
 from mxcli.fsutil import atomic_output
+from mxcli.io.files import tensor_bytes
 from mxcli.weightprep.checkpoint import st_dtype, st_nbytes
 
 
@@ -37,18 +39,6 @@ class TensorSpec:
     @property
     def nbytes(self) -> int:
         return st_nbytes(self.dtype, self.shape)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a tensor (no copy when it is contiguous)."""
-    t = t.detach().contiguous()
-    if t.dim() == 0:
-        t = t.reshape(1)
-    return memoryview(t.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
-
-
-def sha256_tensor(t: torch.Tensor) -> str:
-    return hashlib.sha256(tensor_bytes(t)).hexdigest()
 
 
 class StreamingWriter:
@@ -157,7 +147,10 @@ def streaming_file(
 ) -> Iterator[StreamingWriter]:
     """A `StreamingWriter` on a temporary file, renamed onto `path` when the block succeeds."""
     with atomic_output(path, force=True) as tmp:
-        fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC)
+        # No O_TRUNC: the temporary is new and empty, and truncating an ext4 file to zero marks
+        # it for a flush of all its dirty pages on close (auto_da_alloc): measured 0.13 s per
+        # 400 MB written, paid while the next layer waits.
+        fd = os.open(tmp, os.O_WRONLY)
         try:
             w = StreamingWriter(fd, specs, metadata)
             yield w

@@ -13,7 +13,11 @@ from typer.testing import CliRunner
 from mxcli.cli import app
 from mxcli.inputs import make_bwd_inputs, make_prefill_inputs, write_inputs
 from mxcli.kernels import backends
-from mxcli.tensorio import BWD, PREFILL
+from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_SPEC
+from mxcli.runs import run_file
+
+PREFILL, BWD = PREFILL_SPEC.name, BWD_SPEC.name
 
 
 class Cli:
@@ -87,8 +91,6 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ),
         out["bwd_pq"],
     )
-    from mxcli.tensorio import run_file
-
     for name, kernel in (("prefill", PREFILL), ("noaux", PREFILL), ("bwd", BWD), ("bwd_pq", BWD)):
         out[f"{name}_out"] = d / f"{name}_out.safetensors"
         run_file(kernel, out[name], out[f"{name}_out"], backend="reference")
@@ -116,9 +118,6 @@ def _corrupting(kernel: str) -> Any:
 def corrupt_backend() -> Iterator[str]:
     """A registered backend named ``corrupt`` whose outputs are deliberately wrong."""
     for kernel in (PREFILL, BWD):
-        import mxcli.tensorio as tio
-
-        tio.kernel_api(kernel)  # registers the reference first
         backends.register(kernel, "corrupt", _corrupting(kernel))
     yield "corrupt"
     for kernel in (PREFILL, BWD):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from mxcli.cli import app
-from mxcli.tensorio import read_file, tensor_sha256, write_file
+from mxcli.io.files import tensor_sha256, write_file
+from mxcli.kernels.spec import read_kernel_file
 
 COMMANDS = ["run-prefill", "run-bwd", "make-inputs", "verify", "inspect", "demo"]
 
@@ -105,7 +106,7 @@ def test_make_inputs_prefill(cli, tmp_path: Path, args: list[str], expect: set[s
     r = cli("make-inputs", "prefill", "-o", out, *args, "--seed", "7", "--json")
     assert r.exit_code == 0, r.output
     summary = json.loads(r.stdout)
-    f = read_file(out)
+    f = read_kernel_file(out)
     assert set(f.tensors) == expect == set(summary["tensors"])
     assert f.metadata["kernel"] == "rmsnorm_mx_prefill"
     assert json.loads(f.metadata["generator"])["seed"] == 7
@@ -117,7 +118,7 @@ def test_make_inputs_prefill(cli, tmp_path: Path, args: list[str], expect: set[s
     # same flags, same bytes
     again = tmp_path / "again.safetensors"
     assert cli("make-inputs", "prefill", "-o", again, *args, "--seed", "7", "-q").exit_code == 0
-    assert {k: tensor_sha256(t) for k, t in read_file(again).tensors.items()} == {
+    assert {k: tensor_sha256(t) for k, t in read_kernel_file(again).tensors.items()} == {
         k: v["sha256"] for k, v in summary["tensors"].items()
     }
 
@@ -152,7 +153,7 @@ def test_make_inputs_prefill(cli, tmp_path: Path, args: list[str], expect: set[s
             "4",
             "--top-k",
             "2",
-            "--router",
+            "--routing",
             "prefill",
             "--block-size",
             "256",
@@ -167,7 +168,7 @@ def test_make_inputs_bwd_then_run_and_verify(cli, tmp_path: Path, args: list[str
     r = cli("make-inputs", "bwd", "-o", inp, *args)
     assert r.exit_code == 0, r.output
     assert "wrote" in r.stdout
-    f = read_file(inp)
+    f = read_kernel_file(inp)
     cfg = f.kwargs["config"]
     if "--dense" in args:
         assert cfg["single_expert_dense"] is True
@@ -217,14 +218,14 @@ def test_run_prefill_flags_override_the_file(cli, tmp_path: Path, files) -> None
     assert list(s["outputs"]) == ["norm_quant_packed", "expert_index", "output_residual"]
     assert s["outputs"]["expert_index"]["shape"] == [64, 1]
     assert set(s["timing_s"]) == {"read", "run", "write"}
-    assert json.loads(read_file(out).metadata["kwargs"])["pack_affinities"] is True
+    assert json.loads(read_kernel_file(out).metadata["kwargs"])["pack_affinities"] is True
 
 
 def test_run_prefill_human_output_quiet_and_force(cli, tmp_path: Path, files) -> None:
     out = tmp_path / "o.safetensors"
     r = cli("run-prefill", files["noaux"], "-o", out)
     assert r.exit_code == 0, r.output
-    assert "rmsnorm_mx_prefill on reference (cpu): ran in" in r.stdout
+    assert "rmsnorm_mx_prefill on reference (cpu)\n  ran in" in r.stdout
     assert "norm_quant_packed" in r.stdout and f"wrote {out}" in r.stdout
     r = cli("run-prefill", files["noaux"], "-o", out)
     assert r.exit_code == 2 and "output exists" in r.stderr
@@ -256,7 +257,7 @@ def test_run_with_prepared_weights(cli, tmp_path: Path, prepared) -> None:
     )
     assert r.exit_code == 0, r.output
     # keep only the activations: the weights come from --weights at run time
-    f = read_file(inp)
+    f = read_kernel_file(inp)
     slim = tmp_path / "slim.safetensors"
     write_file(slim, {"hidden_states": f.tensors["hidden_states"]}, {"kernel": f.kernel})
     r = cli("run-prefill", slim, "-o", out, "--weights", folder, "--layer", layer, "--json")
@@ -335,13 +336,13 @@ def test_verify_golden_pass_and_reports(cli, tmp_path: Path, files) -> None:
 
 
 def _rewrite(src: Path, dst: Path, **changes: torch.Tensor) -> Path:
-    f = read_file(src)
+    f = read_kernel_file(src)
     write_file(dst, {**f.tensors, **changes}, f.metadata)
     return dst
 
 
 def test_verify_fails_on_a_corrupted_output(cli, tmp_path: Path, files) -> None:
-    f = read_file(files["prefill_out"])
+    f = read_kernel_file(files["prefill_out"])
     b = f.tensors["norm_quant_packed"].view(torch.uint8).clone()
     b[5, 100] ^= 0x01  # one code off by one step
     bad = _rewrite(
@@ -369,7 +370,7 @@ def test_verify_fails_on_a_corrupted_output(cli, tmp_path: Path, files) -> None:
 
 
 def test_verify_fails_on_a_perturbed_golden(cli, tmp_path: Path, files) -> None:
-    f = read_file(files["bwd_out"])
+    f = read_kernel_file(files["bwd_out"])
     g = f.tensors["down_proj_weight_grad"]
     perturbed = _rewrite(
         files["bwd_out"],
@@ -393,7 +394,7 @@ def test_verify_fails_on_a_perturbed_golden(cli, tmp_path: Path, files) -> None:
 
 
 def test_verify_exact_flag_and_hardware_profile(cli, tmp_path: Path, files) -> None:
-    f = read_file(files["noaux_out"])
+    f = read_kernel_file(files["noaux_out"])
     aff = f.tensors["norm_quant_packed"].view(torch.uint8).clone()
     golden = files["noaux_out"]
     # a different golden run with one affinity byte changed in the (packed) tail

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mxcli.tensorio import read_file
+from mxcli.kernels.spec import read_kernel_file
 
 STEPS = [
     "checkpoint",
@@ -52,11 +52,11 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         for model, router in (("qwen3_moe", "SOFTMAX"), ("deepseek_v3", "NOAUX_TC")):
             d = out / model
             assert (d / "prepared" / "manifest.json").is_file()
-            pre = read_file(d / "prefill-outputs.safetensors")
+            pre = read_kernel_file(d / "prefill-outputs.safetensors")
             assert json.loads(pre.metadata["kwargs"])["router_act_fn"] == router
-            bwd_in = read_file(d / "bwd-inputs.safetensors")
+            bwd_in = read_kernel_file(d / "bwd-inputs.safetensors")
             assert "gate_up_weight_scales" in bwd_in.tensors  # the prepared MXFP8 path
-            assert set(read_file(d / "bwd-outputs.safetensors").tensors) == {
+            assert set(read_kernel_file(d / "bwd-outputs.safetensors").tensors) == {
                 "hidden_states_grad",
                 "expert_affinities_masked_grad",
                 "gate_up_proj_weight_grad",

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from mxcli.io.files import write_file
 from mxcli.kernels.rmsnorm_mx_prefill import PrefillValidationError
 from mxcli.kernels.rmsnorm_mx_prefill.contract import validate
-from mxcli.tensorio import read_file, write_file
+from mxcli.kernels.spec import read_kernel_file
 from mxcli.weightprep.synthetic import build_checkpoint
 from tests.cli.test_user_errors import _assert_user_error
 
@@ -61,7 +62,7 @@ def test_contract_rejects_noaux_top_k_beyond_the_kept_groups() -> None:
 def test_nan_scale_byte_is_rejected_with_its_position(
     cli, tmp_path: Path, files: dict[str, Path], name: str
 ) -> None:
-    f = read_file(files["bwd_pq"])
+    f = read_kernel_file(files["bwd_pq"])
     s = f.tensors[name].clone()
     s[1, 33, 5] = 255  # row 33 = compact group 5 in both layouts: (5 // 4) * 32 + 5 % 4
     bad = tmp_path / "bad.safetensors"
@@ -221,7 +222,7 @@ def test_nan_token_on_sim_stays_in_its_row(cli, tmp_path: Path) -> None:
         r = cli("run-prefill", src, "-o", out, "--backend", backend, "--allow-nonfinite",
                 "--strict", "--quiet")  # fmt: skip
         assert r.exit_code == 0 and "warning" not in r.stderr, (backend, r.stderr)
-        outs[backend] = read_file(out).tensors
+        outs[backend] = read_kernel_file(out).tensors
     ref, sim = outs["reference"], outs["sim"]
     dr = decode_packed_rows(ref["norm_quant_packed"], 512)
     ds = decode_packed_rows(sim["norm_quant_packed"], 512)
@@ -241,7 +242,7 @@ def test_nan_token_on_sim_stays_in_its_row(cli, tmp_path: Path) -> None:
 
 
 def test_run_bwd_strict_on_overflow(cli, tmp_path: Path, files: dict[str, Path]) -> None:
-    f = read_file(files["bwd"])
+    f = read_kernel_file(files["bwd"])
     dy = f.tensors["output_hidden_states_grad"].clone()
     dy[5] = 3e38  # finite bf16; dY @ W_d overflows fp32
     src = tmp_path / "in.safetensors"
@@ -282,7 +283,7 @@ def test_nan_code_in_prequantized_weight_is_a_nonfinite_input(
 ) -> None:
     """An E4M3 NaN code (0x7F) in an x4 weight word counts as a NaN input: rejected without
     --allow-nonfinite, and with it the NaN gradients are explained (no warning)."""
-    f = read_file(files["bwd_pq"])
+    f = read_kernel_file(files["bwd_pq"])
     w = f.tensors["down_proj_weight"].clone()
     w.view(torch.uint8).view(-1)[9] = 0x7F
     bad = tmp_path / "bad.safetensors"
@@ -292,4 +293,4 @@ def test_nan_code_in_prequantized_weight_is_a_nonfinite_input(
     _assert_user_error(cli("run-bwd", bad, "-o", out), ["down_proj_weight", "1 NaN"], out)
     r = cli("run-bwd", bad, "-o", out, "--allow-nonfinite", "--strict", "--quiet")
     assert r.exit_code == 0 and "warning" not in r.stderr, r.stderr
-    assert torch.isnan(read_file(out).tensors["hidden_states_grad"].float()).any()
+    assert torch.isnan(read_kernel_file(out).tensors["hidden_states_grad"].float()).any()

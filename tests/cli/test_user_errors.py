@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxcli.tensorio import read_file, write_file
+from mxcli.io.files import write_file
+from mxcli.kernels.spec import read_kernel_file
 
 
 def _edit(
@@ -21,7 +22,7 @@ def _edit(
     meta: dict[str, str] | None = None,
     **changes: torch.Tensor,
 ) -> Path:
-    f = read_file(src)
+    f = read_kernel_file(src)
     tensors = {k: v for k, v in f.tensors.items() if k not in drop}
     tensors.update(changes)
     write_file(dst, tensors, {**f.metadata, **(meta or {})})
@@ -29,13 +30,13 @@ def _edit(
 
 
 def _nan_hidden(src: Path, dst: Path) -> Path:
-    hs = read_file(src).tensors["hidden_states"].clone()
+    hs = read_kernel_file(src).tensors["hidden_states"].clone()
     hs.view(-1)[7] = float("nan")
     return _edit(src, dst, hidden_states=hs)
 
 
 def _inf_grad(src: Path, dst: Path) -> Path:
-    g = read_file(src).tensors["output_hidden_states_grad"].clone()
+    g = read_kernel_file(src).tensors["output_hidden_states_grad"].clone()
     g[0, 0] = float("inf")
     g[1, 1] = -float("inf")
     return _edit(src, dst, output_hidden_states_grad=g)
@@ -43,7 +44,7 @@ def _inf_grad(src: Path, dst: Path) -> Path:
 
 def _shaped(name: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[Path, Path], Path]:
     def make(src: Path, dst: Path) -> Path:
-        return _edit(src, dst, **{name: fn(read_file(src).tensors[name])})
+        return _edit(src, dst, **{name: fn(read_kernel_file(src).tensors[name])})
 
     return make
 
@@ -268,7 +269,7 @@ def test_bad_bwd_config(
         (["bwd", "--dense", "--experts", "4"], ["dense", "experts=4"]),
         (["bwd", "--block-size", "100"], ["block_size", "100"]),
         (["bwd", "--clamp", "1,2"], ["clamp", "4 values"]),
-        (["bwd", "--router", "magic"], ["router", "magic"]),
+        (["bwd", "--routing", "magic"], ["--routing", "magic"]),
         (["bwd", "--prequantize", "--scale-layout", "diagonal"], ["scale_layout", "diagonal"]),
         (["bwd", "--weights", "/nonexistent"], ["--weights DIR and --layer L"]),
         (["moe"], ["moe"]),

@@ -12,13 +12,16 @@ import pytest
 import torch
 
 from mxcli.inputs import make_bwd_inputs, make_prefill_inputs
-from mxcli.tensorio import BWD_IO, PREFILL, PREFILL_IO, resolve_kwargs, run_kernel
+from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_SPEC
+from mxcli.runs import run_case, run_kernel, run_suite
 from mxcli.verification.cases import CASES, select
 from mxcli.verification.compare import Tolerance, compare_tensors
 from mxcli.verification.exact import check_bwd, check_prefill
 from mxcli.verification.policy import compare_outputs
 from mxcli.verification.report import CaseResult, junit_xml, render_table, to_json
-from mxcli.verification.suite import run_case, run_suite
+
+PREFILL = PREFILL_SPEC.name
 
 
 def test_exact_comparison_counts_differing_bits() -> None:
@@ -68,7 +71,7 @@ def test_masked_comparison() -> None:
 
 def _prefill_case(**kw):
     made = make_prefill_inputs(**kw)
-    kwargs = resolve_kwargs(PREFILL_IO, made.kwargs)
+    kwargs = PREFILL_SPEC.resolve_kwargs(made.kwargs)
     return made, kwargs, run_kernel(PREFILL, made.tensors, kwargs).outputs
 
 
@@ -141,7 +144,7 @@ def test_bwd_exact_check_passes_and_catches_a_scale_error() -> None:
         clamp=(-1.0, 1.0, None, 0.75),
         seed=9,
     )
-    kwargs = resolve_kwargs(BWD_IO, made.kwargs)
+    kwargs = BWD_SPEC.resolve_kwargs(made.kwargs)
     out = run_kernel("blockwise_mm_bwd_mxfp8", made.tensors, kwargs).outputs
     reports = check_bwd(made.tensors, kwargs, out, made.extras["weights"])
     assert len(reports) == 6 and all(r.passed for r in reports), [
@@ -246,7 +249,8 @@ def test_verify_inputs_checks_exact_tie_tokens(act: str, extra: dict, tmp_path: 
     hardware order: experts 0, 1 at 1/2 each, api spec §8.14) instead of skipping them as
     near-ties, so a duplicated index there (the old first-occurrence reference) fails."""
     from mxcli.inputs import write_inputs
-    from mxcli.tensorio import read_file, write_file
+    from mxcli.io.files import write_file
+    from mxcli.kernels.spec import read_kernel_file
 
     made = make_prefill_inputs(seq=16, hidden=512, experts=16, top_k=2, router_act_fn=act, **extra)
     made.tensors["hidden_states"][:, 8:] = 0.0  # eight padding tokens
@@ -262,7 +266,7 @@ def test_verify_inputs_checks_exact_tie_tokens(act: str, extra: dict, tmp_path: 
         reps = {t["name"]: t for t in json.loads(r.stdout)["cases"][0]["tensors"]}
         aff = next(v for k, v in reps.items() if "affinities" in k)
         assert "skipped" not in json.dumps(aff)  # no padding token skipped (the others: random)
-    o = read_file(out)
+    o = read_kernel_file(out)
     expect = torch.zeros(8, 16)
     expect[:, :2] = 0.5 if act == "SOFTMAX" else 1.25  # softmax 1/2; 2.5 * 0.5 / (0.5 + 0.5)
     tensors = dict(o.tensors)

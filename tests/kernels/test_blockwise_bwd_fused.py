@@ -19,8 +19,8 @@ import torch
 from mxcli.kernels import MXFP8MOEBwdConfig, blockwise_mm_bwd_mxfp8, blockwise_mm_fwd_mxfp8
 from mxcli.kernels.blockwise_moe import AffinityOption, ClampLimits, QuantScheme
 from mxcli.kernels.blockwise_moe import backward as bwd
-from mxcli.kernels.blockwise_moe.inputs import BwdInputs, make_bwd_inputs
 from mxcli.kernels.blockwise_moe.numerics import Numerics
+from mxcli.kernels.blockwise_moe.upstream_cases import UpstreamCase, make_upstream_case
 
 pytest.importorskip("numba")
 from mxcli.kernels.blockwise_moe import _fused  # noqa: E402  (needs numba)
@@ -119,14 +119,14 @@ def both_paths(monkeypatch: pytest.MonkeyPatch, kw: dict, cfg: MXFP8MOEBwdConfig
         assert finite.abs().max() > 0, i  # real values, not all zeros or NaN
 
 
-def routed(inp: BwdInputs, **kw) -> MXFP8MOEBwdConfig:  # type: ignore[no-untyped-def]
+def routed(inp: UpstreamCase, **kw) -> MXFP8MOEBwdConfig:  # type: ignore[no-untyped-def]
     return MXFP8MOEBwdConfig.routed(inp.top_k, clamp_limits=inp.clamp_limits or ClampLimits(), **kw)
 
 
 def test_fused_equals_torch_bias_clamp_specials(monkeypatch):
     # 0.1 and -0.3 are not fp32 values: the masks compare in fp32, as torch does
     clamp = ClampLimits(-0.3, 0.1, None, 0.25)
-    inp = make_bwd_inputs(256, 256, 2, 128, 2, 256, bias=True, clamp_limits=clamp)
+    inp = make_upstream_case(256, 256, 2, 128, 2, 256, bias=True, clamp_limits=clamp)
     # the checkpoint's Inf/NaN reach single elements of dG/dU (a NaN in dY would reach whole
     # matmul rows); dY near the fp32 maximum overflows products to Inf
     dy = inp.output_hidden_states_grad.clone()
@@ -140,7 +140,7 @@ def test_fused_equals_torch_bias_clamp_specials(monkeypatch):
 
 
 def test_fused_equals_torch_1x32_no_accumulate_idle_expert(monkeypatch):
-    inp = make_bwd_inputs(256, 384, 3, 128, 2, 128)
+    inp = make_upstream_case(256, 384, 3, 128, 2, 128)
     b2e = inp.block_to_expert.clone()
     b2e[b2e == 1] = 0  # expert 1 gets no block: its weight grads must be zeros
     inp.block_to_expert = b2e
@@ -150,7 +150,7 @@ def test_fused_equals_torch_1x32_no_accumulate_idle_expert(monkeypatch):
 
 @pytest.mark.parametrize("with_ckpt", [False, True])
 def test_fused_equals_torch_affinity_on_h(monkeypatch, with_ckpt):
-    inp = make_bwd_inputs(256, 256, 2, 128, 2, 256)
+    inp = make_upstream_case(256, 256, 2, 128, 2, 256)
     kw = inp.kwargs()
     if with_ckpt:
         n = inp.token_position_to_id.numel() // inp.block_size
@@ -160,7 +160,7 @@ def test_fused_equals_torch_affinity_on_h(monkeypatch, with_ckpt):
 
 
 def test_fused_equals_torch_checkpoints_and_recompute(monkeypatch):
-    inp = make_bwd_inputs(256, 256, 2, 128, 2, 256)
+    inp = make_upstream_case(256, 256, 2, 128, 2, 256)
     fwd = blockwise_mm_fwd_mxfp8(
         inp.hidden_states, inp.expert_affinities_masked, inp.gate_up_proj_weight,
         inp.down_proj_weight, inp.token_position_to_id, inp.block_to_expert, inp.block_size,
@@ -178,12 +178,12 @@ def test_fused_equals_torch_checkpoints_and_recompute(monkeypatch):
 
 
 def test_fused_equals_torch_fp16_and_dense_valid_count(monkeypatch):
-    inp = make_bwd_inputs(256, 256, 2, 128, 1, 128)
+    inp = make_upstream_case(256, 256, 2, 128, 1, 128)
     kw = inp.kwargs()
     kw["hidden_states"] = kw["hidden_states"].half()
     kw["output_hidden_states_grad"] = kw["output_hidden_states_grad"].half()
     both_paths(monkeypatch, kw, routed(inp))
-    dense = make_bwd_inputs(512, 256, 1, 256, 1, 128, dense=True)
+    dense = make_upstream_case(512, 256, 1, 256, 1, 128, dense=True)
     kw = dense.kwargs() | {"num_valid_tokens": torch.tensor([300], dtype=torch.int32)}
     both_paths(monkeypatch, kw, MXFP8MOEBwdConfig())
 

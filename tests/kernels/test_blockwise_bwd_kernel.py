@@ -23,7 +23,7 @@ from mxcli.kernels.blockwise_moe import (
     SkipMode,
     SwizzleMode,
 )
-from mxcli.kernels.blockwise_moe.inputs import BwdInputs, make_bwd_inputs
+from mxcli.kernels.blockwise_moe.upstream_cases import UpstreamCase, make_upstream_case
 from mxcli.mx import fake_quantize_mx, group_order
 from mxcli.verification.mxchain import bf16_ulp, compare_chain, propagated_step_bound
 
@@ -34,7 +34,7 @@ OUT_NAMES = ["hidden", "affinity", "gate_up_w", "down_w", "gate_up_b", "down_b"]
 # Oracle 1: the consolidated routed-path pseudocode of bwd spec §6, one block at a time, natural
 # layouts, MX via mxcli.mx.fake_quantize_mx along the contraction axis of each operand.
 # ---------------------------------------------------------------------------------------------
-def plain_kernel_bwd(inp: BwdInputs, cfg: MXFP8MOEBwdConfig, bounds: list | None = None):
+def plain_kernel_bwd(inp: UpstreamCase, cfg: MXFP8MOEBwdConfig, bounds: list | None = None):
     """The outputs; with ``bounds`` (an empty list) it also appends, per output, the bound of
     one step propagated (`mxcli.verification.mxchain`). dG/dU come from the P1 matmul and a bf16
     rounding and are then MX-quantized for P2 (hidden grad) and P3 (gate/up weight grad): one fp8
@@ -157,11 +157,11 @@ def assert_close_to_oracle(got, want, steps):
         assert float(w.abs().max()) > 0, name
 
 
-def cfg_for(inp: BwdInputs, **kw) -> MXFP8MOEBwdConfig:
+def cfg_for(inp: UpstreamCase, **kw) -> MXFP8MOEBwdConfig:
     return MXFP8MOEBwdConfig.routed(inp.top_k, clamp_limits=inp.clamp_limits or ClampLimits(), **kw)
 
 
-def run(inp: BwdInputs, cfg: MXFP8MOEBwdConfig, emulate="kernel", **kw):
+def run(inp: UpstreamCase, cfg: MXFP8MOEBwdConfig, emulate="kernel", **kw):
     return blockwise_mm_bwd_mxfp8(**inp.kwargs(), config=cfg, emulate=emulate, **kw)
 
 
@@ -178,7 +178,7 @@ def run(inp: BwdInputs, cfg: MXFP8MOEBwdConfig, emulate="kernel", **kw):
 )  # fmt: skip
 def test_kernel_matches_plain_block_loop(shape, cfg_kw, bias, clamp):
     H, T, E, B, K, I = shape
-    inp = make_bwd_inputs(T, H, E, B, K, I, bias=bias, clamp_limits=clamp)
+    inp = make_upstream_case(T, H, E, B, K, I, bias=bias, clamp_limits=clamp)
     cfg = cfg_for(inp, **cfg_kw)
     got = run(inp, cfg)
     steps: list = []
@@ -220,7 +220,7 @@ FAST = {0, 1, 5, 8}
 )
 def test_kernel_vs_exact_upstream_comparator(shape):
     H, T, E, B, K, I = shape
-    inp = make_bwd_inputs(T, H, E, B, K, I)
+    inp = make_upstream_case(T, H, E, B, K, I)
     cfg = cfg_for(inp)
     got = run(inp, cfg)
     gold = run(inp, cfg, emulate="exact")  # the fp32 golden of spec §11.2
@@ -233,7 +233,7 @@ def test_kernel_vs_exact_upstream_comparator(shape):
 
 
 def test_comparator_is_discriminating():
-    inp = make_bwd_inputs(512, 384, 2, 256, 2, 256)
+    inp = make_upstream_case(512, 384, 2, 256, 2, 256)
     cfg = cfg_for(inp)
     gold = run(inp, cfg, emulate="exact")
     noise = torch.randn_like(gold[0]) * gold[0].std() * 0.5
@@ -246,7 +246,7 @@ def test_comparator_is_discriminating():
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", [QuantScheme.WRAPX, QuantScheme.MX1X32])
 def test_token_permutation_sensitivity(scheme):
-    inp = make_bwd_inputs(256, 128, 2, 128, 1, 128)
+    inp = make_upstream_case(256, 128, 2, 128, 1, 128)
     # per-token power-of-two magnitudes, so that the token-axis groups' scales depend on which
     # tokens they hold (U[0,1) data alone gives nearly every group the same scale)
     g = torch.Generator().manual_seed(1)
@@ -295,7 +295,7 @@ PREQUANT_CASES = [
      for i, c in enumerate(PREQUANT_CASES)],
 )  # fmt: skip
 def test_prequantized_bit_identical(layout, scheme, tile_k, fast):
-    inp = make_bwd_inputs(128, 896, 2, 128, 1, 128)  # H = 896 ≡ 384 (mod 512): errata 1 applies
+    inp = make_upstream_case(128, 896, 2, 128, 1, 128)  # H = 896 ≡ 384 (mod 512): errata 1 applies
     pcs = {
         f"phase{i}_config": MatmulMxfp8KernelConfig(
             tile_k=tile_k, enable_scale_packing=layout == "packed"
@@ -326,7 +326,7 @@ def test_fast_dma_transpose_changes_phase1_groups():
     group 0 of the tail with column 512 only in the former. W_d is zero except column 512, and
     dY's column 608 is 2^20 (the rest is U(-1, 1)), so under fast DMA column 512 of dY quantizes to zero
     (|x| <= 2^(e-17)) and D, hence everything downstream, vanishes; without it, it does not."""
-    inp = make_bwd_inputs(128, 896, 2, 128, 1, 128)
+    inp = make_upstream_case(128, 896, 2, 128, 1, 128)
     dy = inp.output_hidden_states_grad.clone()
     dy[:, 608] = 2.0**20
     inp.output_hidden_states_grad = dy
@@ -338,7 +338,7 @@ def test_fast_dma_transpose_changes_phase1_groups():
     assert base[1].abs().max() > 0 and base[0].abs().max() > 0
     assert torch.all(fast[1] == 0) and torch.all(fast[0] == 0)
     # H = 1024 ≡ 0 (mod 512): the flag changes nothing
-    inp2 = make_bwd_inputs(128, 1024, 2, 128, 1, 128)
+    inp2 = make_upstream_case(128, 1024, 2, 128, 1, 128)
     a, b = run(inp2, cfg_for(inp2)), run(inp2, cfg_for(inp2, fast_dma_transpose=True))
     assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
     assert group_order(384, "wrapx", chunks=[(0, 384)])[:8].tolist() == [
@@ -353,7 +353,7 @@ def test_fast_dma_transpose_changes_phase1_groups():
     ]
 
 
-def widen(inp: BwdInputs, seed: int) -> BwdInputs:
+def widen(inp: UpstreamCase, seed: int) -> UpstreamCase:
     """Give X and dY elementwise magnitudes 2^-12 … 1, so that MX group membership matters
     (small group mates of a large value fall into E4M3's subnormal range)."""
     g = torch.Generator().manual_seed(seed)
@@ -365,7 +365,7 @@ def widen(inp: BwdInputs, seed: int) -> BwdInputs:
 
 
 def test_tile_k_changes_results_and_perf_fields_do_not():
-    inp = widen(make_bwd_inputs(512, 512, 2, 512, 2, 384), 3)
+    inp = widen(make_upstream_case(512, 512, 2, 512, 2, 384), 3)
     base = run(inp, cfg_for(inp))
     perf = cfg_for(
         inp,
@@ -384,7 +384,7 @@ def test_tile_k_changes_results_and_perf_fields_do_not():
 
 
 def test_dense_equals_routed_identity_plan():
-    inp = make_bwd_inputs(512, 256, 1, 128, 1, 256, dense=True)
+    inp = make_upstream_case(512, 256, 1, 128, 1, 256, dense=True)
     dense = run(inp, MXFP8MOEBwdConfig())
     routed = run(inp, cfg_for(inp))
     for name, d, r in zip(OUT_NAMES, dense, routed, strict=False):
@@ -399,7 +399,7 @@ def test_dense_equals_routed_identity_plan():
 
 
 def test_fp16_activations_are_used_as_bf16():
-    inp = make_bwd_inputs(256, 256, 2, 128, 1, 128)
+    inp = make_upstream_case(256, 256, 2, 128, 1, 128)
     cfg = cfg_for(inp)
     base = run(inp, cfg)
     kw = inp.kwargs()
@@ -417,7 +417,7 @@ def test_fp16_activations_are_used_as_bf16():
 
 
 def test_forward_checkpoints_feed_the_backward_in_kernel_mode():
-    inp = make_bwd_inputs(256, 256, 2, 128, 2, 256)
+    inp = make_upstream_case(256, 256, 2, 128, 2, 256)
     fwd = blockwise_mm_fwd_mxfp8(
         inp.hidden_states, inp.expert_affinities_masked, inp.gate_up_proj_weight,
         inp.down_proj_weight, inp.token_position_to_id, inp.block_to_expert, inp.block_size,
@@ -448,11 +448,11 @@ def test_forward_checkpoints_feed_the_backward_in_kernel_mode():
 # Validation
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def small() -> BwdInputs:
-    return make_bwd_inputs(256, 128, 2, 128, 2, 128)
+def small() -> UpstreamCase:
+    return make_upstream_case(256, 128, 2, 128, 2, 128)
 
 
-def _call(inp: BwdInputs, cfg=None, **over):
+def _call(inp: UpstreamCase, cfg=None, **over):
     kw = inp.kwargs() | over
     return blockwise_mm_bwd_mxfp8(**kw, config=cfg if cfg is not None else cfg_for(inp))
 
@@ -471,7 +471,8 @@ def _call(inp: BwdInputs, cfg=None, **over):
         ({"block_to_expert": torch.zeros(3, 1, dtype=torch.int32)}, r"block_to_expert: expected shape \(5, 1\)"),
         ({"block_to_expert": torch.full((5, 1), 2, dtype=torch.int32)}, r"block_to_expert: expected expert ids in \[0, 2\)"),
         ({"gate_up_proj_act_checkpoint_T": torch.zeros(5, 2, 128, 64, dtype=torch.bfloat16)}, r"gate_up_proj_act_checkpoint_T: expected shape \(5, 2, 128, 128\)"),
-        ({"gate_up_proj_act_checkpoint_T": None}, "gate_act_checkpoint_T: required when gate_up_proj_act_checkpoint_T is None"),
+        ({"gate_up_proj_act_checkpoint_T": None}, r"gate_up_proj_act_checkpoint_T: required \(or both gate_act_checkpoint_T"),
+        ({"gate_up_proj_act_checkpoint_T": None, "intermediate_checkpoint_T": torch.zeros(5, 128, 128, dtype=torch.bfloat16)}, "gate_act_checkpoint_T: required when gate_up_proj_act_checkpoint_T is None"),
         ({"down_proj_act_checkpoint": torch.zeros(5, 128, 128, dtype=torch.bfloat16)}, "down_proj_act_checkpoint: must be None under AFFINITY_ON_I"),
         ({"gate_act_checkpoint_T": torch.zeros(5, 128, 128)}, "gate_act_checkpoint_T: expected dtype bfloat16"),
         ({"gate_up_weight_scales": torch.zeros(2, 128, 128, dtype=torch.uint8)}, "gate_up_proj_weight: pre-quantized"),

@@ -9,7 +9,7 @@ import torch
 
 from mxcli.kernels import blockwise_mm_fwd_mxfp8, build_block_plan, build_expert_affinities_masked
 from mxcli.kernels.blockwise_moe import AffinityOption, BwdValidationError, ClampLimits
-from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
 from mxcli.mx import fake_quantize_mx
 from mxcli.verification.mxchain import bf16_ulp, compare_chain, propagated_step_bound
 
@@ -63,7 +63,7 @@ def plain_kernel_fwd(x, ea, wgu, wd, tpi, b2e, B, clamp=None, scheme="wrapx", ti
 )  # fmt: skip
 def test_forward_matches_plain_block_loop(shape, clamp):
     H, T, E, B, K, I = shape
-    inp = make_bwd_inputs(T, H, E, B, K, I)
+    inp = make_upstream_case(T, H, E, B, K, I)
     args = (inp.hidden_states, inp.expert_affinities_masked, inp.gate_up_proj_weight,
             inp.down_proj_weight, inp.token_position_to_id, inp.block_to_expert, B)  # fmt: skip
     got = blockwise_mm_fwd_mxfp8(*args, clamp_limits=clamp)
@@ -136,7 +136,7 @@ def test_checkpoint_layout_and_weight_layouts():
 
 
 def test_forward_kernel_vs_exact_and_affinity_on_h():
-    inp = make_bwd_inputs(256, 256, 2, 128, 2, 256)
+    inp = make_upstream_case(256, 256, 2, 128, 2, 256)
     args = (inp.hidden_states, inp.expert_affinities_masked, inp.gate_up_proj_weight,
             inp.down_proj_weight, inp.token_position_to_id, inp.block_to_expert, 128)  # fmt: skip
     k = blockwise_mm_fwd_mxfp8(*args).output.float()
@@ -151,7 +151,7 @@ def test_forward_kernel_vs_exact_and_affinity_on_h():
 
 
 def test_forward_validation():
-    inp = make_bwd_inputs(256, 128, 2, 128, 1, 128)
+    inp = make_upstream_case(256, 128, 2, 128, 1, 128)
     args = [inp.hidden_states, inp.expert_affinities_masked, inp.gate_up_proj_weight,
             inp.down_proj_weight, inp.token_position_to_id, inp.block_to_expert, 128]  # fmt: skip
     bad = list(args)

@@ -11,7 +11,7 @@ import torch
 from mxcli.errors import InputError
 from mxcli.kernels import build_block_plan, build_expert_affinities_masked
 from mxcli.kernels.blockwise_moe import BwdValidationError, build_dense_block_plan, num_blocks
-from mxcli.kernels.blockwise_moe.inputs import upstream_router_choices, upstream_seed
+from mxcli.kernels.blockwise_moe.upstream_cases import upstream_router_choices, upstream_seed
 
 # bwd spec §3.3, verbatim: (T, E, K, B, choices, block_to_expert, tpi per block)
 SPEC_EXAMPLES = [

@@ -153,3 +153,37 @@ def test_prequantize_errors():
         prequantize_weights(torch.ones(1, 128, 2, 128), scale_layout="folded")
     with pytest.raises(BwdValidationError, match="tile_k"):
         prequantize_weights(torch.ones(1, 128, 2, 128), tile_k=384)
+
+
+@pytest.mark.parametrize(
+    "H, I, scheme, chunks",
+    [
+        (256, 128, "wrapx", None),  # K = 2I = 256 (gate/up), K = H = 256 (down)
+        (896, 384, "wrapx", None),  # 512 + 256 + 128 remainders
+        (640, 192, "1x32", None),
+        (1024, 256, "wrapx", ((0, 512), (512, 512))),
+    ],
+)
+@pytest.mark.parametrize("layout", ["packed", "unpacked"])
+def test_fused_x4_pass_gives_the_torch_bytes(monkeypatch, H, I, scheme, chunks, layout):
+    """The one-pass numba x4/scale placement (`mxcli.mx._fused.x4_transposed`) against the
+    torch path's permute + pack + transpose (MXCLI_FUSED=0), on every byte of data and scales."""
+    pytest.importorskip("numba")
+    from mxcli.kernels.blockwise_moe.prequant import quantize_weight_x4
+
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(3, H, 2 * I, generator=g) * 4).to(torch.bfloat16)  # [E, F=H, K=2I]
+    w.view(-1)[::97] = 0
+    K = 2 * I
+    ch = chunks if chunks is None or sum(c for _, c in chunks) == K else ((0, K),)
+    grouping = Grouping(QuantScheme(scheme), 512, ch)
+    outs = {}
+    for fused in ("1", "0"):
+        monkeypatch.setenv("MXCLI_FUSED", fused)
+        outs[fused] = quantize_weight_x4(w.transpose(1, 2), grouping, layout)
+    (x4a, sa), (x4b, sb) = outs["1"], outs["0"]
+    assert x4a.dtype == x4b.dtype == torch.uint32 and sa.dtype == sb.dtype == torch.uint8
+    assert x4a.shape == x4b.shape == (3, K // 4, H) and sa.shape == sb.shape
+    assert torch.equal(x4a.view(torch.int32), x4b.view(torch.int32))
+    assert torch.equal(sa, sb)
+    assert int(sa.count_nonzero()) > 0

@@ -25,6 +25,7 @@ import torch
 from mxcli import mx
 from mxcli.kernels import backends, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
+from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
 from mxcli.kernels.blockwise_moe import (
     BwdValidationError,
     ClampLimits,
@@ -40,10 +41,9 @@ from mxcli.kernels.blockwise_moe import (
     prequantize_weights,
 )
 from mxcli.kernels.blockwise_moe.config import AffinityOption
-from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
 from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
-from mxcli.tensorio import BWD_IO
+from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
 from mxcli.verification.compare import compare_tensors
 from mxcli.verification.policy import tolerance_for
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
@@ -51,7 +51,7 @@ from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
 KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"
 NAMES = ("hidden_states_grad", "affinity_grad", "gate_up_grad", "down_grad", "bias_gu", "bias_d")
-OUTPUT_NAMES = BWD_IO.outputs
+OUTPUT_NAMES = BWD_SPEC.outputs
 
 
 def compare(out: tuple[torch.Tensor, ...], ref: tuple[torch.Tensor, ...]) -> float:
@@ -81,7 +81,7 @@ def case(
     I: int,  # noqa: E741
     **mk: Any,
 ) -> dict[str, Any]:
-    return make_bwd_inputs(T, H, E, B, K, I, **mk).kwargs()
+    return make_upstream_case(T, H, E, B, K, I, **mk).kwargs()
 
 
 def both(args: dict[str, Any], cfg: MXFP8MOEBwdConfig, lnc: int) -> tuple[Any, Any]:
@@ -338,7 +338,7 @@ def test_unimplemented_options_are_named(override: dict[str, Any], match: str) -
 def test_missing_checkpoint_is_named() -> None:
     args = case(256, 512, 2, 128, 1, 256)
     args["gate_up_proj_act_checkpoint_T"] = None
-    c = make_bwd_inputs(256, 512, 2, 128, 1, 256).gate_up_proj_act_checkpoint_T
+    c = make_upstream_case(256, 512, 2, 128, 1, 256).gate_up_proj_act_checkpoint_T
     args["gate_act_checkpoint_T"] = c[:, 0]
     args["intermediate_checkpoint_T"] = c[:, 1]
     with pytest.raises(ValueError, match="gate_up_proj_act_checkpoint_T"):

@@ -268,7 +268,7 @@ def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
     from mxcli.cli import app
-    from mxcli.tensorio import read_file
+    from mxcli.kernels.spec import read_kernel_file
     from mxcli.weightprep.padding import BWD_OUTPUT_DIMS
 
     def cli(*args: object) -> str:
@@ -284,13 +284,13 @@ def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
     bwd_in, bwd_out = tmp_path / "bwd-in.safetensors", tmp_path / "bwd-out.safetensors"
     cli("make-inputs", "bwd", "-o", bwd_in, "--weights", w, "--layer", 0, "--tokens", 128,
         "--quiet")  # fmt: skip
-    f = read_file(bwd_in)
+    f = read_kernel_file(bwd_in)
     assert tuple(f.tensors["hidden_states"].shape) == (128, 384)  # padded for the kernel
     assert not f.tensors["output_hidden_states_grad"][:, H:].any()
     summary = json.loads(cli("run-bwd", bwd_in, "-o", bwd_out, "--backend", "reference", "--json"))
     assert summary["padding"]["outputs"] == "unpadded"
     assert set(summary["padding"]["pad_max_abs"].values()) == {0.0}
-    o = read_file(bwd_out)
+    o = read_kernel_file(bwd_out)
     assert tuple(o.tensors["hidden_states_grad"].shape) == (128, H)
     assert tuple(o.tensors["gate_up_proj_weight_grad"].shape) == (E, H, 2, I // 4)
     assert tuple(o.tensors["down_proj_weight_grad"].shape) == (E, I // 4, H)
@@ -301,7 +301,7 @@ def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
 
     # the same run from activations at the model's true sizes, weights from --weights
     slim = tmp_path / "slim.safetensors"
-    from mxcli.tensorio import write_file
+    from mxcli.io.files import write_file
 
     keep = {k: v for k, v in f.tensors.items() if "weight" not in k}
     keep["hidden_states"] = keep["hidden_states"][:, :H].contiguous()
@@ -312,7 +312,7 @@ def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
     out2 = tmp_path / "bwd-out2.safetensors"
     cli("run-bwd", slim, "-o", out2, "--weights", w, "--layer", 0, "--backend", "reference",
         "--quiet")  # fmt: skip
-    o2 = read_file(out2)
+    o2 = read_kernel_file(out2)
     for k, t in o.tensors.items():
         assert torch.equal(o2.tensors[k], t), k
 
@@ -320,7 +320,7 @@ def test_cli_journey_on_padded_weights(tmp_path: Path) -> None:
     pf_in, pf_out = tmp_path / "pf-in.safetensors", tmp_path / "pf-out.safetensors"
     cli("make-inputs", "prefill", "-o", pf_in, "--weights", w, "--layer", 0, "--tokens", 64,
         "--quiet")  # fmt: skip
-    assert read_file(pf_in).tensors["hidden_states"].shape[-1] == 512
+    assert read_kernel_file(pf_in).tensors["hidden_states"].shape[-1] == 512
     s = json.loads(cli("run-prefill", pf_in, "-o", pf_out, "--backend", "reference", "--json"))
     assert s["padding"]["outputs"].startswith("padded")
     assert (

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from mxcli.cli import app
-from mxcli.tensorio import read_file
+from mxcli.kernels.spec import read_kernel_file
 from mxcli.weightprep.synthetic import build_checkpoint
 
 
@@ -42,7 +42,7 @@ def test_zero_router_checkpoint_checks_and_routes(tmp_path: Path) -> None:
     out = tmp_path / "bwd.safetensors"
     r = cli("make-inputs", "bwd", "--weights", prep, "--layer", "0", "--tokens", "128", "-o", out)
     assert r.exit_code == 0, r.output
-    f = read_file(out).tensors
+    f = read_kernel_file(out).tensors
     # top-2 of 8 equal logits: experts 0 and 1, softmax 1/2 each, for every token
     aff = f["expert_affinities_masked"].float().view(128, 8)
     expect = torch.zeros(128, 8)

@@ -1,17 +1,14 @@
 """Blockwise dropless MXFP8 Mixture-of-Experts: block plan, forward reference, backward
-reference (`blockwise_mm_bwd_mxfp8`), its config and weight pre-quantization.
+reference, the contract of `blockwise_mm_bwd_mxfp8` (signature, validation into a `BwdCall`), its
+`KernelSpec`, its config and weight pre-quantization.
 
-Registers the ``reference`` backend of ``blockwise_mm_bwd_mxfp8``.
+Registers the ``reference``, ``sim`` and ``neuron`` backends of ``blockwise_mm_bwd_mxfp8``.
 """
 
 from __future__ import annotations
 
 from mxcli.kernels import backends
-from mxcli.kernels.blockwise_moe.backward import (
-    KERNEL_NAME,
-    blockwise_mm_bwd_mxfp8,
-    blockwise_mm_bwd_mxfp8_reference,
-)
+from mxcli.kernels.blockwise_moe.backward import blockwise_mm_bwd_mxfp8_reference
 from mxcli.kernels.blockwise_moe.config import (
     ActFnType,
     AffinityOption,
@@ -26,6 +23,7 @@ from mxcli.kernels.blockwise_moe.config import (
     SwizzleMode,
     TransposeMode,
 )
+from mxcli.kernels.blockwise_moe.contract import BwdCall, blockwise_mm_bwd_mxfp8
 from mxcli.kernels.blockwise_moe.forward import ForwardResult, blockwise_mm_fwd_mxfp8
 from mxcli.kernels.blockwise_moe.numerics import Emulate
 from mxcli.kernels.blockwise_moe.plan import (
@@ -40,13 +38,17 @@ from mxcli.kernels.blockwise_moe.prequant import (
     dequantize_weights,
     prequantize_weights,
 )
+from mxcli.kernels.blockwise_moe.spec import SPEC
 from mxcli.mx import QuantScheme
 
-backends.register(KERNEL_NAME, "reference", blockwise_mm_bwd_mxfp8_reference)
+backends.register(SPEC.name, "reference", blockwise_mm_bwd_mxfp8_reference)
+backends.register_nki(SPEC.name, __name__)
 
 __all__ = [
     "ActFnType",
+    "SPEC",
     "AffinityOption",
+    "BwdCall",
     "BwdConfigTypeError",
     "BwdValidationError",
     "ClampLimits",

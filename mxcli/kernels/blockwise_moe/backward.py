@@ -25,42 +25,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from mxcli.kernels import backends
 from mxcli.kernels.blockwise_moe import _checks as ck
-from mxcli.kernels.blockwise_moe.config import (
-    AffinityOption,
-    BwdValidationError,
-    MXFP8MOEBwdConfig,
-    SwizzleMode,
-)
+from mxcli.kernels.blockwise_moe.config import AffinityOption, MXFP8MOEBwdConfig
+from mxcli.kernels.blockwise_moe.contract import as_call
 from mxcli.kernels.blockwise_moe.forward import project_gate_up
 from mxcli.kernels.blockwise_moe.numerics import (
-    Emulate,
     Grouping,
     Numerics,
-    as_emulate,
     clamp_masks,
     ordered_scatter,
 )
-from mxcli.kernels.blockwise_moe.prequant import (
-    ScaleLayout,
-    dequantize_weight_x4,
-    scale_row_index,
-    scale_rows,
-)
+from mxcli.kernels.blockwise_moe.prequant import ScaleLayout, dequantize_weight_x4
 from mxcli.mx import QuantScheme, group_order
 
-__all__ = [
-    "KERNEL_NAME",
-    "BwdInputs",
-    "blockwise_mm_bwd_mxfp8",
-    "blockwise_mm_bwd_mxfp8_reference",
-    "check_inputs",
-    "check_launch_rules",
-]
+__all__ = ["blockwise_mm_bwd_mxfp8_reference"]
 
-KERNEL_NAME = "blockwise_mm_bwd_mxfp8"
-_ACT_DTYPES = (torch.bfloat16, torch.float16)
 # Bias-grad reduction tile over tokens (spec §6 "Bias": per 128-token tile, bf16 running sum).
 _BIAS_TILE = 128
 
@@ -373,67 +352,25 @@ class _FusedPasses:
         )
 
 
-def blockwise_mm_bwd_mxfp8_reference(
-    hidden_states: Any,
-    expert_affinities_masked: Any,
-    gate_up_proj_weight: Any,
-    down_proj_weight: Any,
-    token_position_to_id: Any,
-    block_to_expert: Any,
-    output_hidden_states_grad: Any,
-    block_size: int = 4096,
-    gate_up_proj_act_checkpoint_T: Any = None,
-    gate_act_checkpoint_T: Any = None,
-    intermediate_checkpoint_T: Any = None,
-    scaled_intermediate_checkpoint_T: Any = None,
-    down_proj_act_checkpoint: Any = None,
-    config: MXFP8MOEBwdConfig | None = None,
-    gate_up_weight_scales: Any = None,
-    down_weight_scales: Any = None,
-    num_valid_tokens: Any = None,
-    *,
-    emulate: Emulate | str = Emulate.KERNEL,
-) -> tuple[torch.Tensor, ...]:
-    """The ``reference`` backend of `blockwise_mm_bwd_mxfp8` (same arguments, plus `emulate`)."""
-    cfg = config if config is not None else MXFP8MOEBwdConfig()
-    if not isinstance(cfg, MXFP8MOEBwdConfig):
-        raise BwdValidationError(f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}")
-    cfg.validate()
-    nm = Numerics(emulate)
+def blockwise_mm_bwd_mxfp8_reference(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+    """The ``reference`` backend of `blockwise_mm_bwd_mxfp8`: takes its `BwdCall` (whose
+    ``emulate`` picks kernel or exact numerics), or the arguments of `blockwise_mm_bwd_mxfp8`
+    (``emulate`` included), validated here into one."""
+    call = as_call(*args, **kwargs)
+    cfg = call.config
+    nm = Numerics(call.emulate)
     on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
-    act_dtypes = None if nm.exact else _ACT_DTYPES
     p1, p2, p3, p4 = cfg.phase_configs()
 
-    # ---- tensors and dimensions (spec §10 "Inputs") ---------------------------------------
-    inp = check_inputs(
-        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
-        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
-        gate_up_weight_scales, down_weight_scales, cfg, act_dtypes,
-    )  # fmt: skip
-    x, dy, ea, wgu, wd, tpi, b2e = inp.x, inp.dy, inp.ea, inp.wgu, inp.wd, inp.tpi, inp.b2e
-    gu_s, d_s = inp.gu_scales, inp.d_scales
-    B, T, H, E, I, N = inp.B, inp.T, inp.H, inp.E, inp.I, inp.N  # noqa: E741
+    x, dy, ea, wgu, wd, tpi, b2e = call.x, call.dy, call.ea, call.wgu, call.wd, call.tpi, call.b2e
+    gu_s, d_s = call.gu_scales, call.d_scales
+    B, T, H, E, I, N = call.B, call.T, call.H, call.E, call.I, call.N  # noqa: E741
     dev = x.device
+    ckpt_gu, ckpt_act, ckpt_h = call.ckpt_gu, call.ckpt_act, call.ckpt_h
+    ckpt_s, ckpt_dys = call.ckpt_s, call.ckpt_dys
+    nv = call.nv
 
-    ckpt_gu = ck.tensor("gate_up_proj_act_checkpoint_T", gate_up_proj_act_checkpoint_T, False)
-    ckpt_act = ck.tensor("gate_act_checkpoint_T", gate_act_checkpoint_T, False)
-    ckpt_h = ck.tensor("intermediate_checkpoint_T", intermediate_checkpoint_T, False)
-    ckpt_s = ck.tensor("scaled_intermediate_checkpoint_T", scaled_intermediate_checkpoint_T, False)
-    ckpt_dys = ck.tensor("down_proj_act_checkpoint", down_proj_act_checkpoint, False)
-    for name, t, shape in (
-        ("gate_up_proj_act_checkpoint_T", ckpt_gu, (N, 2, I, B)),
-        ("gate_act_checkpoint_T", ckpt_act, (N, I, B)),
-        ("intermediate_checkpoint_T", ckpt_h, (N, I, B)),
-        ("scaled_intermediate_checkpoint_T", ckpt_s, (N, I, B)),
-        ("down_proj_act_checkpoint", ckpt_dys, (N, B, H)),
-    ):
-        if t is not None:
-            ck.check_shape(name, t, shape)
-            ck.check_float(name, t, act_dtypes)
-    _check_combinations(cfg, on_i, ckpt_gu, ckpt_act, ckpt_h, ckpt_s, ckpt_dys, gu_s)
-
-    # ---- path rules (spec §10 config/launch, §9) ---------------------------------------------
-    nv = check_launch_rules(cfg, inp, num_valid_tokens, ckpt_s is not None)
+    # ---- path rules checked by the contract (spec §10 config/launch, §9) -----------------
     if cfg.single_expert_dense:
         # §3.4: the routing tensors are not read; block b is tokens b·B … b·B+B−1.
         tpi_used = torch.arange(T, dtype=torch.int64, device=dev)
@@ -450,7 +387,7 @@ def blockwise_mm_bwd_mxfp8_reference(
     g3 = Grouping.for_phase(p3, B)  # contraction B (tokens)
     g4 = Grouping.for_phase(p4, B)
     g_fwd = Grouping.for_phase(p1)  # G/U recompute: the forward's projection over H
-    W = _Weights(wgu, wd, gu_s, d_s, g1, g2, g_fwd, inp.gu_layout, inp.d_layout, H, I, nm)
+    W = _Weights(wgu, wd, gu_s, d_s, g1, g2, g_fwd, call.gu_layout, call.d_layout, H, I, nm)
 
     # ---- outputs (spec §4.3: zero-initialised; dense writes every entry it defines) --------
     sd = nm.store_dtype
@@ -623,317 +560,3 @@ def blockwise_mm_bwd_mxfp8_reference(
         assert dbgu is not None and dbd is not None
         outputs += [nm.out(dbgu.view(E, 2, I), cfg.compute_dtype), nm.out(dbd, cfg.compute_dtype)]
     return tuple(t.contiguous() if t.dtype == torch.float32 else t for t in outputs)
-
-
-@dataclass
-class BwdInputs:
-    """The input tensors of one call (as torch tensors) and its dimensions, checked against
-    bwd spec §10 "Inputs" by `check_inputs`."""
-
-    x: torch.Tensor
-    dy: torch.Tensor
-    ea: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
-    tpi: torch.Tensor
-    b2e: torch.Tensor
-    gu_scales: torch.Tensor | None
-    d_scales: torch.Tensor | None
-    B: int
-    T: int
-    H: int
-    E: int
-    I: int  # noqa: E741 (spec notation I = I_TP)
-    N: int
-    gu_layout: ScaleLayout  # scale layout of a pre-quantized gate/up weight (phase 2)
-    d_layout: ScaleLayout  # ... of a pre-quantized down weight (phase 1)
-
-
-def check_inputs(
-    hidden_states: Any,
-    expert_affinities_masked: Any,
-    gate_up_proj_weight: Any,
-    down_proj_weight: Any,
-    token_position_to_id: Any,
-    block_to_expert: Any,
-    output_hidden_states_grad: Any,
-    block_size: Any,
-    gate_up_weight_scales: Any,
-    down_weight_scales: Any,
-    cfg: MXFP8MOEBwdConfig,
-    act_dtypes: tuple[torch.dtype, ...] | None,
-) -> BwdInputs:
-    """The required tensors, weights and scales against bwd spec §10 "Inputs" (checkpoints
-    excepted); `act_dtypes`: the allowed activation dtypes (None: any floating dtype).
-
-    Shared by the reference and the NKI backends' host-side checks (same rules and messages)."""
-    B = ck.check_block_size(block_size)
-    x = ck.tensor("hidden_states", hidden_states)
-    dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
-    ea = ck.tensor("expert_affinities_masked", expert_affinities_masked)
-    wgu = ck.tensor("gate_up_proj_weight", gate_up_proj_weight)
-    wd = ck.tensor("down_proj_weight", down_proj_weight)
-    tpi = ck.tensor("token_position_to_id", token_position_to_id)
-    b2e = ck.tensor("block_to_expert", block_to_expert)
-    assert x is not None and dy is not None and ea is not None and wgu is not None
-    assert wd is not None and tpi is not None and b2e is not None
-    ck.check_rank("hidden_states", x, 2, "(T, H)")
-    ck.check_float("hidden_states", x, act_dtypes)
-    T, H = x.shape
-    ck.check_shape("output_hidden_states_grad", dy, (T, H))
-    ck.check_float("output_hidden_states_grad", dy, act_dtypes)
-
-    gu_s = ck.tensor("gate_up_weight_scales", gate_up_weight_scales, required=False)
-    d_s = ck.tensor("down_weight_scales", down_weight_scales, required=False)
-    ck.check_rank("down_proj_weight", wd, 3, "(E, I, H) or pre-quantized (E, H/4, I)")
-    E = wd.shape[0]
-    if d_s is None:
-        ck.check_float("down_proj_weight", wd, None)
-        I = wd.shape[1]  # noqa: E741 (spec notation I = I_TP)
-        ck.check_shape("down_proj_weight", wd, (E, I, H))
-    else:
-        I = wd.shape[2]  # noqa: E741 (spec notation I = I_TP)
-        _check_prequant("down_proj_weight", wd, (E, H // 4, I))
-    if H % 128 or H == 0:
-        raise BwdValidationError(f"hidden_states: expected H a positive multiple of 128, got {H}")
-    if I % 128 or I == 0:
-        raise BwdValidationError(
-            f"down_proj_weight: expected I a positive multiple of 128, got {I}"
-        )
-    p1, p2 = cfg.phase1_config, cfg.phase2_config
-    assert p1 is not None and p2 is not None
-    d_layout = ScaleLayout.PACKED if p1.enable_scale_packing else ScaleLayout.UNPACKED
-    gu_layout = ScaleLayout.PACKED if p2.enable_scale_packing else ScaleLayout.UNPACKED
-    if d_s is not None:
-        _check_scales("down_weight_scales", d_s, (E, scale_rows(H, d_layout), I))
-        ck.check_e8m0_scales("down_weight_scales", d_s, scale_row_index(H, d_layout))
-    if gu_s is None:
-        ck.check_float("gate_up_proj_weight", wgu, None)
-        ck.check_shape("gate_up_proj_weight", wgu, (E, H, 2, I))
-    else:
-        _check_prequant("gate_up_proj_weight", wgu, (E, 2 * I // 4, H))
-        _check_scales("gate_up_weight_scales", gu_s, (E, scale_rows(2 * I, gu_layout), H))
-        ck.check_e8m0_scales("gate_up_weight_scales", gu_s, scale_row_index(2 * I, gu_layout))
-
-    N = ck.check_block_plan(tpi, b2e, B)
-    ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
-    ck.check_float("expert_affinities_masked", ea, None)
-    return BwdInputs(x, dy, ea, wgu, wd, tpi, b2e, gu_s, d_s, B, T, H, E, I, N, gu_layout, d_layout)
-
-
-def check_launch_rules(
-    cfg: MXFP8MOEBwdConfig,
-    inp: BwdInputs,
-    num_valid_tokens: Any,
-    has_scaled_intermediate_checkpoint: bool,
-) -> int | None:
-    """The path rules of bwd spec §10 (config/launch) and §9, including the data-dependent
-    ones (expert ids in range, padding ids need ``skip_token``). Returns ``num_valid_tokens``
-    clamped to ``[0, T]`` (None when not given)."""
-    E, T, B, N = inp.E, inp.T, inp.B, inp.N
-    if E > 1:
-        for f in ("down_weight_swizzle_mode", "gate_up_weight_swizzle_mode"):
-            if getattr(cfg, f) is SwizzleMode.PE:
-                raise BwdValidationError(f"{f}: PE requires E == 1, got E={E}; use SwizzleMode.DGT")
-    nv: int | None = None
-    if num_valid_tokens is not None:
-        if not cfg.single_expert_dense:
-            raise BwdValidationError(
-                "num_valid_tokens: requires config.single_expert_dense=True, got False"
-            )
-        if has_scaled_intermediate_checkpoint:
-            raise BwdValidationError(
-                "num_valid_tokens: unsupported with scaled_intermediate_checkpoint_T, got both"
-            )
-        nv = ck.valid_token_count(num_valid_tokens, T)
-    if cfg.single_expert_dense:
-        if E != 1:
-            raise BwdValidationError(
-                f"down_proj_weight: single_expert_dense requires E == 1, got E={E}"
-            )
-        if T % B:
-            raise BwdValidationError(
-                f"hidden_states: single_expert_dense requires T % block_size == 0, got T={T}, B={B}"
-            )
-        if N != T // B:
-            raise BwdValidationError(
-                f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
-            )
-        return nv
-    b2e, tpi = inp.b2e, inp.tpi
-    if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
-        raise BwdValidationError(
-            f"block_to_expert: expected expert ids in [0, {E}), got "
-            f"[{int(b2e.min())}, {int(b2e.max())}]"
-        )
-    has_pad = bool(((tpi < 0) | (tpi >= T)).any())
-    if has_pad and not cfg.effective_skip_dma.skip_token:
-        raise BwdValidationError(
-            "token_position_to_id: padding ids outside [0, T) need "
-            "config.skip_dma=SkipMode(skip_token=True), got skip_token=False"
-        )
-    return nv
-
-
-def _check_prequant(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype not in (torch.uint32, torch.int32):
-        raise BwdValidationError(
-            f"{name}: pre-quantized (scales given) data must be x4 uint32/int32 words, got {t.dtype}"
-        )
-    ck.check_shape(name, t, shape)
-
-
-def _check_scales(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> None:
-    if t.dtype not in (torch.uint8, torch.float8_e8m0fnu):
-        raise BwdValidationError(f"{name}: expected dtype uint8 (E8M0 bytes), got {t.dtype}")
-    ck.check_shape(name, t, shape)
-
-
-def _check_combinations(
-    cfg: MXFP8MOEBwdConfig,
-    on_i: bool,
-    ckpt_gu: torch.Tensor | None,
-    ckpt_act: torch.Tensor | None,
-    ckpt_h: torch.Tensor | None,
-    ckpt_s: torch.Tensor | None,
-    ckpt_dys: torch.Tensor | None,
-    gu_scales: torch.Tensor | None,
-) -> None:
-    """Checkpoint combinations of the API reference (errata 3)."""
-    if ckpt_gu is None:
-        for name, t in (("gate_act_checkpoint_T", ckpt_act), ("intermediate_checkpoint_T", ckpt_h)):
-            if t is None:
-                raise BwdValidationError(
-                    f"{name}: required when gate_up_proj_act_checkpoint_T is None, got None"
-                )
-        if gu_scales is not None:
-            raise BwdValidationError(
-                "gate_up_proj_act_checkpoint_T: required with a pre-quantized gate/up weight "
-                "(G/U cannot be recomputed from weights quantized along 2I), got None"
-            )
-        if cfg.bias:
-            raise BwdValidationError(
-                "gate_up_proj_act_checkpoint_T: required when config.bias=True (the backward has "
-                "no bias values to recompute G/U), got None"
-            )
-    if on_i and ckpt_dys is not None:
-        raise BwdValidationError(
-            "down_proj_act_checkpoint: must be None under AFFINITY_ON_I, got a tensor"
-        )
-    if not on_i and ckpt_s is not None:
-        raise BwdValidationError(
-            "scaled_intermediate_checkpoint_T: must be None under AFFINITY_ON_H, got a tensor"
-        )
-
-
-def blockwise_mm_bwd_mxfp8(
-    hidden_states: Any,
-    expert_affinities_masked: Any,
-    gate_up_proj_weight: Any,
-    down_proj_weight: Any,
-    token_position_to_id: Any,
-    block_to_expert: Any,
-    output_hidden_states_grad: Any,
-    block_size: int = 4096,
-    gate_up_proj_act_checkpoint_T: Any = None,
-    gate_act_checkpoint_T: Any = None,
-    intermediate_checkpoint_T: Any = None,
-    scaled_intermediate_checkpoint_T: Any = None,
-    down_proj_act_checkpoint: Any = None,
-    config: MXFP8MOEBwdConfig | None = None,
-    gate_up_weight_scales: Any = None,
-    down_weight_scales: Any = None,
-    num_valid_tokens: Any = None,
-    *,
-    backend: str = "reference",
-    emulate: Emulate | str = Emulate.KERNEL,
-) -> tuple[torch.Tensor, ...]:
-    """MXFP8 backward pass of a blockwise, dropless Mixture-of-Experts MLP (SwiGLU experts).
-
-    Arguments follow the device kernel's API (bwd spec §1 notation; E from
-    ``down_proj_weight.shape[0]``, I from the weights, ``N = len(token_position_to_id) // B``):
-
-    Args:
-        hidden_states: ``[T, H]`` bf16 or fp16 (fp16 is used as its bf16 rounding, §14.5).
-        expert_affinities_masked: ``[T*E, 1]``, entry ``t*E + e`` (0 = not routed); read as fp32.
-        gate_up_proj_weight: ``[E, H, 2, I]`` (gate ``[:, :, 0]``, up ``[:, :, 1]``), or
-            pre-quantized x4 ``[E, 2I/4, H]`` (uint32/int32) when `gate_up_weight_scales` is given.
-        down_proj_weight: ``[E, I, H]``, or pre-quantized x4 ``[E, H/4, I]`` with `down_weight_scales`.
-        token_position_to_id: ``[N*B]`` int; ids outside ``[0, T)`` are padding (needs
-            ``config.skip_dma.skip_token``). Not read with ``single_expert_dense``.
-        block_to_expert: ``[N, 1]`` int. Not read with ``single_expert_dense``.
-        output_hidden_states_grad: ``[T, H]`` bf16 or fp16.
-        block_size: B, one of 128 … 4096.
-        gate_up_proj_act_checkpoint_T: ``[N, 2, I, B]`` clamped bf16 gate/up pre-activations. If
-            None, `gate_act_checkpoint_T` and `intermediate_checkpoint_T` are required (API
-            reference) and G/U — still needed for φ'(G)·U and the clamp masks — are recomputed
-            from `hidden_states` with the forward's quantized projection (§2.4: config
-            ``quant_scheme``, phase-1 ``tile_k``, ``config.clamp_limits``; no fast-DMA chunking).
-            Not possible with a pre-quantized gate/up weight or ``config.bias`` (rejected).
-        gate_act_checkpoint_T: ``[N, I, B]`` φ(G); None -> ``bf16(silu(G))``.
-        intermediate_checkpoint_T: ``[N, I, B]`` Hm; None -> ``bf16(act·U)``.
-        scaled_intermediate_checkpoint_T: ``[N, I, B]`` S (ON_I only): phase 4's operand as given;
-            None -> ``bf16(Hm·α)``.
-        down_proj_act_checkpoint: ``[N, B, H]`` output_grad·α (ON_H only, API reference): phase
-            1's left operand; None -> ``bf16(dY·α)``. Its padding rows are treated as zero.
-        config: `MXFP8MOEBwdConfig`; None = the default (single-expert dense, E = 1). Routed
-            inputs need e.g. ``MXFP8MOEBwdConfig.routed(top_k)``.
-        gate_up_weight_scales, down_weight_scales: E8M0 scales of pre-quantized weights, in the
-            layout ``phase2_config`` / ``phase1_config.enable_scale_packing`` selects (§5.5; see
-            `prequantize_weights`). Results are bit-identical to on-the-fly quantization.
-        num_valid_tokens: ``[1]`` int32: the leading rows of `hidden_states` that are real.
-            Only with ``single_expert_dense``; rejected with `scaled_intermediate_checkpoint_T` or
-            ``config.bias``. Clamped to ``[0, T]`` (negative -> 0). Choices where the API is
-            silent: blocks ``b < ceil(count / B)`` are processed and, inside the last partial
-            block, rows ``>= count`` are masked as padding, so they add nothing to the weight
-            grads (the result equals a full run with those rows zeroed); count = 0 gives zero
-            weight grads. Rows of ``hidden_states_grad`` and entries of the affinity grad past the
-            count are UNDEFINED on the device; the reference writes zeros there.
-        backend: ``"reference"`` (this CPU/CUDA torch emulation), or another registered backend
-            (``"auto"``: neuron when available, else reference).
-        emulate: reference only. ``"kernel"`` (MXFP8 + bf16 rounding points of §6) or
-            ``"exact"`` (fp32, no quantization or rounding; outputs fp32).
-
-    Returns:
-        ``(hidden_states_grad [T, H], expert_affinities_masked_grad [T*E, 1],
-        gate_up_proj_weight_grad [E, H, 2, I], down_proj_weight_grad [E, I, H])`` and, when
-        ``config.bias``, ``(gate_and_up_proj_bias_grad [E, 2, I], down_proj_bias_grad [E, H])``.
-        Dtypes: hidden grad as `hidden_states`, affinity grad as the affinities (both
-        bf16-rounded), weight and bias grads bf16; all fp32 with ``emulate="exact"``.
-
-    Numerics (bwd spec §4.2, §6), per block in order, ``mx`` = MXFP8 matmul, fp32 accumulate:
-    ``D = mx(dY, W_d)`` (groups along H); ``act = bf16(φ(G))``, ``Hm = bf16(act·U)``,
-    ``dA = Σ_i D·Hm`` (no bias term, §2.3) -> ``bf16``; ``Ds = D·α``;
-    ``dG = bf16(Ds·bf16(φ'(G)·U))·mask_nl``, ``dU = bf16(Ds·act)·mask_l``;
-    P2 ``bf16(mx([dG|dU], W_gu))`` (groups along 2I) written or read-add-written
-    (``accumulate_hidden_states_grad``; otherwise the last write wins for top-k > 1);
-    P3/P4 ``bf16(mx(·, ·))`` with groups along the block's tokens, accumulated across the
-    expert's blocks as ``bf16(acc + C)``; bias grads as in §6. Masks use strict inequalities on
-    the checkpoint values.
-
-    AFFINITY_ON_H (API reference; the device kernel of the spec asserts ON_I): phase 1 reads
-    ``dYs = bf16(dY·α)`` (or `down_proj_act_checkpoint`), ``Ds = mx(dYs, W_d)``, phase 4 reads
-    ``Hm`` and ``dYs``; the affinity grad still uses the un-scaled ``mx(dY, W_d)`` (one extra
-    matmul in the reference) [U]. Bias grads use the same formulas under both options.
-
-    Further documented choices: the affinity grad of every non-routed pair is 0, also for odd
-    E > 1 (errata 6: the device leaves part of it un-zeroed); signed zeros and the device's
-    fp32 summation order are not modelled; a (token, expert) pair listed twice is outside the
-    contract (which write wins is unspecified); ``skip_grad_initialization`` has no effect
-    (fresh zero outputs); LNC2-only launch checks do not apply to the reference; with
-    ``emulate="exact"`` pre-quantized weights enter with their dequantized values.
-    """
-    name = backends.resolve_name(KERNEL_NAME, backend)
-    fn = backends.get(KERNEL_NAME, name)
-    args = (
-        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
-        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
-        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
-        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
-        gate_up_weight_scales, down_weight_scales, num_valid_tokens,
-    )  # fmt: skip
-    if name == "reference":
-        return fn(*args, emulate=emulate)
-    if as_emulate(emulate) is not Emulate.KERNEL:
-        raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
-    return fn(*args)

@@ -13,12 +13,16 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.kwargs import coerce_enum
 from mxcli.mx import ElemFormat, QuantScheme
+from mxcli.mx.quantize import as_scheme
+
+E = TypeVar("E", bound=enum.Enum)
 
 __all__ = [
     "ActFnType",
@@ -193,29 +197,22 @@ def _tname(types: type | tuple[type, ...]) -> str:
     return " or ".join(t.__name__ for t in ts)
 
 
-def _coerce_enum(name: str, value: Any, enum_cls: type[enum.Enum]) -> Any:
-    """Accept an enum member, or a string naming one (by value or by name)."""
-    if isinstance(value, enum_cls):
-        return value
-    if isinstance(value, str):
-        for member in enum_cls:
-            if value == member.name or (isinstance(member.value, str) and value == member.value):
-                return member
-        names = ", ".join(m.name for m in enum_cls)
-        raise BwdValidationError(f"{name}: expected one of {names}, got {value!r}")
-    raise BwdConfigTypeError(f"{name}: expected {enum_cls.__name__}, got {type(value).__name__}")
+def _coerce_enum(name: str, value: Any, enum_cls: type[E]) -> E:
+    """A config field's enum from a member or a string naming one (`coerce_enum`); any other
+    type is a `BwdConfigTypeError`."""
+    return coerce_enum(
+        enum_cls, value, name, error=BwdValidationError, type_error=BwdConfigTypeError
+    )
 
 
 def _coerce_scheme(name: str, value: Any) -> QuantScheme:
-    if isinstance(value, QuantScheme):
-        return value
-    if isinstance(value, str):
-        key = value.lower().lstrip("_")
-        for member in QuantScheme:
-            if key in (member.value, member.name.lower()):
-                return member
-        raise BwdValidationError(f"{name}: expected WRAPX or 1x32, got {value!r}")
-    raise BwdConfigTypeError(f"{name}: expected QuantScheme, got {type(value).__name__}")
+    return as_scheme(
+        value,
+        name,
+        expected="WRAPX or 1x32",
+        error=BwdValidationError,
+        type_error=BwdConfigTypeError,
+    )
 
 
 @dataclass

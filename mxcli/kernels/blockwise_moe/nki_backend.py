@@ -1,14 +1,15 @@
 """The ``sim`` and ``neuron`` backends of ``blockwise_mm_bwd_mxfp8``: the launcher of the NKI
 kernel (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`), run through `mxcli.kernels.nki_runtime`.
 
-`run_sim` and `run_neuron` take the reference's arguments (same order, same defaults, minus the
-reference-only ``emulate``) and return the reference's tuple of torch tensors on the device of
-``hidden_states``.
+`run_sim` and `run_neuron` take the validated `BwdCall` (or the arguments of
+`blockwise_mm_bwd_mxfp8`, validated into one) and return the reference's tuple of torch tensors
+on the device of ``hidden_states``.
 
-Everything that is not device work happens here, once, before the kernel is traced (as upstream
-NKI Library launchers do; nki_python_subset.md): the inputs are validated with the reference's
-rules and messages (bwd spec §10), including the data-dependent ones the device can only report
-as a DMA fault (padding ids without ``skip_token``, expert ids out of range); the public
+Everything that is not device work happens on the host, once, before the kernel is traced (as
+upstream NKI Library launchers do; nki_python_subset.md): the contract has validated the inputs
+with the reference's rules and messages (bwd spec §10), including the data-dependent ones the
+device can only report as a DMA fault (padding ids without ``skip_token``, expert ids out of
+range); here the
 `MXFP8MOEBwdConfig` (torch dtypes, host enums) is checked against what the kernel implements and
 turned into the kernel's `BwdKernelConfig` (`kernel_config`: ints, bools, tuples, ``nki``
 dtypes), with the launch planned: the wrapX chunk lists of the four contractions (tile_k,
@@ -26,19 +27,14 @@ from typing import Any
 import torch
 
 from mxcli.kernels import nki_runtime
-from mxcli.kernels.blockwise_moe import _checks as ck
-from mxcli.kernels.blockwise_moe.backward import (
-    BwdInputs,
-    _check_combinations,
-    check_inputs,
-    check_launch_rules,
-)
 from mxcli.kernels.blockwise_moe.config import (
     AffinityOption,
     BwdValidationError,
     MXFP8MOEBwdConfig,
 )
+from mxcli.kernels.blockwise_moe.contract import BwdCall, as_call
 from mxcli.kernels.blockwise_moe.numerics import Grouping
+from mxcli.kernels.blockwise_moe.spec import MXCLI_KERNEL
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
 from mxcli.mx import QuantScheme, wrapx_chunks
 
@@ -52,30 +48,10 @@ __all__ = [
     "run_sim",
 ]
 
-KERNEL = "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit"
-KERNEL_CONFIG = "mxcli.kernels.blockwise_moe.nki_kernel:BwdKernelConfig"
-_ACT_DTYPES = (torch.bfloat16, torch.float16)
+KERNEL = str(MXCLI_KERNEL.kernel)  # the jit entry, "module:function"
+KERNEL_CONFIG = f"{KERNEL.partition(':')[0]}:BwdKernelConfig"
 P = 128  # partitions
 QUAD = 32  # partitions per SBUF quadrant
-_NAMES = (
-    "hidden_states",
-    "expert_affinities_masked",
-    "gate_up_proj_weight",
-    "down_proj_weight",
-    "token_position_to_id",
-    "block_to_expert",
-    "output_hidden_states_grad",
-    "block_size",
-    "gate_up_proj_act_checkpoint_T",
-    "gate_act_checkpoint_T",
-    "intermediate_checkpoint_T",
-    "scaled_intermediate_checkpoint_T",
-    "down_proj_act_checkpoint",
-    "config",
-    "gate_up_weight_scales",
-    "down_weight_scales",
-    "num_valid_tokens",
-)
 # the kernel's tensor parameters (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`)
 _KERNEL_TENSORS = (
     "hidden_states",
@@ -165,9 +141,9 @@ def packed_scale_placement(
 
 
 def kernel_config(
-    inp: BwdInputs, cfg: MXFP8MOEBwdConfig, nv: bool, pq_gu: bool, pq_d: bool
+    inp: BwdCall, cfg: MXFP8MOEBwdConfig, nv: bool, pq_gu: bool, pq_d: bool
 ) -> KernelObject:
-    """The kernel's `BwdKernelConfig` for validated inputs `inp` and config `cfg`, after
+    """The kernel's `BwdKernelConfig` for a validated call `inp` and config `cfg`, after
     checking that this kernel implements the configuration (`NkiKernelUnsupportedError`)."""
     if cfg.quant_scheme is not QuantScheme.WRAPX:
         raise NkiKernelUnsupportedError(
@@ -212,90 +188,50 @@ def kernel_config(
 # -- validation and argument conversion ------------------------------------------------------------
 
 
-_CHECKPOINTS = (
-    "gate_act_checkpoint_T",
-    "intermediate_checkpoint_T",
-    "scaled_intermediate_checkpoint_T",
-)
+# kernel tensor parameter -> the call's field
+_CALL_FIELDS = {
+    "hidden_states": "x",
+    "expert_affinities_masked": "ea",
+    "gate_up_proj_weight": "wgu",
+    "down_proj_weight": "wd",
+    "token_position_to_id": "tpi",
+    "block_to_expert": "b2e",
+    "output_hidden_states_grad": "dy",
+    "gate_up_proj_act_checkpoint_T": "ckpt_gu",
+    "gate_act_checkpoint_T": "ckpt_act",
+    "intermediate_checkpoint_T": "ckpt_h",
+    "scaled_intermediate_checkpoint_T": "ckpt_s",
+    "gate_up_weight_scales": "gu_scales",
+    "down_weight_scales": "d_scales",
+    "num_valid_tokens": "num_valid_tokens",
+}
 
 
-def _validate(kw: dict[str, Any], cfg: MXFP8MOEBwdConfig) -> tuple[BwdInputs, int | None]:
-    """The reference's input rules (bwd spec §10) on the host, before any launch: the checked
-    inputs and ``num_valid_tokens`` clamped to ``[0, T]`` (None when not given)."""
-    inp = check_inputs(
-        kw["hidden_states"], kw["expert_affinities_masked"], kw["gate_up_proj_weight"],
-        kw["down_proj_weight"], kw["token_position_to_id"], kw["block_to_expert"],
-        kw["output_hidden_states_grad"], kw["block_size"], kw["gate_up_weight_scales"],
-        kw["down_weight_scales"], cfg, _ACT_DTYPES,
-    )  # fmt: skip
-    N, I, B, H = inp.N, inp.I, inp.B, inp.H  # noqa: E741
-    shapes = {"gate_up_proj_act_checkpoint_T": (N, 2, I, B), "down_proj_act_checkpoint": (N, B, H)}
-    shapes.update({name: (N, I, B) for name in _CHECKPOINTS})
-    ckpts: dict[str, torch.Tensor | None] = {}
-    for name, shape in shapes.items():
-        t = ck.tensor(name, kw[name], False)
-        if t is not None:
-            ck.check_shape(name, t, shape)
-            ck.check_float(name, t, _ACT_DTYPES)
-        ckpts[name] = t
-    on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
-    _check_combinations(
-        cfg, on_i, ckpts["gate_up_proj_act_checkpoint_T"], ckpts["gate_act_checkpoint_T"],
-        ckpts["intermediate_checkpoint_T"], ckpts["scaled_intermediate_checkpoint_T"],
-        ckpts["down_proj_act_checkpoint"], inp.gu_scales,
-    )  # fmt: skip
-    nv = check_launch_rules(
-        cfg, inp, kw["num_valid_tokens"], kw["scaled_intermediate_checkpoint_T"] is not None
-    )
-    if ckpts["gate_up_proj_act_checkpoint_T"] is None:
+def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
+    """Plan the launch of a validated call (a `BwdCall`, or the arguments of
+    `blockwise_mm_bwd_mxfp8`) and convert its arguments for the kernel.
+
+    Returns ``(kernel kwargs, device of hidden_states)``: the kernel's tensors (int32 indices,
+    uint8 scale bytes, a ``[1]`` int32 token count) and ``config``, the kernel's
+    `BwdKernelConfig` as a `KernelObject`. Raises `NkiKernelUnsupportedError` for what this
+    kernel does not implement.
+    """
+    call = as_call(*args, **kwargs)
+    if call.ckpt_gu is None:
         raise NkiKernelUnsupportedError(
             "gate_up_proj_act_checkpoint_T: the NKI kernel needs the gate/up checkpoint (no "
             "recompute from hidden_states), got None"
         )
-    return inp, nv
-
-
-def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
-    """Validate the reference-style arguments, plan the launch and convert the arguments for
-    the kernel.
-
-    Returns ``(kernel kwargs, device of hidden_states)``: the kernel's tensors (int32 indices,
-    uint8 scale bytes, a ``[1]`` int32 token count) and ``config``, the kernel's
-    `BwdKernelConfig` as a `KernelObject`.
-    """
-    if len(args) > len(_NAMES):
-        raise TypeError(
-            f"blockwise_mm_bwd_mxfp8: takes {len(_NAMES)} positional arguments, got {len(args)}"
-        )
-    kw = dict(zip(_NAMES, args, strict=False))
-    for k, v in kwargs.items():
-        if k not in _NAMES:
-            raise TypeError(f"blockwise_mm_bwd_mxfp8: unexpected keyword argument {k!r}")
-        if k in kw:
-            raise TypeError(f"blockwise_mm_bwd_mxfp8: got multiple values for argument {k!r}")
-        kw[k] = v
-    defaults = {"block_size": 4096}
-    for k in _NAMES:
-        kw.setdefault(k, defaults.get(k))
-    for k in _NAMES[:7]:
-        if k not in kw or kw[k] is None:
-            raise BwdValidationError(f"{k}: expected a tensor, got None")
-    cfg = kw["config"] if kw["config"] is not None else MXFP8MOEBwdConfig()
-    if not isinstance(cfg, MXFP8MOEBwdConfig):
-        raise BwdValidationError(f"config: expected MXFP8MOEBwdConfig, got {type(cfg).__name__}")
-    cfg.validate()
-    inp, nv = _validate(kw, cfg)
     out: dict[str, Any] = {}
     for k in _KERNEL_TENSORS:
-        v = kw[k]
+        v = getattr(call, _CALL_FIELDS[k])
         if v is None:
             out[k] = None
             continue
         if k == "num_valid_tokens" and isinstance(v, int) and not isinstance(v, bool):
             out[k] = torch.tensor([min(max(v, -(2**31)), 2**31 - 1)], dtype=torch.int32)
             continue
-        t = ck.tensor(k, v)
-        assert t is not None
+        t = torch.as_tensor(v)
         if k in ("token_position_to_id", "block_to_expert"):
             t = t.to(torch.int32)
         elif k == "num_valid_tokens":
@@ -305,9 +241,13 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
             t = t.view(torch.uint8)
         out[k] = t.contiguous()
     out["config"] = kernel_config(
-        inp, cfg, nv is not None, inp.gu_scales is not None, inp.d_scales is not None
+        call,
+        call.config,
+        call.nv is not None,
+        call.gu_scales is not None,
+        call.d_scales is not None,
     )
-    return out, inp.x.device
+    return out, call.x.device
 
 
 def launch_sim(
@@ -321,7 +261,7 @@ def launch_sim(
     """Run the NKI kernel on a simulator; the full `SimResult` (outputs in the reference's form,
     the interpreter's counters, the engine that ran).
 
-    Positional / keyword arguments: those of `blockwise_mm_bwd_mxfp8`. `lnc`: 1 or 2 programs
+    Arguments: a `BwdCall`, or those of `blockwise_mm_bwd_mxfp8`. `lnc`: 1 or 2 programs
     (2, the API's launch, splits the free dims, SHARD_ON_FREE). `check_only` (interpreter only):
     every hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs
     are then meaningless).
@@ -335,77 +275,25 @@ def launch_sim(
 
 
 def run_sim(
-    hidden_states: Any,
-    expert_affinities_masked: Any,
-    gate_up_proj_weight: Any,
-    down_proj_weight: Any,
-    token_position_to_id: Any,
-    block_to_expert: Any,
-    output_hidden_states_grad: Any,
-    block_size: int = 4096,
-    gate_up_proj_act_checkpoint_T: Any = None,
-    gate_act_checkpoint_T: Any = None,
-    intermediate_checkpoint_T: Any = None,
-    scaled_intermediate_checkpoint_T: Any = None,
-    down_proj_act_checkpoint: Any = None,
-    config: MXFP8MOEBwdConfig | None = None,
-    gate_up_weight_scales: Any = None,
-    down_weight_scales: Any = None,
-    num_valid_tokens: Any = None,
-    *,
-    lnc: int = 2,
-    engine: SimEngine | str = SimEngine.AUTO,
+    *args: Any, lnc: int = 2, engine: SimEngine | str = SimEngine.AUTO, **kwargs: Any
 ) -> tuple[torch.Tensor, ...]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
-    Same arguments and outputs as `blockwise_mm_bwd_mxfp8_reference` (without ``emulate``);
-    `lnc` 2 (default, the API's launch) or 1; `engine` forces a simulator (`SimEngine`).
+    Takes a `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`) and returns the
+    reference's outputs; `lnc` 2 (default, the API's launch) or 1; `engine` forces a simulator
+    (`SimEngine`).
     """
-    res = launch_sim(
-        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
-        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
-        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
-        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
-        gate_up_weight_scales, down_weight_scales, num_valid_tokens,
-        lnc=lnc, engine=engine,
-    )  # fmt: skip
-    return tuple(res.outputs)
+    return tuple(launch_sim(*args, lnc=lnc, engine=engine, **kwargs).outputs)
 
 
-def run_neuron(
-    hidden_states: Any,
-    expert_affinities_masked: Any,
-    gate_up_proj_weight: Any,
-    down_proj_weight: Any,
-    token_position_to_id: Any,
-    block_to_expert: Any,
-    output_hidden_states_grad: Any,
-    block_size: int = 4096,
-    gate_up_proj_act_checkpoint_T: Any = None,
-    gate_act_checkpoint_T: Any = None,
-    intermediate_checkpoint_T: Any = None,
-    scaled_intermediate_checkpoint_T: Any = None,
-    down_proj_act_checkpoint: Any = None,
-    config: MXFP8MOEBwdConfig | None = None,
-    gate_up_weight_scales: Any = None,
-    down_weight_scales: Any = None,
-    num_valid_tokens: Any = None,
-    *,
-    lnc: int | None = None,
-) -> tuple[torch.Tensor, ...]:
+def run_neuron(*args: Any, lnc: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device through torch-neuronx.
 
-    Same arguments and outputs as the reference. `lnc`: the launch's LNC degree (default
-    ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError` listing what is
-    missing (SDK packages, device) before touching any of it.
+    Takes a `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`). `lnc`: the launch's LNC
+    degree (default ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError`
+    listing what is missing (SDK packages, device) before touching any of it.
     """
     nki_runtime.require_neuron("blockwise_mm_bwd_mxfp8")  # before validating anything
-    kw, device = prepare(
-        hidden_states, expert_affinities_masked, gate_up_proj_weight, down_proj_weight,
-        token_position_to_id, block_to_expert, output_hidden_states_grad, block_size,
-        gate_up_proj_act_checkpoint_T, gate_act_checkpoint_T, intermediate_checkpoint_T,
-        scaled_intermediate_checkpoint_T, down_proj_act_checkpoint, config,
-        gate_up_weight_scales, down_weight_scales, num_valid_tokens,
-    )  # fmt: skip
+    kw, device = prepare(*args, **kwargs)
     outs = nki_runtime.run_neuron(KERNEL, (), kw, lnc=lnc)
     return tuple(t.to(device) for t in outs)

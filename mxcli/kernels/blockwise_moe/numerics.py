@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mxcli.io.kwargs import coerce_enum
 from mxcli.kernels.blockwise_moe.config import (
     BwdValidationError,
     ClampLimits,
@@ -53,14 +54,10 @@ class Emulate(str, enum.Enum):
 
 
 def as_emulate(emulate: Emulate | str) -> Emulate:
-    if isinstance(emulate, Emulate):
-        return emulate
-    try:
-        return Emulate(str(emulate).lower())
-    except ValueError:
-        raise BwdValidationError(
-            f"emulate: expected 'kernel' or 'exact', got {emulate!r}"
-        ) from None
+    """The enum from itself or its value or name, any case (`coerce_enum`)."""
+    return coerce_enum(
+        Emulate, emulate, "emulate", expected="'kernel' or 'exact'", error=BwdValidationError
+    )
 
 
 # Scale rule of every `Numerics.q` in kernel mode: the device's NEURON rule unless a study

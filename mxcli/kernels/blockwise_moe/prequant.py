@@ -39,6 +39,7 @@ from mxcli.mx import (
     unpack_x4,
 )
 from mxcli.mx.formats import as_tensor
+from mxcli.mx.quantize import as_rule
 
 __all__ = [
     "PrequantizedWeights",
@@ -102,6 +103,17 @@ def _order(K: int, grouping: Grouping) -> torch.Tensor:
     return group_order(K, grouping.scheme, grouping.tile_k, chunks)
 
 
+def _fused_x4(codes: torch.Tensor) -> Any:
+    """`mxcli.mx._fused` when its x4 kernels apply to `codes` (numba, CPU, ``MXCLI_FUSED``)."""
+    if codes.device.type != "cpu":
+        return None
+    try:
+        from mxcli.mx import _fused
+    except Exception:  # numba missing or broken: the torch path gives the same bytes
+        return None
+    return _fused if _fused.enabled() else None
+
+
 def quantize_weight_x4(
     w_kf: torch.Tensor,
     grouping: Grouping,
@@ -122,6 +134,12 @@ def quantize_weight_x4(
         tile_k=grouping.tile_k,
         chunks=None if grouping.chunks is None else list(grouping.chunks),
     )  # codes [E, F, K] natural order, compact [E, F, K/32]
+    rows = scale_rows(K, layout)
+    fused = _fused_x4(codes)
+    if fused is not None:  # same bytes in one pass each (tests/kernels: both paths compared)
+        return fused.x4_transposed(
+            codes, _order(K, grouping), compact, scale_row_index(K, layout), rows
+        )
     physical = to_group_order(
         codes,
         -1,
@@ -131,7 +149,6 @@ def quantize_weight_x4(
     )  # swizzled rows x 4 lanes along K
     words = pack_x4(physical.contiguous(), axis=-1)  # [E, F, K/4], lane j = byte j
     x4 = words.transpose(1, 2).contiguous()  # [E, K/4, F]
-    rows = scale_rows(K, layout)
     scales = torch.zeros(E, rows, F, dtype=torch.uint8, device=codes.device)
     scales[:, scale_row_index(K, layout).to(codes.device), :] = compact.transpose(1, 2)
     return x4, scales
@@ -300,7 +317,7 @@ def prequantize_weights(
         d_x4, d_s = quantize_weight_x4(dw.transpose(1, 2), g_d, lay_d, rule)  # [E, H, I]
     return PrequantizedWeights(
         gu_x4, gu_s, d_x4, d_s, g_gu, g_d, lay_gu, lay_d,
-        rule if isinstance(rule, ScaleRule) else ScaleRule(str(rule).lower()),
+        as_rule(rule),
     )  # fmt: skip
 
 

@@ -1,6 +1,7 @@
 """``rmsnorm_mx_prefill``: fused RMSNorm + MXFP8 quantization + router top-K for prefill.
 
-Contract (signature, enums, validation, row geometry) in `contract`; the kernel-faithful torch
+Contract (the signature, enums, validation into a `PrefillCall`, row geometry) in `contract`;
+the `KernelSpec` in `spec`; the kernel-faithful torch
 reference in `reference` (registered as the ``reference`` backend); the router in `router`;
 host-side helpers: `arrange_router_weights` / `unarrange_router_weights` (offline weight prep,
 prefill spec §6.1) and `decode_packed_rows` (packed rows -> codes, scales, fp32, affinities, §6.2).
@@ -10,8 +11,7 @@ from __future__ import annotations
 
 from mxcli.kernels import backends
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
-    KERNEL_NAME,
-    PrefillConfig,
+    PrefillCall,
     PrefillValidationError,
     QmxOutputDtype,
     RouterActFnType,
@@ -27,16 +27,18 @@ from mxcli.kernels.rmsnorm_mx_prefill.router_weights import (
     arrange_router_weights,
     unarrange_router_weights,
 )
+from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC
 
-backends.register(KERNEL_NAME, "reference", rmsnorm_mx_prefill_reference)
+backends.register(SPEC.name, "reference", rmsnorm_mx_prefill_reference)
+backends.register_nki(SPEC.name, __name__)
 
 
 __all__ = [
-    "KERNEL_NAME",
+    "SPEC",
     "DecodedRows",
     "HoleFill",
     "LogitAccumulation",
-    "PrefillConfig",
+    "PrefillCall",
     "PrefillValidationError",
     "QmxOutputDtype",
     "RouterActFnType",

@@ -1,8 +1,9 @@
 """Contract of ``rmsnorm_mx_prefill``: enums, the public signature, validation, row geometry.
 
-Everything here is backend-independent: every backend (the torch reference, the NKI simulator,
-a Trainium device) receives arguments that passed `validate`, and produces rows with the
-geometry of `row_geometry` (prefill spec §2.3, §2.4).
+The public function `rmsnorm_mx_prefill` is the only place holding the kernel's signature (the
+API reference's, prefill spec §2.1). `validate` binds arguments to it and checks them once into a
+frozen `PrefillCall`; every backend (the torch reference, the NKI simulator, a Trainium device)
+takes that call object and produces rows with the geometry of `row_geometry` (§2.3, §2.4).
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.kwargs import coerce_enum
+from mxcli.kernels import backends
+from mxcli.kernels.spec import bind_arguments
 from mxcli.mx import ElemFormat, prefill_scale_region_size
-
-KERNEL_NAME = "rmsnorm_mx_prefill"
+from mxcli.mx.formats import as_elem_format
 
 # prefill spec §2.3: hardware limits checked by the kernel itself.
 MAX_EXPERTS = 512
@@ -55,24 +58,9 @@ class RouterActFnType(enum.IntEnum):
 
     @classmethod
     def coerce(cls, value: Any, name: str = "router_act_fn") -> RouterActFnType:
-        """Accept the enum, its int value, or its name (any case, e.g. ``"noaux_tc"``)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, str):
-            key = value.strip().upper().split(".")[-1]
-            if key in cls.__members__:
-                return cls[key]
-        elif isinstance(value, int) and not isinstance(value, bool):
-            try:
-                return cls(value)
-            except ValueError:
-                pass
-        elif isinstance(value, enum.Enum) and str(value.name).upper() in cls.__members__:
-            # another project's RouterActFnType (e.g. nkilib's) with the same member names
-            return cls[str(value.name).upper()]
-        raise PrefillValidationError(
-            f"{name}: expected one of {', '.join(cls.__members__)}, got {value!r}"
-        )
+        """Accept the enum, its int value, its name (any case, e.g. ``"noaux_tc"``) or another
+        project's RouterActFnType (e.g. nkilib's) with the same member names (`coerce_enum`)."""
+        return coerce_enum(cls, value, name, error=PrefillValidationError)
 
 
 class QmxOutputDtype(str, enum.Enum):
@@ -92,21 +80,17 @@ class QmxOutputDtype(str, enum.Enum):
 
     @classmethod
     def coerce(cls, value: Any) -> QmxOutputDtype:
-        """Accept the enum, ``"float8_e4m3fn_x4"``/``"e4m3fn"``, the e5m2 names, or torch fp8 dtypes."""
+        """Accept the enum or any name of its element format: ``"float8_e4m3fn_x4"``,
+        ``"e4m3fn"``, `ElemFormat`, the torch fp8 dtypes, the e5m2 names (`as_elem_format`)."""
         if isinstance(value, cls):
             return value
-        if value is torch.float8_e4m3fn:
-            return cls.FLOAT8_E4M3FN_X4
-        if value is torch.float8_e5m2:
-            return cls.FLOAT8_E5M2_X4
-        name = str(value).lower().split(".")[-1].removeprefix("float8_").removesuffix("_x4")
-        if name == "e4m3fn":
-            return cls.FLOAT8_E4M3FN_X4
-        if name == "e5m2":
-            return cls.FLOAT8_E5M2_X4
-        raise PrefillValidationError(
-            f"qmx_output_dtype: expected 'float8_e4m3fn_x4' or 'float8_e5m2_x4', got {value!r}"
+        elem = as_elem_format(
+            value,
+            "qmx_output_dtype",
+            error=PrefillValidationError,
+            expected="'float8_e4m3fn_x4' or 'float8_e5m2_x4'",
         )
+        return cls.FLOAT8_E4M3FN_X4 if elem is ElemFormat.E4M3FN else cls.FLOAT8_E5M2_X4
 
 
 @dataclass(frozen=True)
@@ -180,10 +164,16 @@ def row_geometry(
     )
 
 
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Normalized, validated arguments of one call (what a backend needs besides tensors)."""
+@dataclass(frozen=True, eq=False)
+class PrefillCall:
+    """One validated call of `rmsnorm_mx_prefill`: its tensors and its normalized arguments
+    (what every backend takes; built by `validate`, once per call)."""
 
+    hidden_states: torch.Tensor
+    gamma: torch.Tensor
+    router_weights: torch.Tensor | None
+    router_bias: torch.Tensor | None
+    residual: torch.Tensor | None
     B: int
     S: int
     H: int
@@ -216,6 +206,47 @@ class PrefillConfig:
     @property
     def returns_affinities(self) -> bool:
         return self.has_router and not self.pack_affinities
+
+    @property
+    def output_names(self) -> tuple[str, ...]:
+        """Names of this call's returns, in API order (prefill spec §2.2)."""
+        return output_names(
+            has_router=self.has_router,
+            act=self.act,
+            pack_affinities=self.pack_affinities,
+            has_residual=self.has_residual,
+            emit_norm_bf16=self.emit_norm_bf16,
+        )
+
+
+def output_names(
+    *,
+    has_router: bool,
+    act: RouterActFnType,
+    pack_affinities: bool,
+    has_residual: bool,
+    emit_norm_bf16: bool,
+) -> tuple[str, ...]:
+    """The returns of a call, in API order (prefill spec §2.2): the packed rows; with a router
+    the index (not for NOAUX_TC) and the affinities (unless packed into the rows); the residual
+    sum with a residual; the bf16 norm when asked for."""
+    names = ["norm_quant_packed"]
+    if has_router and act is not RouterActFnType.NOAUX_TC:
+        names.append("expert_index")
+    if has_router and not pack_affinities:
+        names.append("expert_affinities")
+    if has_residual:
+        names.append("output_residual")
+    if emit_norm_bf16:
+        names.append("norm_bf16")
+    return tuple(names)
+
+
+def as_call(*args: Any, **kwargs: Any) -> PrefillCall:
+    """A `PrefillCall` given as the only argument, else `validate` of the arguments."""
+    if len(args) == 1 and not kwargs and isinstance(args[0], PrefillCall):
+        return args[0]
+    return validate(*args, **kwargs)
 
 
 def _fail(name: str, expected: str, actual: object) -> PrefillValidationError:
@@ -257,26 +288,9 @@ def _check_tensor(name: str, t: Any) -> torch.Tensor:
     return t
 
 
-def validate(
-    hidden_states: Any,
-    gamma: Any,
-    router_weights: Any = None,
-    router_bias: Any = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: RouterActFnType | str | int = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: Any = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-) -> PrefillConfig:
-    """Check every argument against the contract and return the normalized configuration.
+def validate(*args: Any, **kwargs: Any) -> PrefillCall:
+    """Bind the arguments of `rmsnorm_mx_prefill` (positional or by name, defaults from its
+    signature) and check every one against the contract; the frozen `PrefillCall`.
 
     Runs the kernel's own checks in the kernel's order (prefill spec §2.3, errata 2), then the
     checks the kernel leaves out although the result would be meaningless or undefined: gamma
@@ -284,7 +298,10 @@ def validate(
     ``1 <= topk_group <= n_group``, ``E >= 8`` for NOAUX_TC (its max8 expert selection reads 8
     columns), one device for all tensors. Raises `PrefillValidationError`.
     """
-    hs = _check_tensor("hidden_states", hidden_states)
+    a = bind_arguments(rmsnorm_mx_prefill, *args, **kwargs)
+    unpadded_hidden_size, residual = a["unpadded_hidden_size"], a["residual"]
+    router_weights, router_bias = a["router_weights"], a["router_bias"]
+    hs = _check_tensor("hidden_states", a["hidden_states"])
     # --- the kernel's checks, in its order (§2.3) ---
     if hs.dim() != 3:
         raise _fail("hidden_states", "a [B, S, H] tensor (rank 3)", f"shape {_shape(hs)}")
@@ -299,10 +316,10 @@ def validate(
         res = _check_tensor("residual", residual)
         if _shape(res) != _shape(hs):
             raise _fail("residual", f"shape {_shape(hs)} (same as hidden_states)", _shape(res))
-    act = RouterActFnType.coerce(router_act_fn)
-    K = _as_int("top_k", top_k)
-    G = _as_int("n_group", n_group)
-    TG = _as_int("topk_group", topk_group)
+    act = RouterActFnType.coerce(a["router_act_fn"])
+    K = _as_int("top_k", a["top_k"])
+    G = _as_int("n_group", a["n_group"])
+    TG = _as_int("topk_group", a["topk_group"])
     E = 0
     w = None
     if router_weights is not None:
@@ -330,7 +347,7 @@ def validate(
     # --- checks the kernel leaves out (§2.3 "NOT validated") ---
     if hs.dtype not in _SIXTEEN_BIT:
         raise _fail("hidden_states", "dtype bfloat16 or float16", hs.dtype)
-    g = _check_tensor("gamma", gamma)
+    g = _check_tensor("gamma", a["gamma"])
     if _shape(g) not in ((H,), (1, H)):
         raise _fail("gamma", f"shape ({H},) or (1, {H})", _shape(g))
     if not g.is_floating_point():
@@ -381,19 +398,25 @@ def validate(
     for name, t in tensors:
         if t.device != hs.device:
             raise _fail(name, f"device {hs.device} (same as hidden_states)", t.device)
-    qmx = QmxOutputDtype.coerce(qmx_output_dtype)
-    eps_f = _as_float("eps", eps)
-    rsf = _as_float("routed_scaling_factor", routed_scaling_factor)
+    qmx = QmxOutputDtype.coerce(a["qmx_output_dtype"])
+    eps_f = _as_float("eps", a["eps"])
+    rsf = _as_float("routed_scaling_factor", a["routed_scaling_factor"])
     has_router = w is not None
-    pack_aff = bool(pack_affinities) and has_router  # §2.1: silently off without a router
+    pack_aff = bool(a["pack_affinities"]) and has_router  # §2.1: silently off without a router
+    pack_scales = bool(a["pack_scales"])
     geometry = row_geometry(
         H,
-        pack_scales=bool(pack_scales),
+        pack_scales=pack_scales,
         num_experts=E if has_router else None,
         router_act_fn=act,
         pack_affinities=pack_aff,
     )
-    return PrefillConfig(
+    return PrefillCall(
+        hidden_states=hs,
+        gamma=g,
+        router_weights=w,
+        router_bias=router_bias,
+        residual=res,
         B=B,
         S=S,
         H=H,
@@ -407,11 +430,11 @@ def validate(
         topk_group=TG,
         routed_scaling_factor=rsf,
         qmx=qmx,
-        pack_scales=bool(pack_scales),
+        pack_scales=pack_scales,
         pack_affinities=pack_aff,
         has_residual=res is not None,
-        emit_norm_bf16=bool(emit_norm_bf16),
-        hidden_interleaved=bool(hidden_interleaved),
+        emit_norm_bf16=bool(a["emit_norm_bf16"]),
+        hidden_interleaved=bool(a["hidden_interleaved"]),
         compute_dtype=w.dtype if w is not None else hs.dtype,
         geometry=geometry,
     )
@@ -459,44 +482,7 @@ def rmsnorm_mx_prefill(
     CPU or CUDA), or any other registered backend, or ``"auto"``. Invalid arguments raise
     `PrefillValidationError` (a ``ValueError``).
     """
-    from mxcli.kernels import backends
-
-    validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    fn = backends.get(KERNEL_NAME, backend)
-    return fn(  # type: ignore[no-any-return]
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
+    arguments = dict(locals())  # the parameters as given: this signature is the only one
+    backend = arguments.pop("backend")
+    call = validate(**arguments)
+    return backends.get(rmsnorm_mx_prefill.__name__, backend)(call)  # type: ignore[no-any-return]

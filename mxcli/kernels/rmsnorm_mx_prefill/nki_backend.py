@@ -1,10 +1,10 @@
 """The ``sim`` and ``neuron`` backends of ``rmsnorm_mx_prefill``: the NKI kernel (`nki_kernel`)
 launched through `mxcli.kernels.nki_runtime`.
 
-Both take the reference's parameters (same order, same defaults) and return the reference's
-list of torch tensors (prefill spec §2.2): the packed rows as ``torch.float8_e4m3fn`` (the kernel
-writes raw bytes), then index / affinities / residual / norm as the reference does, on the device
-of ``hidden_states``. Arguments are validated with the contract (`contract.validate`) and the
+Both take the validated `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`, validated
+with `contract.validate`) and return the reference's list of torch tensors (prefill spec §2.2):
+the packed rows as ``torch.float8_e4m3fn`` (the kernel writes raw bytes), then index /
+affinities / residual / norm as the reference does, on the device of ``hidden_states``. The
 launch is planned (`kernel_config`) here, on the host, once and before the kernel is traced: the
 kernel receives tensors and a `PrefillKernelConfig` NKIObject, as NKI 0.6 requires (issue 11).
 """
@@ -17,11 +17,12 @@ import torch
 
 from mxcli.kernels import nki_runtime
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
-from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillConfig, RouterActFnType, validate
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
+from mxcli.kernels.rmsnorm_mx_prefill.spec import MXCLI_KERNEL
 
-KERNEL_MODULE = "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel"
-KERNEL = f"{KERNEL_MODULE}:rmsnorm_mx_prefill_kernel"
+KERNEL = str(MXCLI_KERNEL.kernel)  # the jit entry, "module:function"
+KERNEL_MODULE = KERNEL.partition(":")[0]
 KERNEL_CONFIG = f"{KERNEL_MODULE}:PrefillKernelConfig"
 
 
@@ -30,7 +31,7 @@ def _nki_dtype(dt: torch.dtype) -> DTypeName:
     return DTypeName(str(dt).removeprefix("torch."))
 
 
-def kernel_config(cfg: PrefillConfig) -> KernelObject:
+def kernel_config(cfg: PrefillCall) -> KernelObject:
     """The kernel's launch plan (`nki_kernel.PrefillKernelConfig`) from a validated
     configuration: shapes, row geometry (prefill spec §2.4), router mode and ``nki`` dtypes."""
     geo = cfg.geometry
@@ -60,47 +61,17 @@ def kernel_config(cfg: PrefillConfig) -> KernelObject:
     return KernelObject(KERNEL_CONFIG, tuple(fields.items()))
 
 
-def _prepare(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None,
-    router_bias: torch.Tensor | None,
-    eps: float,
-    top_k: int,
-    router_act_fn: Any,
-    n_group: int,
-    topk_group: int,
-    routed_scaling_factor: float,
-    qmx_output_dtype: Any,
-    pack_scales: bool,
-    pack_affinities: bool,
-    unpadded_hidden_size: int | None,
-    residual: torch.Tensor | None,
-    emit_norm_bf16: bool,
-    hidden_interleaved: bool,
-) -> list[Any]:
-    """Validate (prefill spec §2.3), plan, and build the kernel's positional arguments."""
-    cfg = validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    # the kernel's positional parameters: tensors, the plan, optional tensors
-    return [hidden_states, gamma, kernel_config(cfg), router_weights, router_bias, residual]
+def kernel_args(call: PrefillCall) -> list[Any]:
+    """The kernel's positional parameters for a validated call: tensors, the plan, optional
+    tensors."""
+    return [
+        call.hidden_states,
+        call.gamma,
+        kernel_config(call),
+        call.router_weights,
+        call.router_bias,
+        call.residual,
+    ]
 
 
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -112,160 +83,53 @@ def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Ten
 
 
 def launch_sim(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
+    *args: Any,
     lnc: int = 1,
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
+    **kwargs: Any,
 ) -> SimResult:
     """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
     reference's form, the interpreter's counters, the engine that ran).
 
-    `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every hardware
-    rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are zeros).
+    Arguments: a `PrefillCall`, or those of `rmsnorm_mx_prefill` (validated here, prefill spec
+    §2.3). `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every
+    hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are
+    zeros).
     """
-    args = _prepare(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
+    call = as_call(*args, **kwargs)
     res = nki_runtime.run_sim(
         KERNEL,
-        args,
+        kernel_args(call),
         lnc=lnc,
         check_only=check_only,
         engine=engine,
         check_capacity=check_capacity,
     )
-    res.outputs = _finish(res.outputs, hidden_states.device)
+    res.outputs = _finish(res.outputs, call.hidden_states.device)
     return res
 
 
 def run_sim(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
-    lnc: int = 1,
-    engine: SimEngine | str = SimEngine.AUTO,
+    *args: Any, lnc: int = 1, engine: SimEngine | str = SimEngine.AUTO, **kwargs: Any
 ) -> list[torch.Tensor]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
-    Same parameters and outputs as `rmsnorm_mx_prefill_reference`; `lnc` (1 or 2) splits the
-    tokens over two programs, `engine` forces a simulator (`SimEngine`).
+    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`) and returns the
+    reference's outputs; `lnc` (1 or 2) splits the tokens over two programs, `engine` forces a
+    simulator (`SimEngine`).
     """
-    return launch_sim(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-        lnc=lnc,
-        engine=engine,
-    ).outputs
+    return launch_sim(*args, lnc=lnc, engine=engine, **kwargs).outputs
 
 
-def run_neuron(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: Any = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
-    lnc: int | None = None,
-) -> list[torch.Tensor]:
+def run_neuron(*args: Any, lnc: int | None = None, **kwargs: Any) -> list[torch.Tensor]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
 
-    `lnc` defaults to ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError`
-    naming what is missing when the Neuron SDK or a device is absent.
+    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`). `lnc` defaults to
+    ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError` naming what is
+    missing when the Neuron SDK or a device is absent.
     """
-    args = _prepare(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    outputs = nki_runtime.run_neuron(KERNEL, args, lnc=lnc)
-    return _finish(outputs, hidden_states.device)
+    call = as_call(*args, **kwargs)
+    outputs = nki_runtime.run_neuron(KERNEL, kernel_args(call), lnc=lnc)
+    return _finish(outputs, call.hidden_states.device)

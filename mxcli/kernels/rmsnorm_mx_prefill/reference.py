@@ -26,11 +26,8 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels.rmsnorm_mx_prefill.contract import (
-    PrefillConfig,
-    RouterActFnType,
-    validate,
-)
+from mxcli.io.kwargs import coerce_enum
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.router import (
     LogitAccumulation,
     noaux_tc_affinities,
@@ -40,7 +37,7 @@ from mxcli.kernels.rmsnorm_mx_prefill.router import (
 )
 from mxcli.kernels.rmsnorm_mx_prefill.router_weights import unarrange_router_weights
 from mxcli.mx import ScaleRule, prefill_scale_offsets, quantize_mx
-from mxcli.mx.quantize import uses_fused_kernels
+from mxcli.mx.quantize import as_rule, uses_fused_kernels
 
 # Tokens per work chunk on CPU: at least 128 (the router matmul loses efficiency below that),
 # more for small H so per-op overhead stays small. Results do not depend on it.
@@ -69,7 +66,7 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
     return x.view(T, 4, H // 4).transpose(1, 2).reshape(T, H)
 
 
-def _fused_chain(cfg: PrefillConfig, hidden_states: torch.Tensor) -> Any:
+def _fused_chain(cfg: PrefillCall, hidden_states: torch.Tensor) -> Any:
     """The `_fused` kernels module when they apply (numba installed and not turned off with
     ``MXCLI_FUSED=0``, CPU, bf16 input and compute dtype, a fixed bf16 NaN pattern), else None."""
     if cfg.compute_dtype != torch.bfloat16 or hidden_states.dtype != torch.bfloat16:
@@ -91,31 +88,16 @@ def _sequential_sum(v: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm_mx_prefill_reference(
-    hidden_states: torch.Tensor,
-    gamma: torch.Tensor,
-    router_weights: torch.Tensor | None = None,
-    router_bias: torch.Tensor | None = None,
-    eps: float = 1e-6,
-    top_k: int = 1,
-    router_act_fn: RouterActFnType | str | int = RouterActFnType.SIGMOID,
-    n_group: int = 1,
-    topk_group: int = 1,
-    routed_scaling_factor: float = 1.0,
-    qmx_output_dtype: Any = "float8_e4m3fn_x4",
-    pack_scales: bool = True,
-    pack_affinities: bool = False,
-    unpadded_hidden_size: int | None = None,
-    residual: torch.Tensor | None = None,
-    emit_norm_bf16: bool = False,
-    hidden_interleaved: bool = False,
-    *,
+    *args: Any,
     emulate_upstream_ref_bias_bug: bool = False,
     hole_fill: HoleFill = HoleFill.ZERO,
     scale_rule: ScaleRule = ScaleRule.NEURON,
     logit_accumulation: LogitAccumulation = LogitAccumulation.FLAT,
     token_chunk: int | None = None,
+    **kwargs: Any,
 ) -> list[torch.Tensor]:
-    """The ``reference`` backend of `rmsnorm_mx_prefill` (same positional signature).
+    """The ``reference`` backend of `rmsnorm_mx_prefill`: takes its `PrefillCall`, or the
+    arguments of `rmsnorm_mx_prefill` (validated here into one).
 
     Keyword-only extras, all defaulting to the kernel's behaviour:
 
@@ -128,35 +110,17 @@ def rmsnorm_mx_prefill_reference(
       norm outputs do not depend on it; router logits come from a BLAS fp32 matmul whose
       summation order may change with the chunk (last-bit differences, spec §5.1).
     """
-    cfg = validate(
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        eps,
-        top_k,
-        router_act_fn,
-        n_group,
-        topk_group,
-        routed_scaling_factor,
-        qmx_output_dtype,
-        pack_scales,
-        pack_affinities,
-        unpadded_hidden_size,
-        residual,
-        emit_norm_bf16,
-        hidden_interleaved,
-    )
-    hole = HoleFill(hole_fill)
-    rule = ScaleRule(scale_rule)
-    acc = LogitAccumulation(logit_accumulation)
+    cfg = as_call(*args, **kwargs)
+    hole = coerce_enum(HoleFill, hole_fill, "hole_fill")
+    rule = as_rule(scale_rule)
+    acc = coerce_enum(LogitAccumulation, logit_accumulation, "logit_accumulation")
     return _run(
         cfg,
-        hidden_states,
-        gamma,
-        router_weights,
-        router_bias,
-        residual,
+        cfg.hidden_states,
+        cfg.gamma,
+        cfg.router_weights,
+        cfg.router_bias,
+        cfg.residual,
         emulate_upstream_ref_bias_bug=bool(emulate_upstream_ref_bias_bug),
         hole=hole,
         rule=rule,
@@ -166,7 +130,7 @@ def rmsnorm_mx_prefill_reference(
 
 
 def _run(
-    cfg: PrefillConfig,
+    cfg: PrefillCall,
     hidden_states: torch.Tensor,
     gamma: torch.Tensor,
     router_weights: torch.Tensor | None,

@@ -31,10 +31,8 @@ import torch
 
 from mxcli.errors import MxcliError
 
-# Prefill kernel limits (prefill spec §2.3): beyond them the router is not expressible.
-MAX_EXPERTS = 512
-MAX_TOP_K = 8
-MAX_GROUPS = 8
+# The prefill kernel's limits (prefill spec §2.3): beyond them the router is not expressible.
+from mxcli.kernels.rmsnorm_mx_prefill.contract import MAX_EXPERTS, MAX_GROUPS, MAX_TOP_K
 
 SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 BIASES = (None, "logit", "selection", "probability")

@@ -1,5 +1,6 @@
-"""Seeded inputs in the manner of the upstream backward tests (bwd spec §11.1), for tests,
-benchmarks and demos."""
+"""Seeded test cases in the manner of the upstream backward tests (bwd spec §11.1): the upstream
+router, seed and draw order, for tests, benchmarks and demos. (Complete inputs for the CLI, with
+mxcli's own seeded generator, are `mxcli.inputs.make_bwd_inputs`.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from mxcli.kernels.blockwise_moe.plan import (
     build_expert_affinities_masked,
 )
 
-__all__ = ["BwdInputs", "make_bwd_inputs", "upstream_router_choices", "upstream_seed"]
+__all__ = ["UpstreamCase", "make_upstream_case", "upstream_router_choices", "upstream_seed"]
 
 
 def upstream_router_choices(T: int, E: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -50,8 +51,8 @@ def _bf16(a: np.ndarray) -> torch.Tensor:
 
 
 @dataclass
-class BwdInputs:
-    """Inputs of one backward case; `kwargs` gives the tensor arguments of the kernel."""
+class UpstreamCase:
+    """One upstream-style backward case; `kwargs` gives the tensor arguments of the kernel."""
 
     hidden_states: torch.Tensor  # [T, H] bf16
     expert_affinities_masked: torch.Tensor  # [T*E, 1] bf16
@@ -82,7 +83,7 @@ class BwdInputs:
         }
 
 
-def make_bwd_inputs(
+def make_upstream_case(
     T: int,
     H: int,
     E: int,
@@ -93,8 +94,8 @@ def make_bwd_inputs(
     bias: bool = False,
     clamp_limits: ClampLimits | None = None,
     dense: bool = False,
-) -> BwdInputs:
-    """Backward inputs drawn as in bwd spec §11.1.
+) -> UpstreamCase:
+    """A backward case drawn as in bwd spec §11.1.
 
     Router: `upstream_router_choices` (seed 0). Data: legacy numpy RNG seeded with
     `upstream_seed`, draw order ``W_d, W_gu, A, X, dY (, b_gu, b_d)``, each converted to bf16.
@@ -123,4 +124,4 @@ def make_bwd_inputs(
         clamp_limits=clamp_limits, gate_up_proj_bias=bgu, down_proj_bias=bd, emulate="exact",
     )  # fmt: skip
     ckpt = fwd.gate_up_proj_act_checkpoint_T.to(torch.bfloat16)
-    return BwdInputs(x, ea, wgu, wd, tpi, b2e, dy, B, ckpt, choices, K, bgu, bd, clamp_limits)
+    return UpstreamCase(x, ea, wgu, wd, tpi, b2e, dy, B, ckpt, choices, K, bgu, bd, clamp_limits)

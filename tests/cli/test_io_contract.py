@@ -14,32 +14,24 @@ from safetensors import safe_open
 from mxcli import __version__
 from mxcli.errors import InputError
 from mxcli.inputs import make_bwd_inputs, make_prefill_inputs
-from mxcli.tensorio import (
-    BWD,
-    BWD_IO,
-    PREFILL,
-    PREFILL_IO,
-    config_from_dict,
-    config_to_dict,
-    kernel_api,
-    metadata_kwargs,
-    name_outputs,
-    read_file,
-    resolve_kwargs,
-    run_file,
-    run_kernel,
-    tensor_sha256,
-    write_file,
-)
+from mxcli.io.files import tensor_sha256, write_file
+from mxcli.kernels import backends
+from mxcli.kernels.blockwise_moe import SPEC as BWD_IO
+from mxcli.kernels.blockwise_moe.spec import config_from_dict, config_to_dict
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_IO
+from mxcli.kernels.spec import read_kernel_file as read_file
+from mxcli.runs import run_file, run_kernel
+
+PREFILL, BWD = PREFILL_IO.name, BWD_IO.name
 
 
 @pytest.mark.parametrize("io", [PREFILL_IO, BWD_IO], ids=["prefill", "bwd"])
 def test_contract_names_are_the_kernel_signature(io) -> None:
-    sig = inspect.signature(kernel_api(io.kernel)).parameters
+    sig = inspect.signature(io.api).parameters
     # the API's positional-or-keyword parameters; keyword-only ones (backend, emulate) are extras
     params = [n for n, p in sig.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert sorted(params) == sorted(io.tensor_names + [s.name for s in io.scalars])
-    defaults = inspect.signature(kernel_api(io.kernel)).parameters
+    defaults = inspect.signature(io.api).parameters
     for s in io.scalars:
         if s.name == "router_act_fn":
             assert s.parse(s.default) == defaults[s.name].default
@@ -67,9 +59,10 @@ def test_prefill_output_names_match_the_reference(act, residual, pack_aff, emit)
         emit_norm_bf16=emit,
         seed=0,
     )
-    kwargs = resolve_kwargs(PREFILL_IO, made.kwargs)
-    raw = kernel_api(PREFILL)(**made.tensors, **kwargs)
-    named = name_outputs(PREFILL, raw, kwargs, made.tensors)
+    kwargs = PREFILL_IO.resolve_kwargs(made.kwargs)
+    call = PREFILL_IO.call(made.tensors, kwargs)
+    raw = backends.get(PREFILL, "reference")(call)
+    named = PREFILL_IO.name_outputs(call, raw)
     expected = ["norm_quant_packed"]
     if act is not None:
         if act != "NOAUX_TC":
@@ -90,17 +83,17 @@ def test_kwargs_precedence_defaults_file_keys_kwargs_flags() -> None:
         "eps": "1e-5",
         "kwargs": json.dumps({"top_k": 2, "router_act_fn": "SOFTMAX"}),
     }
-    raw = metadata_kwargs(PREFILL_IO, meta)
+    raw = PREFILL_IO.metadata_kwargs(meta)
     assert raw == {"top_k": 2, "eps": 1e-5, "router_act_fn": "SOFTMAX"}
-    kw = resolve_kwargs(PREFILL_IO, raw, {"top_k": 1, "eps": None})
+    kw = PREFILL_IO.resolve_kwargs(raw, {"top_k": 1, "eps": None})
     assert kw["top_k"] == 1 and kw["eps"] == 1e-5 and kw["router_act_fn"].name == "SOFTMAX"
     assert kw["pack_scales"] is True  # default
     with pytest.raises(InputError, match="unknown kwarg"):
-        metadata_kwargs(PREFILL_IO, {"kwargs": json.dumps({"topk": 2})})
+        PREFILL_IO.metadata_kwargs({"kwargs": json.dumps({"topk": 2})})
     with pytest.raises(InputError, match="router_act_fn"):
-        resolve_kwargs(PREFILL_IO, {"router_act_fn": "relu"})
+        PREFILL_IO.resolve_kwargs({"router_act_fn": "relu"})
     with pytest.raises(InputError, match="top_k: expected int"):
-        resolve_kwargs(PREFILL_IO, {"top_k": "two"})
+        PREFILL_IO.resolve_kwargs({"top_k": "two"})
 
 
 def test_bwd_config_json_round_trip() -> None:
@@ -152,7 +145,7 @@ def test_storage_of_x4_fp8_and_scales(tmp_path: Path) -> None:
     run_file(BWD, path, out)
     # prefill: the packed rows are fp8 bytes
     pre = make_prefill_inputs(seq=4, hidden=512, experts=None, seed=0)
-    res = run_kernel(PREFILL, pre.tensors, resolve_kwargs(PREFILL_IO, pre.kwargs))
+    res = run_kernel(PREFILL, pre.tensors, PREFILL_IO.resolve_kwargs(pre.kwargs))
     write_file(tmp_path / "p.safetensors", res.outputs, {"kernel": PREFILL})
     with safe_open(str(tmp_path / "p.safetensors"), "pt") as f:
         assert f.get_slice("norm_quant_packed").get_dtype() == "F8_E4M3"
@@ -210,3 +203,30 @@ def test_write_file_is_atomic_and_needs_force(tmp_path: Path) -> None:
     write_file(p, {"a": torch.ones(2)}, {}, force=True)
     assert read_file(p).tensors["a"].tolist() == [1.0, 1.0]
     assert [q.name for q in tmp_path.iterdir()] == ["x.safetensors"]
+
+
+@pytest.mark.parametrize("io", [PREFILL_IO, BWD_IO], ids=["prefill", "bwd"])
+def test_help_defaults_are_read_from_the_kernel_signature(io) -> None:
+    """run-prefill / run-bwd help texts show the signature's defaults, read from the source
+    without importing the kernel (mxcli --help stays torch-free)."""
+    import enum
+
+    from mxcli.commands._shared import kernel_defaults
+
+    source = Path(inspect.getsourcefile(io.api)).relative_to(
+        Path(inspect.getsourcefile(backends)).parent.parent
+    )
+    shown = kernel_defaults(str(source), io.name)
+    assert set(shown) == {s.name for s in io.scalars} | {
+        t.name for t in io.tensors if not t.required
+    }
+    for s in io.scalars:
+        d, text = s.default, shown[s.name]
+        if isinstance(d, bool):
+            assert text == ("on" if d else "off")
+        elif isinstance(d, enum.Enum):
+            assert text == d.name.lower()
+        elif isinstance(d, (int, float)):
+            assert float(text) == d
+        else:
+            assert text == str(d), s.name

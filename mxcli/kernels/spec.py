@@ -1,0 +1,544 @@
+"""One `KernelSpec` per kernel: what the rest of mxcli knows about a kernel, in one place.
+
+Each kernel package defines its spec beside its public function (``rmsnorm_mx_prefill/contract.py``,
+``blockwise_moe/contract.py``) and registers it here when imported. A spec holds:
+
+- the argument tables: the tensor arguments (shape legend, stored dtypes) and the scalar kwargs
+  (help, JSON/flag parser, JSON dumper), in the order of the public function's signature. Names,
+  order, defaults and which tensors are required are read from that signature with `inspect`,
+  never retyped; the spec checks that its tables cover the signature exactly;
+- ``validate``: binds arguments to that one signature and checks them once, into the kernel's
+  frozen call object (`KernelCall`), which every backend takes;
+- the output names (every possible return, in API order; a call object knows which it returns);
+- the packed output (`PackedOutput`), stored as bytes and compared through its decoded parts;
+- the padded dims (`PaddedDims`): which dims of which tensors carry the model's H / I, for runs on
+  zero-padded prepared weights;
+- the non-finite rule (`NonfiniteRule`): which NaN/Inf outputs the inputs explain;
+- the registered NKI implementations (`Implementation`): mxcli's own kernel, AWS's nkilib kernel or
+  any ``MODULE:FUNCTION``, each imported only when chosen.
+
+Consumers look a kernel up by name or short name (`get_spec`) and ask its spec; none of them
+compares kernel name strings.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+
+from mxcli.errors import InputError, MxcliError
+from mxcli.io.files import TensorFile, read_file
+from mxcli.io.kwargs import json_or_raw
+
+# The kernel packages; importing one registers its spec (and its backends).
+KERNEL_PACKAGES = ("mxcli.kernels.rmsnorm_mx_prefill", "mxcli.kernels.blockwise_moe")
+
+
+def _identity(v: Any) -> Any:
+    return v
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument of a kernel, as it appears in an input file (named as the argument)."""
+
+    name: str
+    shape: str  # legend, e.g. "[B, S, H]"
+    dtypes: tuple[torch.dtype, ...]  # accepted stored dtypes
+    required: bool = False  # from the signature: no default
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """A scalar kwarg: its help, how a JSON/flag value becomes a kernel value and back.
+
+    ``default`` is filled from the public function's signature."""
+
+    name: str
+    help: str
+    # JSON/flag value -> kernel value (raises InputError with a readable message)
+    parse: Callable[[Any], Any] = _identity
+    # kernel value -> JSON value
+    dump: Callable[[Any], Any] = _identity
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class PaddedDims:
+    """Dims that carry the model's hidden size ``H`` or intermediate size ``I`` (bwd spec §1
+    layouts), for runs on zero-padded prepared weights (`mxcli.weightprep.padding`).
+
+    ``inputs`` / ``outputs``: tensor name -> {dim: "H" | "I"} (negative dims count from the end).
+    ``hidden``: which padded hidden size the kernel reads (``"prefill"``: Hp, a multiple of 512;
+    ``"backward"``: Hb, a multiple of 128). ``unpad_outputs``: whether results are cut back to
+    the model's sizes (the backward's gradients) or kept as written (the next kernel reads them
+    padded). ``intermediate_of``: the I of the run's expert stack from its tensors (None when the
+    kernel has no I).
+    """
+
+    inputs: Mapping[str, Mapping[int, str]]
+    outputs: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
+    hidden: str = "prefill"
+    unpad_outputs: bool = False
+    intermediate_of: Callable[[Mapping[str, torch.Tensor]], int | None] | None = None
+
+
+@dataclass(frozen=True)
+class NonfiniteRule:
+    """Which NaN/Inf outputs the inputs explain (`mxcli.verification.finite`).
+
+    ``token_inputs``: inputs whose rows are tokens that the kernel treats independently: a
+    non-finite value there explains only its own token's outputs, and any other non-finite input
+    explains every output. None: any non-finite input explains every output (the kernel mixes
+    all tokens). ``views``: ``(outputs, kwargs, inputs) -> {name: floating tensor}``, the values
+    to check (e.g. packed rows decoded); None: every floating output as it is.
+    """
+
+    token_inputs: tuple[str, ...] | None = None
+    views: (
+        Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, torch.Tensor]], Any]
+        | None
+    ) = None
+
+
+@dataclass(frozen=True)
+class PackedOutput:
+    """An output whose bytes hold several quantities (the prefill's packed rows: codes, scale
+    bytes, an affinity tail, unspecified holes). It is stored as bytes (``as_bytes``), and
+    compared and checked through its decoded parts, never byte by byte.
+
+    ``decode(packed, kwargs, hidden, num_experts)`` -> an object with ``codes``, ``scales``,
+    ``values`` and ``affinities`` (None when absent); ``geometry(kwargs, packed)`` -> (hidden,
+    num_experts or None) when the file records no geometry.
+    """
+
+    name: str
+    decode: Callable[[torch.Tensor, Mapping[str, Any], int, int | None], Any]
+    geometry: Callable[[Mapping[str, Any], torch.Tensor], tuple[int, int | None]]
+    as_bytes: Callable[[torch.Tensor], torch.Tensor]
+    parts: tuple[str, ...] = ("codes", "scales", "values", "affinities")
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """An NKI implementation of a kernel that the ``sim`` and ``neuron`` backends can launch.
+
+    ``kernel``: the jit function, a callable or ``"module:function"`` (imported when loaded).
+    ``launcher``: the host-side launcher (validation, planning, argument conversion, then the
+    launch), as ``"module:function"`` or a callable; None for a bare ``MODULE:FUNCTION`` target
+    that takes the kernel's arguments as they are. ``probe``: returns None when the
+    implementation can run here, else a one-line reason (for an optional package such as
+    nkilib).
+    """
+
+    name: str
+    kernel: Callable[..., Any] | str
+    launcher: Callable[..., Any] | str | None = None
+    probe: Callable[[], str | None] | str | None = None
+    doc: str = ""
+
+    def load_kernel(self) -> Callable[..., Any]:
+        return load_target(self.kernel, f"{self.name} kernel")
+
+    def load_launcher(self) -> Callable[..., Any] | None:
+        return (
+            None if self.launcher is None else load_target(self.launcher, f"{self.name} launcher")
+        )
+
+    def unavailable_reason(self) -> str | None:
+        """None when this implementation can run here, else why not (never raises)."""
+        if self.probe is None:
+            return None
+        try:
+            return load_target(self.probe, f"{self.name} probe")()  # type: ignore[no-any-return]
+        except Exception as exc:  # detection must never crash: treat as unavailable
+            return f"{type(exc).__name__}: {exc}"
+
+
+def load_target(target: Callable[..., Any] | str, what: str = "target") -> Callable[..., Any]:
+    """A callable, or ``"module:function"`` imported now (``module:Class.method`` allowed)."""
+    if callable(target):
+        return target
+    module_name, sep, attr = str(target).partition(":")
+    if not sep or not module_name or not attr:
+        raise InputError(f"{what}: expected MODULE:FUNCTION, got {target!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise InputError(f"{what}: {target} is not callable")
+    return obj  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def bind_arguments(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+    """Every parameter of `fn` for a call with these arguments (positional, by name, then the
+    signature's defaults), by name: how a kernel's validation reads its public signature.
+    A call `fn` itself would refuse raises the same `TypeError`."""
+    try:
+        bound = _signature(fn).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise TypeError(f"{fn.__name__}(): {exc}") from None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+class KernelCall(Protocol):
+    """What every kernel's frozen call object offers (`PrefillCall`, `BwdCall`): the names of
+    the outputs this call returns, in order."""
+
+    @property
+    def output_names(self) -> tuple[str, ...]: ...
+
+
+class KernelSpec:
+    """A kernel's argument tables, outputs, padding and non-finite rules, and implementations.
+
+    `api` is the public function: the only place holding the kernel's signature (the API
+    reference's). Its positional-or-keyword parameters are the kernel arguments; its
+    keyword-only ones (``backend``, ...) are options of the call, not kernel arguments.
+    """
+
+    def __init__(
+        self,
+        api: Callable[..., Any],
+        *,
+        short: str,
+        tensors: Sequence[TensorArg],
+        scalars: Sequence[ScalarArg],
+        outputs: Sequence[str],
+        validate: Callable[..., KernelCall],
+        required_outputs: Callable[[Mapping[str, Any], Any], Sequence[str]] | None = None,
+        padded: PaddedDims | None = None,
+        nonfinite: NonfiniteRule | None = None,
+        packed: PackedOutput | None = None,
+        geometry: Callable[[Mapping[str, torch.Tensor]], dict[str, Any]] | None = None,
+        implementations: Iterable[Implementation] = (),
+    ) -> None:
+        self.api = api
+        self.name: str = api.__name__
+        self.short = short
+        self.signature = _signature(api)
+        params = {
+            n: p
+            for n, p in self.signature.parameters.items()
+            if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        }
+        self.arguments: tuple[str, ...] = tuple(params)
+        names = [t.name for t in tensors] + [s.name for s in scalars]
+        by_name = set(names)
+        if by_name != set(params) or len(by_name) != len(names):
+            raise TypeError(
+                f"{self.name}: the spec's argument tables {sorted(by_name)} do not match the "
+                f"signature {sorted(params)}"
+            )
+
+        def has_default(n: str) -> bool:
+            return params[n].default is not inspect.Parameter.empty
+
+        # tables in signature order, with defaults and requiredness read from the signature
+        self.tensors: tuple[TensorArg, ...] = tuple(
+            replace(t, required=not has_default(t.name))
+            for t in sorted(tensors, key=lambda t: self.arguments.index(t.name))
+        )
+        self.scalars: tuple[ScalarArg, ...] = tuple(
+            replace(s, default=params[s.name].default if has_default(s.name) else None)
+            for s in sorted(scalars, key=lambda s: self.arguments.index(s.name))
+        )
+        self.outputs: tuple[str, ...] = tuple(outputs)
+        self._validate = validate
+        self._required_outputs = required_outputs
+        self.padded = padded
+        self.nonfinite = nonfinite or NonfiniteRule()
+        self.packed = packed
+        self._geometry = geometry
+        self.implementations: dict[str, Implementation] = {}
+        for impl in implementations:
+            self.register_implementation(impl)
+
+    def __repr__(self) -> str:
+        return f"KernelSpec({self.name})"
+
+    # -- arguments ---------------------------------------------------------------------------
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    @property
+    def scalar_names(self) -> list[str]:
+        return [s.name for s in self.scalars]
+
+    def default(self, name: str) -> Any:
+        """The signature's default of kwarg `name`."""
+        return self.signature.parameters[name].default
+
+    def value(self, kwargs: Mapping[str, Any], name: str) -> Any:
+        """``kwargs[name]``, or the signature's default when not given (absent or None)."""
+        v = kwargs.get(name)
+        return self.default(name) if v is None else v
+
+    def check_tensors(
+        self,
+        tensors: Mapping[str, torch.Tensor],
+        source: str,
+        *,
+        each: Callable[[str, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Names and stored dtypes of a file's tensors; `each(name, tensor)` then runs on every
+        given argument in order (e.g. a finiteness check).
+
+        Shapes are the kernel's to validate (its messages give the expected and actual shapes).
+        """
+        known = self.tensor_names
+        extra = [n for n in tensors if n not in known]
+        if extra:
+            raise InputError(
+                f"{source}: unexpected tensor(s) {', '.join(extra)} for {self.name}; "
+                f"expected names: {', '.join(known)}"
+            )
+        missing = [
+            f"{t.name} {t.shape}" for t in self.tensors if t.required and t.name not in tensors
+        ]
+        if missing:
+            raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {self.name}")
+        hs = tensors.get("hidden_states")
+        if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
+            # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate
+            # [0, ...] tiles, and a run of no token is never what a file meant
+            raise InputError(
+                f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}"
+            )
+        for arg in self.tensors:
+            t = tensors.get(arg.name)
+            if t is None:
+                continue
+            if t.dtype not in arg.dtypes:
+                allowed = " or ".join(str(d).removeprefix("torch.") for d in arg.dtypes)
+                raise InputError(
+                    f"{arg.name}: expected dtype {allowed}, got {str(t.dtype).removeprefix('torch.')}"
+                )
+            if each is not None:
+                each(arg.name, t)
+
+    def metadata_kwargs(self, metadata: Mapping[str, str]) -> dict[str, Any]:
+        """Raw (JSON) scalar kwargs recorded in a file's metadata: per-key entries, then the
+        ``kwargs`` object."""
+        names = self.scalar_names
+        out: dict[str, Any] = {n: json_or_raw(metadata[n]) for n in names if n in metadata}
+        raw_kwargs = metadata.get("kwargs")
+        if raw_kwargs is not None:
+            try:
+                obj = json.loads(raw_kwargs)
+            except json.JSONDecodeError as exc:
+                raise InputError(f"__metadata__['kwargs']: not valid JSON ({exc})") from None
+            if not isinstance(obj, Mapping):
+                raise InputError("__metadata__['kwargs']: expected a JSON object")
+            unknown = sorted(k for k in obj if k not in names)
+            if unknown:
+                raise InputError(
+                    f"__metadata__['kwargs']: unknown kwarg(s) {', '.join(unknown)} for {self.name}"
+                )
+            out.update(obj)
+        return out
+
+    def resolve_kwargs(self, *layers: Mapping[str, Any]) -> dict[str, Any]:
+        """Every scalar kwarg as a kernel value: the signature's defaults, overridden by each
+        layer in turn.
+
+        ``None`` in a layer means "not given" (so an unset flag keeps the file's value), except
+        for kwargs whose default is None.
+        """
+        raw: dict[str, Any] = {s.name: s.default for s in self.scalars}
+        for layer in layers:
+            for name, value in layer.items():
+                if name not in raw:
+                    raise InputError(f"{name}: not a kwarg of {self.name}")
+                if value is not None:
+                    raw[name] = value
+        return {s.name: s.parse(raw[s.name]) for s in self.scalars}
+
+    def dump_kwargs(self, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+        """JSON-ready kwargs (enums by name, the bwd config as a dict)."""
+        return {s.name: s.dump(kwargs[s.name]) for s in self.scalars if s.name in kwargs}
+
+    def bind(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Every parameter of a call of the public function, by name (`bind_arguments`)."""
+        return bind_arguments(self.api, *args, **kwargs)
+
+    def validate(self, *args: Any, **kwargs: Any) -> Any:
+        """Check a call's arguments once (the kernel's own rules and messages) and return the
+        kernel's frozen call object, which every backend takes."""
+        return self._validate(*args, **kwargs)
+
+    def call(
+        self, tensors: Mapping[str, Any], kwargs: Mapping[str, Any], **options: Any
+    ) -> KernelCall:
+        """The call object of contract-named tensors and scalar kwargs (`validate`)."""
+        return self.validate(**tensors, **kwargs, **options)  # type: ignore[no-any-return]
+
+    # -- outputs -----------------------------------------------------------------------------
+
+    def name_outputs(self, call: KernelCall, result: Any) -> dict[str, torch.Tensor]:
+        """A backend's return value (a list or tuple in API order, a dict, a named tuple) by the
+        contract's names; absent (None) outputs are dropped."""
+        if isinstance(result, Mapping):
+            named = dict(result)
+        elif hasattr(result, "_asdict"):
+            named = dict(result._asdict())
+        else:
+            values = list(result) if isinstance(result, (list, tuple)) else [result]
+            names = list(call.output_names)
+            if len(names) != len(values):
+                raise MxcliError(
+                    f"{self.name} returned {len(values)} tensors, expected {len(names)} "
+                    f"({', '.join(names)})"
+                )
+            named = dict(zip(names, values, strict=True))
+        return {k: v for k, v in named.items() if v is not None}
+
+    def required_outputs(
+        self, kwargs: Mapping[str, Any], input_names: Iterable[str] | None = None
+    ) -> list[str]:
+        """The outputs a run with these (resolved) kwargs must have written, given the names of
+        its input tensors (when unknown, those the kwargs alone decide): what `verify`
+        requires."""
+        if self._required_outputs is None:
+            return list(self.outputs)
+        return list(
+            self._required_outputs(kwargs, None if input_names is None else list(input_names))
+        )
+
+    def order(self, names: Iterable[str]) -> list[str]:
+        """`names` sorted as the kernel's arguments, then its returns, then the rest."""
+        rank = {n: i for i, n in enumerate([*self.tensor_names, *self.outputs])}
+        return sorted(names, key=lambda n: rank.get(n, len(rank)))
+
+    def stored(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """Output `name` as it is stored on disk (`mxcli.io.files`): on the CPU, contiguous; the
+        packed output as fp8 bytes whatever view it came back in (uint8, bf16, fp32)."""
+        t = t.detach().cpu().contiguous()
+        if self.packed is not None and name == self.packed.name and t.dtype != torch.float8_e4m3fn:
+            t = self.packed.as_bytes(t).view(torch.float8_e4m3fn)
+        return t
+
+    def geometry(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """Sizes a reader of the outputs needs besides the kwargs (``{}`` when none)."""
+        return {} if self._geometry is None else self._geometry(inputs)
+
+    # -- implementations (``--kernel``) --------------------------------------------------------
+
+    def register_implementation(self, impl: Implementation) -> None:
+        """Register an NKI implementation under ``impl.name`` (``mxcli``, ``nkilib``, ...)."""
+        self.implementations[impl.name] = impl
+
+    def implementation(self, name: str = "mxcli") -> Implementation:
+        """A registered implementation, or an ad-hoc one for a ``MODULE:FUNCTION`` target
+        (nothing is imported until it is loaded)."""
+        impl = self.implementations.get(name)
+        if impl is not None:
+            return impl
+        if ":" in name:
+            return Implementation(name, name, doc=f"{name} (MODULE:FUNCTION)")
+        known = ", ".join([*self.implementations, "MODULE:FUNCTION"])
+        raise InputError(
+            f"kernel: unknown implementation {name!r} of {self.name}; expected {known}"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# The registry of specs
+# --------------------------------------------------------------------------------------------
+
+_SPECS: dict[str, KernelSpec] = {}
+
+
+def register_spec(spec: KernelSpec) -> KernelSpec:
+    """Register `spec` under its name and short name (done by each kernel package)."""
+    _SPECS[spec.name] = spec
+    _SPECS[spec.short] = spec
+    return spec
+
+
+def _load_all() -> None:
+    for package in KERNEL_PACKAGES:
+        importlib.import_module(package)
+
+
+def find_spec(kernel: str | None) -> KernelSpec | None:
+    """The spec of `kernel` (name or short name), or None."""
+    if kernel is None:
+        return None
+    if kernel not in _SPECS:
+        _load_all()
+    return _SPECS.get(kernel)
+
+
+def get_spec(kernel: str | KernelSpec) -> KernelSpec:
+    """The spec of `kernel` (name, short name or spec); an `InputError` naming the known ones."""
+    if isinstance(kernel, KernelSpec):
+        return kernel
+    spec = find_spec(kernel)
+    if spec is None:
+        raise InputError(
+            f"kernel: unknown kernel {kernel!r}; expected one of "
+            + ", ".join(s.name for s in all_specs())
+        )
+    return spec
+
+
+def all_specs() -> list[KernelSpec]:
+    """Every kernel's spec: those of `KERNEL_PACKAGES` in that order, then any other."""
+    _load_all()
+
+    def rank(spec: KernelSpec) -> int:
+        module = spec.api.__module__
+        hits = [i for i, p in enumerate(KERNEL_PACKAGES) if module.startswith(p + ".")]
+        return hits[0] if hits else len(KERNEL_PACKAGES)
+
+    return sorted(dict.fromkeys(_SPECS.values()), key=rank)
+
+
+def kernel_order(kernel: str | None, names: Iterable[str]) -> list[str]:
+    """`names` in the order of `kernel`'s arguments and returns (unchanged for no kernel)."""
+    spec = find_spec(kernel)
+    return list(names) if spec is None else spec.order(names)
+
+
+def read_kernel_file(path: str | os.PathLike[str]) -> TensorFile:
+    """`read_file`, with the tensors in the order of the recorded kernel's arguments and
+    returns (safetensors stores names sorted)."""
+    return read_file(path, order=kernel_order)
+
+
+__all__ = [
+    "KERNEL_PACKAGES",
+    "Implementation",
+    "KernelCall",
+    "KernelSpec",
+    "NonfiniteRule",
+    "PackedOutput",
+    "PaddedDims",
+    "ScalarArg",
+    "TensorArg",
+    "all_specs",
+    "bind_arguments",
+    "find_spec",
+    "get_spec",
+    "kernel_order",
+    "load_target",
+    "read_kernel_file",
+    "register_spec",
+]
