@@ -55,8 +55,10 @@ def emulate(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Fine-tune a MoE model N steps as bf16, MXFP8 NEURON and MXFP8 OCP (one seed, identical
-    batches) plus a second bf16 seed; report loss curves, final-loss gaps against the bf16
+    """Measure what MXFP8 does to a MoE model's training loss.
+
+    Fine-tunes N steps as bf16, MXFP8 NEURON and MXFP8 OCP (one seed, identical batches) plus a
+    second bf16 seed; report loss curves, final-loss gaps against the bf16
     seed-to-seed spread, expert-gradient SQNR per layer and saturated/flushed fractions."""
 
     def body() -> int:
