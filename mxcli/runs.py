@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from mxcli.fsutil import check_output_path, refuse_inputs
 from mxcli.inputs import layer_run_inputs
 from mxcli.io.files import TensorFile, describe_tensors, write_file
 from mxcli.io.metadata import outputs_metadata
-from mxcli.kernels import backends
+from mxcli.kernels import backends, selection
 from mxcli.kernels.spec import KernelSpec, get_spec, read_kernel_file
 from mxcli.verification.cases import Case
 from mxcli.verification.exact import check_exact
@@ -95,6 +95,10 @@ class RunOutcome:
     backend: str
     device: str
     seconds: float
+    # the NKI kernel that ran (`mxcli.kernels.selection.describe`; None for the reference) and,
+    # on mxcli's interpreter, its reads of never-written memory, one line per kernel site
+    nki_kernel: dict[str, Any] | None = None
+    uninit_reads: list[str] = field(default_factory=list)
 
 
 def run_kernel(
@@ -104,15 +108,21 @@ def run_kernel(
     *,
     backend: str = "auto",
     device: str = "cpu",
+    nki_kernel: Any = None,
 ) -> RunOutcome:
     """Call ``kernel`` on ``backend`` with contract-named tensors and parsed kwargs.
 
     The arguments are validated once, into the kernel's call object, which the backend takes.
     ``device`` places the tensors for the reference backend (CPU or CUDA); other backends get
-    CPU tensors and run where they run (``neuron`` on the Trainium device).
+    CPU tensors and run where they run (``neuron`` on the Trainium device). ``nki_kernel``: the
+    NKI kernel the sim / neuron backends run (``mxcli``, ``nkilib``, ``MODULE:FUNCTION`` or a
+    `mxcli.kernels.selection.KernelChoice`).
     """
+    import warnings
+
     spec = get_spec(kernel)
     name = resolve_backend(spec.name, backend)
+    extra = selection.backend_kwargs(nki_kernel, name, spec.name)
     dev = resolve_device(device)
     if name != "reference" and dev.type != "cpu":
         raise InputError(
@@ -122,14 +132,31 @@ def run_kernel(
     call = spec.call(moved, kwargs)
     fn = backends.get(spec.name, name)
     t0 = time.perf_counter()
-    result = fn(call)
+    with selection.recording() as launches, warnings.catch_warnings():
+        # reads of never-written memory come back counted per site (RunOutcome.uninit_reads)
+        warnings.filterwarnings("ignore", message=".*reads memory never written")
+        result = fn(call, **extra)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     named = spec.name_outputs(call, result)
     outputs = {k: spec.stored(k, v) for k, v in named.items()}
     label = "neuron" if name == "neuron" else str(dev)
-    return RunOutcome(outputs=outputs, backend=name, device=label, seconds=seconds)
+    info = None
+    if name in ("sim", "neuron"):
+        info = (
+            launches[-1].kernel
+            if launches
+            else selection.describe(selection.parse_kernel(nki_kernel, spec.name))
+        )
+    return RunOutcome(
+        outputs=outputs,
+        backend=name,
+        device=label,
+        seconds=seconds,
+        nki_kernel=info,
+        uninit_reads=[str(r) for launch in launches for r in launch.uninit_reads],
+    )
 
 
 def check_inputs(
@@ -301,6 +328,7 @@ def run_file(
     force: bool = False,
     step: Callable[[str], Any] | None = None,
     verify_hashes: bool = True,
+    nki_kernel: Any = None,
 ) -> dict[str, Any]:
     """``run-prefill`` / ``run-bwd``: read, check, run, write; returns a JSON-ready summary.
 
@@ -348,13 +376,19 @@ def run_file(
         kwargs = spec.resolve_kwargs(*_merge_config(layers))
     timings["read"] = time.perf_counter() - t0
     with step(f"Running {kernel} on {backend}"):
-        outcome = run_kernel(kernel, tensors, kwargs, backend=backend, device=device)
+        outcome = run_kernel(
+            kernel, tensors, kwargs, backend=backend, device=device, nki_kernel=nki_kernel
+        )
     timings["run"] = outcome.seconds
     # checked at the kernel's (padded) sizes, where inputs and outputs line up
     nonfinite = unexplained_nonfinite(kernel, tensors, outcome.outputs, kwargs)
     outputs, extra = outcome.outputs, spec.geometry(tensors)
     if pad is not None:  # bwd gradients are cut back to the model's sizes
         outputs, extra["padding"] = unpad_run_outputs(spec, outputs, tensors, pad)
+    if outcome.nki_kernel is not None:
+        extra["nki_kernel"] = outcome.nki_kernel
+    if outcome.uninit_reads:
+        extra["uninit_reads"] = outcome.uninit_reads
     t1 = time.perf_counter()
     with step(f"Writing {out}"):
         meta = outputs_metadata(
@@ -378,6 +412,8 @@ def run_file(
         "kwargs": spec.dump_kwargs(kwargs),
         "outputs": describe_tensors(outputs),
         "nonfinite": nonfinite,  # output -> NaN/Inf count the inputs do not explain
+        **({"nki_kernel": outcome.nki_kernel} if outcome.nki_kernel is not None else {}),
+        **({"uninit_reads": outcome.uninit_reads} if outcome.uninit_reads else {}),
         "timing_s": {k: round(v, 6) for k, v in timings.items()},
         **({"padding": extra["padding"]} if "padding" in extra else {}),
     }
@@ -396,8 +432,13 @@ def resolve_backends(backend: str, cases: Sequence[Case]) -> dict[str, str]:
     }
 
 
-def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
-    """One case: inputs, reference (on ``device``), backend vs reference, reference vs exact."""
+def run_case(
+    case: Case, backend: str, *, device: str = "cpu", nki_kernel: Any = None
+) -> CaseResult:
+    """One case: inputs, reference (on ``device``), backend vs reference, reference vs exact.
+
+    ``nki_kernel``: the NKI kernel the sim / neuron backend runs (`mxcli.kernels.selection`); a
+    combination it refuses marks the case skipped ("not supported by this kernel")."""
     result = CaseResult(case=case.name, kernel=case.kernel)
     t0 = time.perf_counter()
     try:
@@ -408,8 +449,19 @@ def run_case(case: Case, backend: str, *, device: str = "cpu") -> CaseResult:
         result.info["reference_s"] = round(ref.seconds, 4)
         geometry = geometry_args(spec.geometry(inputs.tensors).get("geometry"))
         if backend != "reference":
-            got = run_kernel(case.kernel, inputs.tensors, kwargs, backend=backend)
+            try:
+                got = run_kernel(
+                    case.kernel, inputs.tensors, kwargs, backend=backend, nki_kernel=nki_kernel
+                )
+            except selection.KernelUnsupportedError as exc:
+                result.skipped = f"not supported by this kernel: {exc}"
+                result.seconds = time.perf_counter() - t0
+                return result
             result.info[f"{backend}_s"] = round(got.seconds, 4)
+            if got.nki_kernel is not None:
+                result.info["nki_kernel"] = got.nki_kernel.get("kernel")
+            if got.uninit_reads:
+                result.info["uninit_reads"] = got.uninit_reads
             result.reports += compare_outputs(
                 case.kernel, got.outputs, ref.outputs, kwargs,
                 profile=profile_for_backend(backend), check=f"{backend} vs reference", **geometry,
@@ -438,14 +490,23 @@ def run_suite(
     *,
     device: str = "cpu",
     on_case: Callable[[Case, CaseResult | None], None] | None = None,
+    nki_kernel: Any = None,
 ) -> list[CaseResult]:
-    """Run ``cases`` on ``backend`` (``auto`` allowed); ``on_case`` is told before and after each."""
+    """Run ``cases`` on ``backend`` (``auto`` allowed); ``on_case`` is told before and after each.
+
+    ``nki_kernel``: the NKI kernel (``mxcli``, ``nkilib``, ``MODULE:FUNCTION``), or a mapping
+    kernel -> choice or the reason it cannot run that kernel's cases
+    (`mxcli.kernels.selection.resolve_for`), which then are skipped."""
     names = resolve_backends(backend, cases)
     results = []
     for case in cases:
         if on_case is not None:
             on_case(case, None)
-        res = run_case(case, names[case.kernel], device=device)
+        choice = nki_kernel.get(case.kernel) if isinstance(nki_kernel, dict) else nki_kernel
+        if isinstance(choice, str) and choice.startswith("not "):
+            res = CaseResult(case=case.name, kernel=case.kernel, skipped=choice)
+        else:
+            res = run_case(case, names[case.kernel], device=device, nki_kernel=choice)
         res.info["backend"] = names[case.kernel]
         results.append(res)
         if on_case is not None:

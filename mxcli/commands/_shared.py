@@ -39,6 +39,23 @@ NoVerifyHashes = Annotated[
         "huge layers; shapes and padding are still checked).",
     ),
 ]
+# the NKI kernel the sim / neuron backends run (mxcli.kernels.selection)
+Kernel = Annotated[
+    str,
+    typer.Option(
+        "--kernel",
+        help="NKI kernel for --backend sim/neuron: mxcli (its own), nkilib (AWS's NKI Library) "
+        "or MODULE:FUNCTION (any kernel with the API reference's signature).",
+    ),
+]
+KernelPath = Annotated[
+    str | None,
+    typer.Option(
+        "--kernel-path",
+        help="Folder put first on the import path for --kernel nkilib / MODULE:FUNCTION.",
+        show_default=False,
+    ),
+]
 
 
 @contextlib.contextmanager

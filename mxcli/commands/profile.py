@@ -17,6 +17,7 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    KernelPath,
     PlainCommand,
     Quiet,
     Steps,
@@ -54,6 +55,16 @@ LncOpt = Annotated[int, typer.Option("--lnc", help="LNC degree: 1 or 2 cores.")]
 TargetOpt = Annotated[str, typer.Option("--target", help="Cost tables: trn3 (trn2 lacks MX ops).")]
 TopOpt = Annotated[int, typer.Option("--top", help="Source lines to list, by engine time.")]
 
+KernelsOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--kernel",
+        help="NKI kernel: mxcli (default), nkilib or MODULE:FUNCTION; give it twice "
+        "(--kernel mxcli --kernel nkilib) to compare two kernels side by side.",
+        show_default=False,
+    ),
+]
+
 
 def _opt_int(flag: str, help_: str) -> Any:
     return typer.Option(flag, help=help_, show_default=False)
@@ -72,18 +83,74 @@ def _shape_or_file(input: Path | None, shape: dict[str, Any]) -> None:
             raise InputError(f"{missing[0]}: --{flag} is required without an input file")
 
 
-def _finish(summary: dict[str, Any], prof: Any, trace: Path | None, force: bool,
-            json_out: bool, quiet: bool = False) -> None:  # fmt: skip
-    if trace is not None:
-        from mxcli.fsutil import atomic_output
+def _trace_paths(trace: Path | None, labels: list[str]) -> list[Path | None]:
+    """One trace file per kernel: `trace` itself for one, ``name.<kernel>.json`` for several."""
+    if trace is None:
+        return [None] * len(labels)
+    if len(labels) == 1:
+        return [trace]
+    out: list[Path | None] = []
+    for i, label in enumerate(labels):
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label) or f"k{i}"
+        out.append(trace.with_name(f"{trace.stem}.{i + 1}-{safe}{trace.suffix or '.json'}"))
+    return out
 
-        with atomic_output(trace, force) as tmp:
-            tmp.write_text(json.dumps(prof.chrome_trace()))
-        summary["trace"] = str(trace)
+
+def _write_traces(profiles: list[Any], paths: list[Path | None], force: bool) -> None:
+    from mxcli.fsutil import atomic_output
+
+    for kp, path in zip(profiles, paths, strict=True):
+        if path is not None:
+            with atomic_output(path, force) as tmp:
+                tmp.write_text(json.dumps(kp.profile.chrome_trace()))
+
+
+def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each kernel's schedule and lower bound against the first one's (ratio = other / first)."""
+    base = summaries[0]
+    rows = []
+    for s in summaries:
+        rows.append(
+            {
+                "kernel": s.get("nki_kernel", {}).get("kernel", "mxcli"),
+                "schedule_us": s["schedule_us"],
+                "lower_bound_us": s["lower_bound_us"],
+                "bottleneck": s["bottleneck"],
+                "schedule_ratio": s["schedule_us"] / base["schedule_us"]
+                if base["schedule_us"]
+                else None,
+                "lower_bound_ratio": (
+                    s["lower_bound_us"] / base["lower_bound_us"] if base["lower_bound_us"] else None
+                ),
+            }
+        )
+    return {"baseline": rows[0]["kernel"], "kernels": rows}
+
+
+def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False) -> None:
     if json_out:
-        print_json(summary)
-    elif not quiet:
-        print_report(summary)
+        if len(summaries) == 1:
+            print_json(summaries[0])
+        else:
+            print_json({"profiles": summaries, "comparison": comparison(summaries)})
+        return
+    if quiet:
+        return
+    for s in summaries:
+        print_report(s)
+    if len(summaries) > 1:
+        con = stdout_console()
+        cmp = comparison(summaries)
+        con.print(f"[bold]side by side[/] (ratio against {cmp['baseline']}):", highlight=False)
+        for r in cmp["kernels"]:
+            ratio = r["schedule_ratio"]
+            lb = r["lower_bound_ratio"]
+            con.print(
+                f"  {r['kernel']:<24} schedule {r['schedule_us']:10.1f} us  x{ratio:.3f}   "
+                f"lower bound {r['lower_bound_us']:10.1f} us  x{lb:.3f}   ({r['bottleneck']})",
+                highlight=False,
+                markup=False,
+            )
 
 
 def print_report(s: dict[str, Any]) -> None:
@@ -104,6 +171,10 @@ def print_report(s: dict[str, Any]) -> None:
 
     con.print(Text(f"{s['kernel']} on {s['target']} (LNC={s['lnc']}), cost-model estimate",
                    style="bold"), soft_wrap=True)  # fmt: skip
+    if "nki_kernel" in s:
+        from mxcli.kernels.selection import describe_line
+
+        out(f"  kernel: {describe_line(s['nki_kernel'])}")
     items("  instructions:", [f"{k} {v}" for k, v in sorted(s["instructions"].items())])
     items("  busy per engine (us, busiest core):",
           [f"{k} {v:.1f}" for k, v in s["busy_us"].items()])  # fmt: skip
@@ -146,29 +217,49 @@ def print_report(s: dict[str, Any]) -> None:
                 head, src = line.rsplit("  ", 1)
                 out("    " + head.rstrip())
                 out("      " + src.strip())
+    for line in s.get("uninit_reads", ()):
+        out(f"  never-written read: {line}")
     if "trace" in s:
         out(f"  wrote {s['trace']}")
 
 
 def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, Any], lnc: int,
          target: str, trace: Path | None, force: bool, json_out: bool, top: int,
+         kernels: list[str] | None = None, kernel_path: str | None = None,
          quiet: bool = False) -> None:  # fmt: skip
     from mxcli.fsutil import check_output_path, refuse_inputs
-    from mxcli.kernels import profiling
+    from mxcli.kernels import profiling, selection
 
-    if trace is not None:
-        check_output_path(trace, force)  # fail before the (long) run
-        refuse_inputs(trace, [("input file", input)])
     if top < 0:
         raise InputError(f"top: expected a non-negative integer, got {top}")
+    choices = [selection.parse_kernel(k, kernel, kernel_path) for k in (kernels or ["mxcli"])]
+    paths = _trace_paths(trace, [c.spec for c in choices])
+    for path in paths:
+        if path is not None:
+            check_output_path(path, force)  # fail before the (long) run
+            refuse_inputs(path, [("input file", input)])
+    for c in choices:
+        selection.describe(c)  # a missing module is one line before any work
     if input is not None:
         tensors, kwargs = profiling.file_inputs(kernel, input)
         shape = {"input": str(input)}
     else:
         tensors, kwargs = tensors_kwargs()
     with Steps(quiet) as steps, steps.step(f"Profiling {kernel}"):
-        kp = profiling.profile_kernel(kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape)
-    _finish(kp.summary(top), kp.profile, trace, force, json_out, quiet)
+        profiles = [
+            profiling.profile_kernel(
+                kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape, nki_kernel=c
+            )
+            for c in choices
+        ]
+    _write_traces(profiles, paths, force)
+    summaries = []
+    for kp, path in zip(profiles, paths, strict=True):
+        s = kp.summary(top)
+        if path is not None:
+            s["trace"] = str(path)
+        summaries.append(s)
+    _finish(summaries, json_out, quiet)
 
 
 @app.command("prefill", cls=PlainCommand)
@@ -183,10 +274,19 @@ def prefill(
     ] = "noaux_tc",
     n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = 8,
     topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = 4,
+    pack_affinities: Annotated[
+        bool,
+        typer.Option(
+            "--pack-affinities/--no-pack-affinities",
+            help="Affinities in the row tail (nkilib refuses it with noaux_tc).",
+        ),
+    ] = True,
     lnc: LncOpt = 2,
     target: TargetOpt = "trn3",
     trace: TraceOpt = None,
     top: TopOpt = 10,
+    kernel: KernelsOpt = None,
+    kernel_path: KernelPath = None,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -203,10 +303,15 @@ def prefill(
         shape = {"tokens": tokens, "hidden": hidden, "experts": experts}
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(
-            shape, top_k=top_k, router_act=router_act, n_group=n_group, topk_group=topk_group
+            shape,
+            top_k=top_k,
+            router_act=router_act,
+            n_group=n_group,
+            topk_group=topk_group,
+            pack_affinities=pack_affinities,
         )
         _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
-             full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
+             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
 
     guarded(debug, body, json_out=json_out)
 
@@ -224,6 +329,8 @@ def bwd(
     target: TargetOpt = "trn3",
     trace: TraceOpt = None,
     top: TopOpt = 10,
+    kernel: KernelsOpt = None,
+    kernel_path: KernelPath = None,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -242,6 +349,6 @@ def bwd(
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
         _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
-             full, lnc, target, trace, force, json_out, top, quiet)  # fmt: skip
+             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
 
     guarded(debug, body, json_out=json_out)

@@ -12,6 +12,8 @@ from mxcli.commands._shared import (
     Debug,
     Force,
     Json,
+    Kernel,
+    KernelPath,
     NoVerifyHashes,
     Quiet,
     Steps,
@@ -93,9 +95,13 @@ def _run(
     quiet: bool,
     strict: bool = False,
     verify_hashes: bool = True,
+    nki_kernel: str = "mxcli",
+    kernel_path: str | None = None,
 ) -> None:
+    from mxcli.kernels.selection import parse_kernel
     from mxcli.runs import run_file
 
+    choice = parse_kernel(nki_kernel, kernel, kernel_path)
     with Steps(quiet) as steps:
         summary = run_file(
             kernel,
@@ -110,11 +116,14 @@ def _run(
             force=force,
             step=steps.step,
             verify_hashes=verify_hashes,
+            nki_kernel=choice,
         )
     if json_out:
         print_json(summary)
     elif not quiet:
         _print_summary(summary)
+    for line in summary.get("uninit_reads", ()):
+        typer.echo(f"warning: never-written memory read at {line}", err=True)
     _check_nonfinite(summary["nonfinite"], strict)
 
 
@@ -135,6 +144,10 @@ def _print_summary(s: dict[str, Any]) -> None:
     t = s["timing_s"]
     con.print(Text(f"{s['kernel']} on {s['backend']} ({s['device']})", style="bold"),
               soft_wrap=True)  # fmt: skip
+    if "nki_kernel" in s:
+        from mxcli.kernels.selection import describe_line
+
+        con.print(Text(f"kernel: {describe_line(s['nki_kernel'])}"), soft_wrap=True)
     for line in wrap_items("  ran in", [f"{t['run']:.3f} s; read {t['read']:.3f} s",
                            f"write {t['write']:.3f} s"], con.width):  # fmt: skip
         con.print(Text(line), soft_wrap=True)
@@ -241,6 +254,8 @@ def run_prefill(
         ),
     ] = None,
     backend: BackendOpt = "auto",
+    kernel: Kernel = "mxcli",
+    kernel_path: KernelPath = None,
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
@@ -289,6 +304,8 @@ def run_prefill(
             quiet=quiet,
             strict=strict,
             verify_hashes=not no_verify_hashes,
+            nki_kernel=kernel,
+            kernel_path=kernel_path,
         ),
         json_out=json_out,
     )
@@ -315,6 +332,8 @@ def run_bwd(
         ),
     ] = None,
     backend: BackendOpt = "auto",
+    kernel: Kernel = "mxcli",
+    kernel_path: KernelPath = None,
     device: DeviceOpt = "cpu",
     weights: WeightsOpt = None,
     layer: LayerOpt = None,
@@ -355,6 +374,8 @@ def run_bwd(
             quiet=quiet,
             strict=strict,
             verify_hashes=not no_verify_hashes,
+            nki_kernel=kernel,
+            kernel_path=kernel_path,
         )
 
     guarded(debug, body, json_out=json_out)

@@ -15,6 +15,8 @@ import typer
 from mxcli.commands._shared import (
     Debug,
     Json,
+    Kernel,
+    KernelPath,
     Quiet,
     Steps,
     complete_backend,
@@ -74,6 +76,8 @@ def verify(
             autocompletion=complete_backend,
         ),
     ] = "auto",
+    kernel: Kernel = "mxcli",
+    kernel_path: KernelPath = None,
     device: Annotated[
         str, typer.Option("--device", help="Device of the reference in the suite: cpu or cuda[:N].")
     ] = "cpu",
@@ -176,8 +180,9 @@ def verify(
             raise InputError("verify: --list needs --suite quick|full")
         if suite is not None:
             return _suite(
-                suite.value, backend, device, case, list_cases, junit, force, json_out, quiet
-            )
+                suite.value, backend, device, case, list_cases, junit, force, json_out, quiet,
+                kernel, kernel_path,
+            )  # fmt: skip
         if output is None or (golden is None and inputs is None):
             raise InputError(
                 "verify: give OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full"
@@ -191,7 +196,7 @@ def verify(
         warnings = _self_comparison(output, golden)
         return _files(
             output, golden, inputs, profile.value, overrides, exact, junit, force, json_out,
-            quiet, warnings,
+            quiet, warnings, kernel, kernel_path,
         )  # fmt: skip
 
     code = guarded(debug, body, json_out=json_out)
@@ -293,7 +298,10 @@ def _suite(
     force: bool,
     json_out: bool,
     quiet: bool,
+    nki_kernel: str = "mxcli",
+    kernel_path: str | None = None,
 ) -> int:
+    from mxcli.kernels import selection
     from mxcli.runs import resolve_backends, resolve_device, run_suite
     from mxcli.verification.cases import select
 
@@ -312,13 +320,27 @@ def _suite(
         return 0
     resolve_device(device)
     names = resolve_backends(backend, cases)
+    kernels = sorted({c.kernel for c in cases})
+    for k in kernels:  # a non-default kernel needs a backend that runs NKI kernels
+        selection.backend_kwargs(selection.parse_kernel(nki_kernel, k, kernel_path), names[k], k)
+    choices = selection.resolve_for(nki_kernel, kernels, kernel_path)
+    described = {
+        k: selection.describe(c)
+        for k, c in choices.items()
+        if isinstance(c, selection.KernelChoice)
+    }
     with Steps(quiet) as steps, steps.counted(f"verify --suite {suite}", len(cases)) as advance:
 
         def on_case(case: Any, result: Any) -> None:
             advance(case.name, done=result is not None)
 
-        results = run_suite(cases, backend, device=device, on_case=on_case)
+        results = run_suite(cases, backend, device=device, on_case=on_case, nki_kernel=choices)
     title = f"mxcli verify --suite {suite} (backend: {', '.join(sorted(set(names.values())))})"
+    if nki_kernel != selection.MXCLI or any(n in ("sim", "neuron") for n in names.values()):
+        title += "; " + "; ".join(
+            f"kernel: {selection.describe_line(info)}" for info in described.values()
+        )
+    reads = [f"{r.case}: {line}" for r in results for line in r.info.get("uninit_reads", ())]
     return _report(
         results,
         title=title,
@@ -330,6 +352,9 @@ def _suite(
         suite=suite,
         backends=names,
         device=device,
+        nki_kernels=described,
+        uninit_reads=reads,
+        warnings=[f"never-written memory read at {line}" for line in reads],
     )
 
 
@@ -345,11 +370,18 @@ def _files(
     json_out: bool,
     quiet: bool,
     warnings: list[str],
+    nki_kernel: str = "mxcli",
+    kernel_path: str | None = None,
 ) -> int:
-    from mxcli.verification.golden import check_run, compare_files
+    from mxcli.verification.golden import check_run, compare_files, recorded_kernel
 
+    recorded = recorded_kernel(output, nki_kernel, kernel_path)
     results = []
     title = f"mxcli verify {output}"
+    if recorded is not None:
+        from mxcli.kernels.selection import describe_line
+
+        title += f" (kernel: {describe_line(recorded)})"
     with Steps(quiet) as steps:
         if golden is not None:
             with steps.step(f"Comparing {output} with {golden}"):
@@ -370,6 +402,7 @@ def _files(
         quiet=quiet,
         warnings=warnings,
         mode="files",
+        nki_kernel=recorded,
         output=str(output),
         golden=None if golden is None else str(golden),
         inputs=None if inputs is None else str(inputs),

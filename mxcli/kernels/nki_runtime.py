@@ -389,8 +389,15 @@ def _as_list(out: Any) -> list[Any]:
 # -- sim -----------------------------------------------------------------------------------------
 
 
+def _kernel_name(kernel: Any) -> str:
+    if isinstance(kernel, str):
+        return kernel
+    fn = getattr(kernel, "fn", kernel)
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__name__', 'kernel')}"
+
+
 def run_sim(
-    kernel: str,
+    kernel: str | Any,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -402,7 +409,9 @@ def run_sim(
     check_capacity: bool = True,
     serialize_programs: bool = False,
 ) -> SimResult:
-    """Run the NKI kernel ``"module:attr"`` on a simulator.
+    """Run the NKI kernel ``"module:attr"`` (or an already imported kernel object, for
+    third-party kernels imported with ``nki`` installed, `mxcli.kernels.selection`) on a
+    simulator.
 
     `args` / `kwargs`: torch tensors (converted with `to_numpy`; any device), `DTypeName`s,
     `KernelObject`s, Python scalars, enums, tuples, None. `lnc`: LNC degree (1 or 2; tokens/work split by the kernel).
@@ -416,7 +425,7 @@ def run_sim(
     programs different output tensors when they allocate at the same time.
     """
     eng = _pick_engine(engine, check_only)
-    kern = resolve_kernel(kernel, eng)
+    kern = resolve_kernel(kernel, eng) if isinstance(kernel, str) else kernel
     nl_mod = _nl_module(eng)
     np_args = [_convert_arg(a, nl_mod, to_numpy, eng) for a in args]
     np_kwargs = {k: _convert_arg(v, nl_mod, to_numpy, eng) for k, v in (kwargs or {}).items()}
@@ -504,7 +513,7 @@ def _native_op(
 
 
 def run_neuron(
-    kernel: str,
+    kernel: str | Any,
     args: Sequence[Any] = (),
     kwargs: Mapping[str, Any] | None = None,
     *,
@@ -519,8 +528,9 @@ def run_neuron(
     """
     require_neuron()
     n = int(lnc if lnc is not None else _default_lnc())
-    kern = resolve_kernel(kernel, SimEngine.REAL)
+    kern = resolve_kernel(kernel, SimEngine.REAL) if isinstance(kernel, str) else kernel
     nl_mod = _nl_module(SimEngine.REAL)
+    kernel = _kernel_name(kernel)
     launch = kern[n]
     all_args = list(args)
     kw = dict(kwargs or {})

@@ -47,6 +47,7 @@ class PrefillShape:
     router_act: str = "noaux_tc"
     n_group: int = 8
     topk_group: int = 4
+    pack_affinities: bool = True  # off for kernels that refuse it with NOAUX_TC (nkilib's)
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,16 @@ class KernelProfile:
     shape: dict[str, Any]
     padding: PlanPadding | None
     run_seconds: float
+    # which NKI kernel ran (`mxcli.kernels.selection.describe`) and its never-written reads
+    nki_kernel: dict[str, Any] | None = None
+    uninit_reads: tuple[str, ...] = ()
 
     def summary(self, top: int = 10) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel": self.kernel, "shape": self.shape}
+        if self.nki_kernel is not None:
+            out["nki_kernel"] = self.nki_kernel
+        if self.uninit_reads:
+            out["uninit_reads"] = list(self.uninit_reads)
         out.update(self.profile.summary(top))
         if self.padding is not None:
             p = self.padding
@@ -126,7 +134,11 @@ def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
         "router_weights": torch.zeros(s.hidden, s.experts, dtype=bf),
         "router_bias": torch.zeros(s.experts, dtype=torch.float32),
     }
-    kwargs: dict[str, Any] = {"top_k": s.top_k, "router_act_fn": act, "pack_affinities": True}
+    kwargs: dict[str, Any] = {
+        "top_k": s.top_k,
+        "router_act_fn": act,
+        "pack_affinities": bool(s.pack_affinities),
+    }
     if act is RouterActFnType.NOAUX_TC:
         kwargs.update(n_group=s.n_group, topk_group=s.topk_group, routed_scaling_factor=2.5)
     return tensors, kwargs
@@ -189,9 +201,16 @@ def profile_kernel(
     lnc: int = 2,
     target: str = "trn3",
     shape: dict[str, Any] | None = None,
+    nki_kernel: Any = None,
 ) -> KernelProfile:
-    """Run `kernel` (mxcli's NKI implementation) in check-only mode with recording and return
-    its cost-model profile."""
+    """Run `kernel` in check-only mode with recording and return its cost-model profile.
+
+    `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`)."""
+    import warnings
+
+    from mxcli.kernels import selection
+
     if target not in TARGETS:
         raise InputError(f"target: expected trn3 or trn2, got {target!r}")
     if target != "trn3":
@@ -202,17 +221,23 @@ def profile_kernel(
     if lnc not in (1, 2):
         raise InputError(f"lnc: expected 1 or 2, got {lnc}")
     spec = get_spec(kernel)
+    choice = selection.parse_kernel(nki_kernel, spec.name)
+    # mxcli's launcher adapts to the chosen implementation (its ``kernel=``)
     launch_sim = spec.implementation("mxcli").load_launcher()
     assert launch_sim is not None
     t0 = time.perf_counter()
-    with trace.recording() as recorders:
-        launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True)
+    with trace.recording() as recorders, selection.recording() as launches:
+        with warnings.catch_warnings():  # counted per site below instead
+            warnings.filterwarnings("ignore", message=".*reads memory never written")
+            launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True, kernel=choice)
     secs = time.perf_counter() - t0
     prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
     padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
-    return KernelProfile(spec.name, prof, shape, padding, secs)
+    info = launches[-1].kernel if launches else selection.describe(choice)
+    reads = tuple(str(r) for launch in launches for r in launch.uninit_reads)
+    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads)
 
 
 def _sample_bwd_inputs(

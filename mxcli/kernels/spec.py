@@ -125,6 +125,9 @@ class PackedOutput:
     geometry: Callable[[Mapping[str, Any], torch.Tensor], tuple[int, int | None]]
     as_bytes: Callable[[torch.Tensor], torch.Tensor]
     parts: tuple[str, ...] = ("codes", "scales", "values", "affinities")
+    # (kwargs, hidden, num_experts, row_bytes) -> [row_bytes] bool: the bytes the API defines;
+    # the others (holes, pads) a kernel may leave unwritten: excluded from comparisons, counted
+    defined: Callable[[Mapping[str, Any], int, int | None, int], torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)

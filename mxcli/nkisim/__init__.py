@@ -31,7 +31,7 @@ from mxcli.nkisim.frontend import (
     check_frontend,
 )
 from mxcli.nkisim.kernel import Kernel, SimulatedKernel, run_kernel
-from mxcli.nkisim.machine import Counters, RunReport, UninitPolicy
+from mxcli.nkisim.machine import Counters, RunReport, UninitPolicy, UninitRead
 from mxcli.nkisim.rules import NkiRuleError, Rule
 from mxcli.nkisim.target import TARGETS, Target
 
@@ -52,6 +52,7 @@ __all__ = [
     "TARGETS",
     "Target",
     "UninitPolicy",
+    "UninitRead",
     "activate",
     "assert_frontend",
     "check_frontend",

@@ -53,6 +53,12 @@ ALLOWED_BUILTINS = frozenset(
         "dict",
         "isinstance",
         "divmod",
+        # AWS's shipped MXFP8 MoE backward (nki-library experimental/moe_mxfp8/bwd): `zip` in
+        # blockwise_mm_backward_mxfp8.py `_resolve_phase_configs`, `getattr` / `setattr` in
+        # config.py `MXFP8MOEBwdConfig.__post_init__` (README.md beside this file)
+        "zip",
+        "getattr",
+        "setattr",
     }
 )
 # Modules a kernel may reference besides NKI and user modules: `math` is used by upstream
@@ -60,11 +66,17 @@ ALLOWED_BUILTINS = frozenset(
 _ALLOWED_STDLIB_MODULES = frozenset({"math", "dataclasses", "enum", "typing", "__future__"})
 _TORCH_NUMPY_ROOTS = frozenset({"torch", "numpy", "ml_dtypes"})
 _NKI_ROOTS = ("mxcli.nkisim", "nki")
-# Decorators: `@dataclass` on classes (documented), `@staticmethod` on methods (upstream).
+# Decorators: `@dataclass` on classes (documented), `@staticmethod` (upstream core kernels) and
+# `@property` (AWS's MatmulMxfp8KernelConfig, MXFP8 MoE backward) on methods. Decorators on
+# module-level helpers are not checked: the NKI front end ignores them ("The parser frontend
+# ignores decorators", nki-library mxfp_utils/mxfp8_utils/common_utils.py:53-56,
+# `with_active_sbm`); the function they wrap (``__wrapped__``) is what gets checked.
 _CLASS_DECORATORS = frozenset({"dataclass", "dataclasses.dataclass"})
-_METHOD_DECORATORS = frozenset({"staticmethod"})
-# module-level helpers may also be @nki.jit sub-kernels, as upstream's are
-_FUNCTION_DECORATORS = frozenset({"staticmethod", "nki.jit", "jit"})
+_METHOD_DECORATORS = frozenset({"staticmethod", "property"})
+# Methods that run when an instance is built: on the host, before the call, for an instance
+# passed as a kernel argument (rebuilt on the NKI side from its __dict__, nki_python_subset.md
+# "Classes"); checked only when traced code constructs the class.
+_CONSTRUCTION_METHODS = frozenset({"__init__", "__post_init__", "__new__"})
 _MAX_VALUE_DEPTH = 8
 
 
@@ -269,6 +281,7 @@ class _Checker:
     def __init__(self) -> None:
         self.violations: list[FrontendViolation] = []
         self._seen: set[int] = set()
+        self._constructed: set[int] = set()
         self._keep: list[Any] = []  # keeps ids in _seen valid for the walk
 
     # -- reporting
@@ -410,9 +423,8 @@ class _Checker:
         assert isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         if is_entry:
             self._check_signature(node, path, entry=True)
-        elif not method:
-            self._check_decorators(node, scope, _FUNCTION_DECORATORS, "function")
-        _BodyVisitor(self, scope, is_entry).visit_function(node)
+        # decorators of helpers are not checked: the front end ignores them (see above)
+        _BodyVisitor(self, scope, is_entry, fn.__name__).visit_function(node)
 
     def _check_signature(
         self, node: ast.FunctionDef | ast.AsyncFunctionDef, path: str, entry: bool
@@ -478,9 +490,11 @@ class _Checker:
         globals_ = vars(mod) if mod is not None else {}
         scope = _Scope(cpath, set(), {}, globals_)
         self._check_decorators(node, scope, _CLASS_DECORATORS, "class")
-        visitor = _BodyVisitor(self, scope, False)
+        visitor = _BodyVisitor(self, scope, False, class_body=True)
         for stmt in node.body:
             if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if stmt.name in _CONSTRUCTION_METHODS:
+                    continue  # checked by `check_construction` when traced code builds one
                 member = cls.__dict__.get(stmt.name)
                 method_scope = scope
                 self._check_decorators(stmt, method_scope, _METHOD_DECORATORS, "method")
@@ -503,6 +517,40 @@ class _Checker:
         for base in cls.__bases__:
             if _module_root(base.__module__) not in sys.stdlib_module_names and not _is_nki(base):
                 self.check_class(base, cpath, cline)
+
+    def check_construction(self, cls: type) -> None:
+        """Traced code builds an instance of `cls`: its ``__init__`` / ``__post_init__`` and
+        dataclass ``default_factory`` callables run while tracing and are checked (for an
+        instance passed as a kernel argument they ran on the host before the call)."""
+        if _is_nki(cls) or cls.__module__ == "builtins" or id(cls) in self._constructed:
+            return
+        self._constructed.add(id(cls))
+        self._keep.append(cls)
+        self.check_class(cls, "?", 0)
+        for klass in cls.__mro__:
+            if (
+                klass is object
+                or _is_nki(klass)
+                or _module_root(klass.__module__) in (sys.stdlib_module_names)
+            ):
+                continue
+            cpath, node = _class_node(klass)
+            if not isinstance(node, ast.ClassDef):
+                continue
+            mod = sys.modules.get(klass.__module__)
+            scope = _Scope(cpath, set(), {}, vars(mod) if mod is not None else {})
+            for stmt in node.body:
+                if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if stmt.name in _CONSTRUCTION_METHODS:
+                        fn = klass.__dict__.get(stmt.name)
+                        if isinstance(fn, types.FunctionType):
+                            self.check_function(fn, method=True)
+                elif isinstance(stmt, (ast.AnnAssign, ast.Assign)):
+                    for call in ast.walk(stmt):
+                        if isinstance(call, ast.Call):
+                            for kw in call.keywords:
+                                if kw.arg == "default_factory":
+                                    _BodyVisitor(self, scope, False).visit(kw.value)
 
     @staticmethod
     def _base_ok(cls: type) -> bool:
@@ -605,10 +653,19 @@ _BANNED_SYNTAX: dict[str, tuple[Rule, str, bool]] = {
 class _BodyVisitor(ast.NodeVisitor):
     """Rejects syntax outside the subset and resolves free names of one function or class body."""
 
-    def __init__(self, checker: _Checker, scope: _Scope, is_entry: bool) -> None:
+    def __init__(
+        self,
+        checker: _Checker,
+        scope: _Scope,
+        is_entry: bool,
+        function: str = "",
+        class_body: bool = False,
+    ) -> None:
         self.c = checker
         self.s = scope
         self.is_entry = is_entry
+        self.function = function
+        self.class_body = class_body
 
     def add(self, rule: Rule, node: ast.AST, message: str) -> None:
         self.c.add(rule, self.s.path, getattr(node, "lineno", 0), message)
@@ -656,9 +713,54 @@ class _BodyVisitor(ast.NodeVisitor):
             super().visit(node)
             return
         rule, message, look_inside = banned
+        if rule is Rule.RAISE and self.function == "__post_init__":
+            # dataclass validation raises while the instance is built, at specialization time
+            # like an assert: AWS's MXFP8MOEBwdConfig.__post_init__ (nki-library
+            # experimental/moe_mxfp8/bwd/config.py:135-141, `raise TypeError`); the exception
+            # class is not a value the kernel computes with, its message arguments are checked
+            exc = getattr(node, "exc", None)
+            if isinstance(exc, ast.Call):
+                for a in [*exc.args, *(k.value for k in exc.keywords)]:
+                    self.visit(a)
+            return
         self.add(rule, node, message)
         if look_inside:  # names inside still reach helpers and globals that need checking
             self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if self.class_body:
+            # dataclass field(default_factory=f): f runs when an instance is built
+            self.visit(node.func)
+            for a in node.args:
+                self.visit(a)
+            for kw in node.keywords:
+                if kw.arg != "default_factory":
+                    self.visit(kw.value)
+            return
+        cls = self._resolve(node.func)
+        if isinstance(cls, type) and not issubclass(cls, enum.Enum):
+            self.c.check_construction(cls)
+        self.generic_visit(node)
+
+    def _resolve(self, node: ast.AST) -> Any:
+        """The value a `Name` or `a.b.c` chain names here (None when local or unknown)."""
+        chain: list[str] = []
+        while isinstance(node, ast.Attribute):
+            chain.append(node.attr)
+            node = node.value
+        if not isinstance(node, ast.Name) or node.id in self.s.local:
+            return None
+        found, value = self.s.lookup(node.id)
+        if not found:
+            return None
+        for attr in reversed(chain):
+            if not isinstance(value, (types.ModuleType, type)):
+                return None
+            try:
+                value = inspect.getattr_static(value, attr)
+            except AttributeError:
+                return None
+        return value
 
     def visit_Constant(self, node: ast.Constant) -> None:
         if isinstance(node.value, (bytes, complex)):

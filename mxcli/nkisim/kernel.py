@@ -288,7 +288,7 @@ def run_kernel(
     for a in wrapped:
         if a.copy_back is not None:
             a.copy_back()
-    report = RunReport(config, [p.counters for p in programs])
+    report = RunReport(config, [p.counters for p in programs], run.uninit_reads())
     return outputs, report
 
 

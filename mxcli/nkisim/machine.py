@@ -10,12 +10,15 @@ body in its own thread (api spec §3.2, as the real simulator does).
 from __future__ import annotations
 
 import enum
+import os
+import sys
 import threading
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,7 @@ from mxcli.nkisim.target import Target
 
 __all__ = [
     "UninitPolicy",
+    "UninitRead",
     "RunConfig",
     "Counters",
     "RunReport",
@@ -120,12 +124,39 @@ class Counters:
         return out
 
 
+@dataclass(frozen=True)
+class UninitRead:
+    """Reads of never-written memory at one kernel site (under ``uninit="warn"``/``"error"``).
+
+    ``site``: the kernel source line of the instruction (``file:line``, the first frame outside
+    the interpreter); ``op`` / ``operand``: the instruction and its operand; ``tensor``: the
+    allocation read; ``count``: how many instructions at that site read unwritten memory;
+    ``elements``: the unwritten elements they read, summed (0 where the op does not say).
+    """
+
+    site: str
+    op: str
+    operand: str
+    tensor: str
+    count: int
+    elements: int
+
+    def __str__(self) -> str:
+        what = f"{self.elements} unwritten element(s)" if self.elements else "unwritten bytes"
+        return (
+            f"{self.site}: {self.op} {self.operand} read {what} of {self.tensor} "
+            f"({self.count} instruction(s))"
+        )
+
+
 @dataclass
 class RunReport:
-    """What one simulated launch did: its configuration and counters per program and in total."""
+    """What one simulated launch did: its configuration, counters per program and in total, and
+    the kernel sites that read never-written memory (`UninitRead`, empty when none did)."""
 
     config: RunConfig
     programs: list[Counters]
+    uninit_reads: tuple[UninitRead, ...] = ()
 
     @property
     def counters(self) -> Counters:
@@ -159,6 +190,23 @@ class Run:
         self.barrier_data: dict[int, dict[int, Any]] = defaultdict(dict)
         self.race: RaceTracker | None = RaceTracker() if config.lnc > 1 else None
         self.warned: set[str] = set()
+        # (site, op, operand, tensor) -> [instructions, unwritten elements], in first-seen order
+        self.uninit: dict[tuple[str, str, str, str], list[int]] = {}
+
+    def record_uninit(self, key: tuple[str, str, str, str], elements: int) -> bool:
+        """Count one read of never-written memory at a site; True the first time for that site."""
+        with self.lock:
+            hit = self.uninit.get(key)
+            if hit is None:
+                self.uninit[key] = [1, elements]
+                return True
+            hit[0] += 1
+            hit[1] += elements
+            return False
+
+    def uninit_reads(self) -> tuple[UninitRead, ...]:
+        with self.lock:
+            return tuple(UninitRead(*k, n, e) for k, (n, e) in self.uninit.items())
 
     def warn_once(self, key: str, message: str) -> None:
         with self.lock:
@@ -218,11 +266,25 @@ class Program:
         """False under ``UninitPolicy.IGNORE``: reads of never-written memory are not checked."""
         return self.config.uninit is not UninitPolicy.IGNORE
 
-    def uninit_read(self, key: str, message: str) -> None:
-        """Report a read of never-written memory: raise under ERROR, warn once per key under WARN."""
+    def uninit_read(
+        self,
+        key: str,
+        message: str,
+        *,
+        operand: str = "",
+        tensor: str = "",
+        elements: int = 0,
+    ) -> None:
+        """Report a read of never-written memory at the kernel's current source line: raise under
+        ERROR; under WARN count it per site (`RunReport.uninit_reads`) and warn once per site,
+        naming it."""
+        site = _kernel_site()
         if self.config.uninit is UninitPolicy.ERROR:
-            raise NkiUninitializedReadError(message)
-        self.run.warn_once(key, message)
+            raise NkiUninitializedReadError(f"{message} at {site}")
+        op = key.split(":")[1] if key.count(":") >= 2 else key
+        first = self.run.record_uninit((site, op, operand or key, tensor), elements)
+        if first:
+            self.run.warn_once(f"{key}@{site}", f"{message} at {site}")
 
     def new_record(self, name: str, buffer: str, bytes_pp: int) -> AllocRecord:
         rec = AllocRecord(name, buffer, bytes_pp, self.clock + 0.5, self.clock + 0.5)
@@ -345,6 +407,19 @@ def set_trace_factory(factory: Any) -> Any:
 
 def current_or_none() -> Program | None:
     return getattr(_tls, "program", None)
+
+
+_PKG_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _kernel_site() -> str:
+    """``file:line`` of the innermost frame outside the interpreter (the kernel's source line)."""
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PKG_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
 
 
 def current() -> Program:

@@ -968,7 +968,13 @@ class Access:
             f"(tensor {self.st.name or '<unnamed>'} in {self.st.buffer.value}, first at view index "
             f"{tuple(bad)}; {int((~m).sum())} of {m.size} elements)"
         )
-        prog.uninit_read(f"uninit:{self.op}:{self.name}", msg)
+        prog.uninit_read(
+            f"uninit:{self.op}:{self.name}",
+            msg,
+            operand=self.name,
+            tensor=f"{self.st.name or '<unnamed>'} ({self.st.buffer.value})",
+            elements=int((~m).sum()),
+        )
 
     def write(self, values: np.ndarray, mask: np.ndarray | None = None) -> None:
         """Store raw elements (already in the storage dtype) and mark them written.

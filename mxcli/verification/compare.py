@@ -201,6 +201,13 @@ def compare_tensors(
         else:
             bad = (_bits(actual).reshape(-1) != _bits(expected).reshape(-1))[m]
         rep.mismatches = int(bad.sum())
+        if rep.mismatches and mask is None:
+            first = int(torch.nonzero(bad)[0])
+            where = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), expected.shape))
+            got, want = actual.reshape(-1)[first], expected.reshape(-1)[first]
+            add_note(
+                rep, f"first mismatch at {list(where)}: {_item(got)} != expected {_item(want)}"
+            )
     else:
         allowed = tol.atol + tol.atol_of_max * bmax + tol.rtol * b.abs()
         bad = ((diff > allowed) & finite) | nonfinite_bad
@@ -222,6 +229,14 @@ def compare_tensors(
         add_note(rep, f"{rep.mismatches} of {rep.numel} elements out of tolerance")
     rep.passed = ok
     return rep
+
+
+def _item(t: torch.Tensor) -> str:
+    """One element as text: integers as is, floats with their bits' value."""
+    t = t.detach().cpu()
+    if t.dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool):
+        return str(int(t))
+    return f"{float(t.to(torch.float64)):.6g}"
 
 
 def add_note(rep: TensorReport, text: str) -> None:

@@ -205,3 +205,35 @@ def check_run(
         result.reports += check_exact(kernel, tensors, kwargs, outputs, source=str(inp.path))
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def recorded_kernel(
+    path: str | os.PathLike[str], expected: str = "mxcli", kernel_path: str | None = None
+) -> dict[str, Any] | None:
+    """The NKI kernel an output file records (``nki_kernel`` in its metadata; None for runs of
+    the reference). With `expected` other than mxcli, the file must have been made by that
+    kernel (same ``--kernel`` value, and the same module file sha256 when it can be loaded here):
+    else a user error naming both."""
+    from mxcli.kernels import selection
+
+    f = read_kernel_file(path)
+    meta = f.meta_json("nki_kernel")
+    info = dict(meta) if isinstance(meta, Mapping) else None
+    choice = selection.parse_kernel(expected, f.kernel or selection.PREFILL, kernel_path)
+    if choice.is_own:
+        return info
+    if info is None:
+        raise InputError(
+            f"{path}: records no NKI kernel (a reference run), not --kernel {expected}"
+        )
+    if info.get("kernel") != choice.spec:
+        raise InputError(
+            f"{path}: was made by kernel {info.get('kernel')}, not --kernel {choice.spec}"
+        )
+    here = selection.describe(choice)
+    if info.get("sha256") and here.get("sha256") and info["sha256"] != here["sha256"]:
+        raise InputError(
+            f"{path}: was made by {info.get('file')} (sha256 {str(info['sha256'])[:12]}), "
+            f"--kernel {choice.spec} is {here.get('file')} (sha256 {str(here['sha256'])[:12]})"
+        )
+    return info

@@ -23,6 +23,8 @@ class CaseResult:
     seconds: float = 0.0
     error: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    # why the case did not run: the chosen kernel refuses the combination (issue 20)
+    skipped: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -33,6 +35,7 @@ class CaseResult:
             "case": self.case,
             "kernel": self.kernel,
             "passed": self.passed,
+            "skipped": self.skipped,
             "seconds": round(self.seconds, 4),
             "error": self.error,
             "info": self.info,
@@ -45,6 +48,7 @@ def summary(results: Sequence[CaseResult]) -> dict[str, int]:
     return {
         "cases": len(results),
         "cases_failed": sum(not c.passed for c in results),
+        "cases_skipped": sum(c.skipped is not None for c in results),
         "checks": len(checks),
         "checks_failed": sum(not r.passed for r in checks),
     }
@@ -128,6 +132,8 @@ def render_table(
         if c.error is not None:
             rows.append((c.case, c.error, None, ""))
             continue
+        if c.skipped is not None:
+            rows.append((c.case, f"\0{c.skipped}", None, ""))
         for r in c.reports:
             rows.append(
                 (f"{c.case}: {r.check}" if r.check else c.case, None, _row_cells(r), _details(r))
@@ -155,6 +161,11 @@ def render_table(
     console.print(Text(line(_HEADERS), style="bold"), soft_wrap=True)
     heading = None
     for head, error, cells, details in rows:
+        if error is not None and error.startswith("\0"):
+            for text in _wrap(f"skip {head}: {error[1:]}", width, "  "):
+                console.print(Text(text, style="yellow"), soft_wrap=True)
+            heading = None
+            continue
         if error is not None:
             for i, text in enumerate(_wrap(f"ERROR {head}: {error}", width, "  ")):
                 console.print(styled(text, "ERROR") if i == 0 else Text(text), soft_wrap=True)
@@ -176,16 +187,29 @@ def render_table(
             f"{s['checks_failed']} of {s['checks']} check(s) failed"
         )
     else:
-        console.print(f"[green bold]PASSED[/]: {s['cases']} case(s), {s['checks']} check(s)")
+        skipped = (
+            f", {s['cases_skipped']} not supported by this kernel" if s["cases_skipped"] else ""
+        )
+        console.print(
+            f"[green bold]PASSED[/]: {s['cases']} case(s), {s['checks']} check(s){skipped}"
+        )
 
 
 def junit_xml(results: Sequence[CaseResult], *, suite: str = "mxcli.verify") -> str:
     """JUnit XML: one testcase per compared tensor (classname = case), errors as <error>."""
     cases: list[ET.Element] = []
-    failures = errors = 0
+    failures = errors = skipped = 0
     total_time = 0.0
     for c in results:
         total_time += c.seconds
+        if c.skipped is not None and c.error is None and not c.reports:
+            tc = ET.Element(
+                "testcase", classname=f"{suite}.{c.case}", name="run", time=f"{c.seconds:.3f}"
+            )
+            ET.SubElement(tc, "skipped", message=c.skipped)
+            skipped += 1
+            cases.append(tc)
+            continue
         if c.error is not None:
             tc = ET.Element(
                 "testcase", classname=f"{suite}.{c.case}", name="run", time=f"{c.seconds:.3f}"
@@ -219,7 +243,7 @@ def junit_xml(results: Sequence[CaseResult], *, suite: str = "mxcli.verify") -> 
         tests=str(len(cases)),
         failures=str(failures),
         errors=str(errors),
-        skipped="0",
+        skipped=str(skipped),
         time=f"{total_time:.3f}",
     )
     ts.extend(cases)

@@ -23,7 +23,7 @@ class BadConfig:  # violates: class-base
 
     def __init__(self, n):
         self.n = n
-        self.dtype = torch.bfloat16  # violates: torch-numpy
+        self.dtype = torch.bfloat16  # host-side construction: reported as the argument's value
 
     def size(self):
         if self.n < 0:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import math
 
 import numpy as np
@@ -249,16 +248,32 @@ def good_class_base(x):
     _touch(x)
 
 
-class PropertyTiles(nl.NKIObject):
+class ClassmethodTiles(nl.NKIObject):
     def __init__(self, n):
         self.n = n
 
-    @property  # violates: decorator
+    @classmethod  # violates: decorator
+    def unit(cls):
+        return cls(1)
+
+
+def bad_decorator(x):
+    assert ClassmethodTiles.unit().n == 1
+    _touch(x)
+
+
+class PropertyTiles(nl.NKIObject):
+    """@property is allowed: AWS's MatmulMxfp8KernelConfig uses it (issue 20)."""
+
+    def __init__(self, n):
+        self.n = n
+
+    @property
     def doubled(self):
         return self.n * 2
 
 
-def bad_decorator(x):
+def good_property(x):
     assert PropertyTiles(2).doubled == 4
     _touch(x)
 
@@ -273,16 +288,6 @@ class MethodTiles(nl.NKIObject):
 
 def good_decorator(x):
     assert MethodTiles(2).doubled() == 4
-    _touch(x)
-
-
-@functools.lru_cache  # violates: decorator
-def _cached_size(n):
-    return n * 2
-
-
-def bad_helper_decorator(x):
-    assert _cached_size(2) == 4
     _touch(x)
 
 

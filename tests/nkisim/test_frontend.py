@@ -54,7 +54,6 @@ STATIC_RULES = [
     (Rule.IDENTITY, fk.bad_is, fk.good_is),
     (Rule.CLASS_BASE, fk.bad_class_base, fk.good_class_base),
     (Rule.DECORATOR, fk.bad_decorator, fk.good_decorator),
-    (Rule.DECORATOR, fk.bad_helper_decorator, fk.good_decorator),
     (Rule.SIGNATURE, fk.bad_signature, fk.good_signature),
     (Rule.SIGNATURE, fk.bad_helper_signature, fk.good_signature),
     (Rule.VALUE, fk.bad_value, fk.good_value),
@@ -128,7 +127,9 @@ def test_helpers_in_other_modules_are_followed() -> None:
 def test_argument_objects_bring_their_class_and_methods() -> None:
     found = check_frontend(fk.config_argument, (X, helpers.BadConfig(2)))
     rules = {(v.rule, v.line) for v in found if v.file == inspect.getsourcefile(helpers)}
-    assert {r for r, _ in rules} == {Rule.CLASS_BASE, Rule.RAISE, Rule.TORCH_NUMPY}
+    # __init__ ran on the host before the call (issue 20): not traced, not checked; the torch
+    # dtype it stored is reported as the argument's value instead (below)
+    assert {r for r, _ in rules} == {Rule.CLASS_BASE, Rule.RAISE}
     for rule, line in rules:
         assert line in HELPER_MARKERS[rule.value]
     # the torch dtype held by the instance is reported at the entry (the argument)

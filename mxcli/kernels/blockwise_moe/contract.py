@@ -368,8 +368,13 @@ def blockwise_mm_bwd_mxfp8(
     *,
     backend: str = "reference",
     emulate: Emulate | str = Emulate.KERNEL,
+    kernel: Any = None,
 ) -> tuple[torch.Tensor, ...]:
     """MXFP8 backward pass of a blockwise, dropless Mixture-of-Experts MLP (SwiGLU experts).
+
+    ``kernel`` picks the NKI kernel the ``sim`` / ``neuron`` backends run: ``"mxcli"``
+    (default), ``"nkilib"`` (AWS's NKI Library) or ``"MODULE:FUNCTION"``
+    (`mxcli.kernels.selection`).
 
     Arguments follow the device kernel's API (bwd spec §1 notation; E from
     ``down_proj_weight.shape[0]``, I from the weights, ``N = len(token_position_to_id) // B``):
@@ -446,8 +451,12 @@ def blockwise_mm_bwd_mxfp8(
     """
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
+    arguments.pop("kernel")
+    from mxcli.kernels import selection
+
     name = backends.resolve_name(blockwise_mm_bwd_mxfp8.__name__, backend)
     fn = backends.get(blockwise_mm_bwd_mxfp8.__name__, name)
+    extra = selection.backend_kwargs(kernel, name, selection.BWD)
     if name != "reference" and as_emulate(emulate) is not Emulate.KERNEL:
         raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
-    return fn(validate(**arguments))  # type: ignore[no-any-return]
+    return fn(validate(**arguments), **extra)  # type: ignore[no-any-return]

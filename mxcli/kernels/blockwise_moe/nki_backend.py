@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime
+from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.blockwise_moe.config import (
     AffinityOption,
     BwdValidationError,
@@ -207,6 +207,19 @@ _CALL_FIELDS = {
 }
 
 
+def api_arguments(call: BwdCall) -> dict[str, Any]:
+    """A validated call's arguments by the API reference's names, for a third-party kernel
+    (`mxcli.kernels.selection`, which rebuilds the config as the module's own class)."""
+    out = {k: getattr(call, f) for k, f in _CALL_FIELDS.items()}
+    out.update(block_size=call.B, down_proj_act_checkpoint=call.ckpt_dys, config=call.config)
+    return out
+
+
+def _third_party(kernel: Any) -> selection.KernelChoice | None:
+    choice = selection.parse_kernel(kernel, selection.BWD)
+    return None if choice.is_own else choice
+
+
 def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     """Plan the launch of a validated call (a `BwdCall`, or the arguments of
     `blockwise_mm_bwd_mxfp8`) and convert its arguments for the kernel.
@@ -256,6 +269,7 @@ def launch_sim(
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
+    kernel: Any = selection.MXCLI,
     **kwargs: Any,
 ) -> SimResult:
     """Run the NKI kernel on a simulator; the full `SimResult` (outputs in the reference's form,
@@ -264,18 +278,40 @@ def launch_sim(
     Arguments: a `BwdCall`, or those of `blockwise_mm_bwd_mxfp8`. `lnc`: 1 or 2 programs
     (2, the API's launch, splits the free dims, SHARD_ON_FREE). `check_only` (interpreter only):
     every hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs
-    are then meaningless).
+    are then meaningless). `kernel`: the NKI kernel (`mxcli.kernels.selection`).
     """
+    choice = _third_party(kernel)
+    if choice is not None:
+        call = as_call(*args, **kwargs)
+        res = selection.launch_sim(
+            choice,
+            api_arguments(call),
+            lnc=lnc,
+            check_only=check_only,
+            check_capacity=check_capacity,
+        )
+        res.outputs = [t.to(call.x.device) for t in res.outputs]
+        return res
     kw, device = prepare(*args, **kwargs)
     res = nki_runtime.run_sim(
         KERNEL, (), kw, lnc=lnc, check_only=check_only, engine=engine, check_capacity=check_capacity
     )
+    selection.record(selection.parse_kernel(None, selection.BWD), res.engine.value, res.report)
     res.outputs = [t.to(device) for t in res.outputs]
     return res
 
 
+def launch_nkilib(*args: Any, **kwargs: Any) -> SimResult:
+    """`launch_sim` of AWS's NKI Library kernel (the spec's ``nkilib`` implementation)."""
+    return launch_sim(*args, kernel=selection.NKILIB, **kwargs)
+
+
 def run_sim(
-    *args: Any, lnc: int = 2, engine: SimEngine | str = SimEngine.AUTO, **kwargs: Any
+    *args: Any,
+    lnc: int = 2,
+    engine: SimEngine | str = SimEngine.AUTO,
+    kernel: Any = selection.MXCLI,
+    **kwargs: Any,
 ) -> tuple[torch.Tensor, ...]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
@@ -283,17 +319,26 @@ def run_sim(
     reference's outputs; `lnc` 2 (default, the API's launch) or 1; `engine` forces a simulator
     (`SimEngine`).
     """
-    return tuple(launch_sim(*args, lnc=lnc, engine=engine, **kwargs).outputs)
+    return tuple(launch_sim(*args, lnc=lnc, engine=engine, kernel=kernel, **kwargs).outputs)
 
 
-def run_neuron(*args: Any, lnc: int | None = None, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+def run_neuron(
+    *args: Any, lnc: int | None = None, kernel: Any = selection.MXCLI, **kwargs: Any
+) -> tuple[torch.Tensor, ...]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device through torch-neuronx.
 
     Takes a `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`). `lnc`: the launch's LNC
     degree (default ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError`
     listing what is missing (SDK packages, device) before touching any of it.
     """
-    nki_runtime.require_neuron("blockwise_mm_bwd_mxfp8")  # before validating anything
+    choice = _third_party(kernel)
+    nki_runtime.require_neuron(  # before validating anything
+        "blockwise_mm_bwd_mxfp8" if choice is None else selection.describe_name(choice)
+    )
+    if choice is not None:
+        call = as_call(*args, **kwargs)
+        outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
+        return tuple(t.to(call.x.device) for t in outs)
     kw, device = prepare(*args, **kwargs)
     outs = nki_runtime.run_neuron(KERNEL, (), kw, lnc=lnc)
     return tuple(t.to(device) for t in outs)

@@ -7,6 +7,7 @@ the tables below add only what a signature cannot say (stored dtypes, help, JSON
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.kwargs import dataclass_from_dict, json_object, to_jsonable, typed
+from mxcli.kernels import selection
 from mxcli.kernels.blockwise_moe.config import MXFP8MOEBwdConfig
 from mxcli.kernels.blockwise_moe.contract import (
     OUTPUT_NAMES,
@@ -42,6 +44,14 @@ MXCLI_KERNEL = Implementation(
     "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
     "mxcli.kernels.blockwise_moe.nki_backend:launch_sim",
     doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
+)
+# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
+NKILIB_KERNEL = Implementation(
+    "nkilib",
+    selection.NKILIB_TARGETS[selection.BWD],
+    "mxcli.kernels.blockwise_moe.nki_backend:launch_nkilib",
+    probe=functools.partial(selection.nkilib_probe, selection.BWD),
+    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
 )
 
 
@@ -147,12 +157,13 @@ SPEC = register_spec(
         ),
         # the backward mixes every token and expert: any non-finite input explains every output
         nonfinite=NonfiniteRule(token_inputs=None),
-        implementations=(MXCLI_KERNEL,),
+        implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
     )
 )
 
 __all__ = [
     "MXCLI_KERNEL",
+    "NKILIB_KERNEL",
     "SPEC",
     "config_from_dict",
     "config_to_dict",

@@ -460,6 +460,7 @@ def rmsnorm_mx_prefill(
     hidden_interleaved: bool = False,
     *,
     backend: str = "reference",
+    kernel: Any = None,
 ) -> list[torch.Tensor]:
     """Fused RMSNorm [T, H] + MXFP8 quantization (+ optional router top-K) for prefill.
 
@@ -479,10 +480,17 @@ def rmsnorm_mx_prefill(
     5. ``norm_bf16`` [T, H] bf16 — with ``emit_norm_bf16`` only.
 
     ``backend`` picks the implementation (`mxcli.kernels.backends`): ``"reference"`` (torch,
-    CPU or CUDA), or any other registered backend, or ``"auto"``. Invalid arguments raise
+    CPU or CUDA), or any other registered backend, or ``"auto"``. ``kernel`` picks the NKI
+    kernel the ``sim`` / ``neuron`` backends run: ``"mxcli"`` (default), ``"nkilib"`` (AWS's NKI
+    Library) or ``"MODULE:FUNCTION"`` (`mxcli.kernels.selection`). Invalid arguments raise
     `PrefillValidationError` (a ``ValueError``).
     """
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
+    arguments.pop("kernel")
+    from mxcli.kernels import selection
+
     call = validate(**arguments)
-    return backends.get(rmsnorm_mx_prefill.__name__, backend)(call)  # type: ignore[no-any-return]
+    name = backends.resolve_name(rmsnorm_mx_prefill.__name__, backend)
+    extra = selection.backend_kwargs(kernel, name, selection.PREFILL)
+    return backends.get(rmsnorm_mx_prefill.__name__, name)(call, **extra)  # type: ignore[no-any-return]

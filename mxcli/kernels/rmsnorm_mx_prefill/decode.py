@@ -44,6 +44,34 @@ def packed_bytes(packed: Any) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def defined_bytes(
+    hidden_size: int,
+    *,
+    pack_scales: bool = True,
+    num_experts: int | None = None,
+    router_act_fn: RouterActFnType | str | int = RouterActFnType.SIGMOID,
+    row_bytes: int | None = None,
+) -> torch.Tensor:
+    """``[row_bytes]`` bool: the bytes of a packed row the API defines (codes, scale bytes and,
+    with `num_experts`, the affinity tail). The rest, scale-region holes and the row pad, a kernel
+    may leave unwritten (prefill spec §4.2, §4.3; AWS's kernel does, mxcli's writes 0x00)."""
+    H = int(hidden_size)
+    geo = row_geometry(
+        H,
+        pack_scales=pack_scales,
+        num_experts=num_experts,
+        router_act_fn=router_act_fn,
+        pack_affinities=num_experts is not None,
+    )
+    width = geo.row_region if row_bytes is None else int(row_bytes)
+    mask = torch.zeros(width, dtype=torch.bool)
+    mask[:H] = True
+    mask[H + prefill_scale_offsets(H, pack_scales)] = True
+    if num_experts is not None and geo.aff_bytes:
+        mask[geo.affin_off : geo.affin_off + geo.num_experts * geo.aff_bytes] = True
+    return mask
+
+
 def decode_packed_rows(
     packed: Any,
     hidden_size: int,

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime
+from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
 from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
@@ -74,6 +74,35 @@ def kernel_args(call: PrefillCall) -> list[Any]:
     ]
 
 
+def api_arguments(call: PrefillCall) -> dict[str, Any]:
+    """A validated call's arguments by the API reference's names, for a third-party kernel
+    (`mxcli.kernels.selection`): the router mode as `RouterActFnType`, the MX dtype by name."""
+    return {
+        "hidden_states": call.hidden_states,
+        "gamma": call.gamma,
+        "router_weights": call.router_weights,
+        "router_bias": call.router_bias,
+        "eps": call.eps,
+        "top_k": call.top_k,
+        "router_act_fn": call.act,
+        "n_group": call.n_group,
+        "topk_group": call.topk_group,
+        "routed_scaling_factor": call.routed_scaling_factor,
+        "qmx_output_dtype": call.qmx.value,
+        "pack_scales": call.pack_scales,
+        "pack_affinities": call.pack_affinities,
+        "unpadded_hidden_size": call.unpadded_hidden_size,
+        "residual": call.residual,
+        "emit_norm_bf16": call.emit_norm_bf16,
+        "hidden_interleaved": call.hidden_interleaved,
+    }
+
+
+def _third_party(kernel: Any) -> selection.KernelChoice | None:
+    choice = selection.parse_kernel(kernel, selection.PREFILL)
+    return None if choice.is_own else choice
+
+
 def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
     """The packed rows as fp8 (the kernel's HBM tensor holds raw bytes), all on `device`."""
     first = outputs[0]
@@ -88,6 +117,7 @@ def launch_sim(
     check_only: bool = False,
     engine: SimEngine | str = SimEngine.AUTO,
     check_capacity: bool = True,
+    kernel: Any = selection.MXCLI,
     **kwargs: Any,
 ) -> SimResult:
     """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
@@ -96,9 +126,21 @@ def launch_sim(
     Arguments: a `PrefillCall`, or those of `rmsnorm_mx_prefill` (validated here, prefill spec
     §2.3). `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every
     hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are
-    zeros).
+    zeros). `kernel`: ``"mxcli"`` (default), ``"nkilib"``, ``"MODULE:FUNCTION"`` or a
+    `selection.KernelChoice`: the third-party ones take the API reference's arguments.
     """
     call = as_call(*args, **kwargs)
+    choice = _third_party(kernel)
+    if choice is not None:
+        res = selection.launch_sim(
+            choice,
+            api_arguments(call),
+            lnc=lnc,
+            check_only=check_only,
+            check_capacity=check_capacity,
+        )
+        res.outputs = _finish(res.outputs, call.hidden_states.device)
+        return res
     res = nki_runtime.run_sim(
         KERNEL,
         kernel_args(call),
@@ -107,29 +149,48 @@ def launch_sim(
         engine=engine,
         check_capacity=check_capacity,
     )
+    selection.record(selection.parse_kernel(None, selection.PREFILL), res.engine.value, res.report)
     res.outputs = _finish(res.outputs, call.hidden_states.device)
     return res
 
 
+def launch_nkilib(*args: Any, **kwargs: Any) -> SimResult:
+    """`launch_sim` of AWS's NKI Library kernel (the spec's ``nkilib`` implementation)."""
+    return launch_sim(*args, kernel=selection.NKILIB, **kwargs)
+
+
 def run_sim(
-    *args: Any, lnc: int = 1, engine: SimEngine | str = SimEngine.AUTO, **kwargs: Any
+    *args: Any,
+    lnc: int = 1,
+    engine: SimEngine | str = SimEngine.AUTO,
+    kernel: Any = selection.MXCLI,
+    **kwargs: Any,
 ) -> list[torch.Tensor]:
     """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
 
     Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`) and returns the
     reference's outputs; `lnc` (1 or 2) splits the tokens over two programs, `engine` forces a
-    simulator (`SimEngine`).
+    simulator (`SimEngine`), `kernel` picks the NKI kernel (`mxcli.kernels.selection`).
     """
-    return launch_sim(*args, lnc=lnc, engine=engine, **kwargs).outputs
+    return launch_sim(*args, lnc=lnc, engine=engine, kernel=kernel, **kwargs).outputs
 
 
-def run_neuron(*args: Any, lnc: int | None = None, **kwargs: Any) -> list[torch.Tensor]:
+def run_neuron(
+    *args: Any, lnc: int | None = None, kernel: Any = selection.MXCLI, **kwargs: Any
+) -> list[torch.Tensor]:
     """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
 
     Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`). `lnc` defaults to
     ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError` naming what is
-    missing when the Neuron SDK or a device is absent.
+    missing when the Neuron SDK or a device is absent. `kernel` picks the NKI kernel
+    (`mxcli.kernels.selection`); the same launch path runs it.
     """
+    choice = _third_party(kernel)
+    if choice is not None:
+        nki_runtime.require_neuron(selection.describe_name(choice))  # before validating anything
+        call = as_call(*args, **kwargs)
+        outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
+        return _finish(list(outs), call.hidden_states.device)
     call = as_call(*args, **kwargs)
     outputs = nki_runtime.run_neuron(KERNEL, kernel_args(call), lnc=lnc)
     return _finish(outputs, call.hidden_states.device)

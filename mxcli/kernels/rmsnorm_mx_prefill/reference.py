@@ -48,12 +48,18 @@ _ROUTE_CHUNK_TOKENS = 2048
 
 
 class HoleFill(enum.Enum):
-    """Bytes the reference writes where the kernel leaves the row unwritten (spec §4.2, §4.3).
+    """Bytes the reference writes where the API defines none (spec §4.2, §4.3): the scale-region
+    holes and the affinity-row pad. The API promises nothing about them, and a kernel may leave
+    them unwritten (AWS's does: its rows carry stale SBUF there, `decode.defined_bytes` marks
+    them); comparisons exclude and count them (`mxcli.verification.policy`).
 
-    - ``ZERO`` (default): scale-region holes and the affinity-row pad are 0x00 (what the
-      consumer-side layout helper upstream writes; hardware content is unspecified).
-    - ``UNFOLDED_FF``: with ``pack_scales=False`` the scale-region holes are 0xFF (the kernel's
-      staging-buffer memset of the unfolded path); folded holes and pads stay 0x00.
+    - ``ZERO`` (default): 0x00 (what the consumer-side layout helper upstream writes, and what
+      mxcli's NKI kernel writes).
+    - ``UNFOLDED_FF``: with ``pack_scales=False`` the scale-region holes are 0xFF; folded holes
+      and pads stay 0x00. This is *not* AWS's unfolded output: its 0xFF staging memset is
+      overwritten by a full-width copy of each transposed scale tile, whose hole columns are
+      whatever ``quantize_mx`` left in the partitions it does not write (measured on the NKI
+      Library kernel, issue 20). Kept for consumers that want a fixed non-zero hole pattern.
     """
 
     ZERO = "zero"

@@ -7,6 +7,7 @@ the tables below add only what a signature cannot say (stored dtypes, help, JSON
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -14,6 +15,7 @@ import torch
 
 from mxcli.errors import InputError
 from mxcli.io.kwargs import enum_dump, typed
+from mxcli.kernels import selection
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     QmxOutputDtype,
     RouterActFnType,
@@ -22,7 +24,12 @@ from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     row_geometry,
     validate,
 )
-from mxcli.kernels.rmsnorm_mx_prefill.decode import DecodedRows, decode_packed_rows, packed_bytes
+from mxcli.kernels.rmsnorm_mx_prefill.decode import (
+    DecodedRows,
+    decode_packed_rows,
+    defined_bytes,
+    packed_bytes,
+)
 from mxcli.kernels.spec import (
     Implementation,
     KernelSpec,
@@ -46,6 +53,14 @@ MXCLI_KERNEL = Implementation(
     "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
     doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
 )
+# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
+NKILIB_KERNEL = Implementation(
+    "nkilib",
+    selection.NKILIB_TARGETS[selection.PREFILL],
+    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_nkilib",
+    probe=functools.partial(selection.nkilib_probe, selection.PREFILL),
+    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
+)
 
 
 def decode_packed(
@@ -59,6 +74,20 @@ def decode_packed(
         num_experts=num_experts,
         router_act_fn=SPEC.value(kwargs, "router_act_fn"),
         qmx_output_dtype=SPEC.value(kwargs, "qmx_output_dtype"),
+    )
+
+
+def packed_defined(
+    kwargs: Mapping[str, Any], hidden: int, num_experts: int | None, row_bytes: int
+) -> torch.Tensor:
+    """``[row_bytes]`` bool: the bytes of a row the API defines (codes, scales, affinity tail);
+    the scale-region holes and the row pad are unspecified (prefill spec §4.2)."""
+    return defined_bytes(
+        hidden,
+        pack_scales=bool(SPEC.value(kwargs, "pack_scales")),
+        num_experts=num_experts,
+        router_act_fn=SPEC.value(kwargs, "router_act_fn"),
+        row_bytes=row_bytes,
     )
 
 
@@ -196,10 +225,12 @@ SPEC = register_spec(
         padded=PaddedDims(inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}),
         # tokens are independent (§3): a token's outputs are explained by its own rows
         nonfinite=NonfiniteRule(token_inputs=("hidden_states", "residual"), views=_value_views),
-        packed=PackedOutput(PACKED, decode_packed, packed_geometry, packed_bytes),
+        packed=PackedOutput(
+            PACKED, decode_packed, packed_geometry, packed_bytes, defined=packed_defined
+        ),
         geometry=_geometry,
-        implementations=(MXCLI_KERNEL,),
+        implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
     )
 )
 
-__all__ = ["MXCLI_KERNEL", "SPEC", "decode_packed", "packed_geometry"]
+__all__ = ["MXCLI_KERNEL", "NKILIB_KERNEL", "SPEC", "decode_packed", "packed_geometry"]

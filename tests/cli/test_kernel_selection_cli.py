@@ -1,0 +1,196 @@
+"""``--kernel`` through the CLI in fresh processes (issue 20 item 7): a mutated fork of mxcli's
+NKI kernel, written at test time, must fail ``verify --kernel MODULE:FUNCTION`` naming the tensor
+and the index; errors are one line; with AWS's nki-library importable, the real thing runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mxcli.errors import InputError
+from mxcli.kernels import selection
+from tests.kernels.forks import SCALE_TOKEN, SWAP_TOKEN, write_prefill_fork
+
+PREFILL = selection.PREFILL
+NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
+
+
+def _mxcli(
+    *args: object, cwd: Path, env_extra: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MXCLI_")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "mxcli", *map(str, args)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_verify_kernel_fails_a_mutated_fork_through_the_cli(tmp_path: Path) -> None:
+    """run-prefill --kernel MODULE:FUNCTION and verify --kernel MODULE:FUNCTION in fresh processes."""
+    from mxcli.inputs import make_prefill_inputs, write_inputs
+    from mxcli.runs import run_file
+    from mxcli.verification.golden import recorded_kernel
+
+    spec = write_prefill_fork(tmp_path / "src", "mxfork_cli_scale", "scale")
+    write_inputs(
+        make_prefill_inputs(seq=8, hidden=512, experts=None, seed=4), tmp_path / "in.safetensors"
+    )
+    run_file(
+        PREFILL, tmp_path / "in.safetensors", tmp_path / "ref.safetensors", backend="reference"
+    )
+    kernel = ["--kernel", spec, "--kernel-path", tmp_path / "src", "--json"]
+    run = _mxcli(
+        "run-prefill",
+        "in.safetensors",
+        "-o",
+        "fork.safetensors",
+        "--backend",
+        "sim",
+        *kernel,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr
+    summary = json.loads(run.stdout)  # stdout stays machine-readable
+    assert summary["nki_kernel"]["kernel"] == spec
+    assert summary["nki_kernel"]["file"].endswith("mxfork_cli_scale/prefill.py")
+    ver = _mxcli("verify", "fork.safetensors", "--golden", "ref.safetensors", *kernel, cwd=tmp_path)
+    assert ver.returncode == 1, ver.stderr
+    report = json.loads(ver.stdout)
+    assert report["nki_kernel"]["kernel"] == spec
+    failed = [t for c in report["cases"] for t in c["tensors"] if not t["passed"]]
+    scales = [t for t in failed if t["name"] == "norm_quant_packed.scales"]
+    assert scales and f"first mismatch at [{SCALE_TOKEN}, 0]" in scales[0]["message"]
+    # the file records which kernel made it: another --kernel is refused, naming both
+    with pytest.raises(InputError, match=f"was made by kernel {spec}, not --kernel mxcli.x:y"):
+        recorded_kernel(tmp_path / "fork.safetensors", "mxcli.x:y")
+
+
+def test_cli_kernel_errors_are_one_line(tmp_path: Path, cli) -> None:
+    from mxcli.inputs import make_prefill_inputs, write_inputs
+
+    write_inputs(
+        make_prefill_inputs(seq=8, hidden=512, experts=None, seed=4), tmp_path / "in.safetensors"
+    )
+    inp, out = str(tmp_path / "in.safetensors"), tmp_path / "o.safetensors"
+    missing = _mxcli(
+        "run-prefill",
+        inp,
+        "-o",
+        out,
+        "--backend",
+        "sim",
+        "--kernel",
+        "mxcli_absent_pkg.k:f",
+        cwd=tmp_path,
+    )
+    assert missing.returncode == 2
+    assert missing.stderr.strip().count("\n") == 0 and "PYTHONPATH" in missing.stderr
+    assert not out.exists()
+    if not NKILIB_IMPORTABLE:
+        nk = cli("run-prefill", inp, "-o", str(out), "--backend", "sim", "--kernel", "nkilib")
+        assert nk.exit_code == 2 and "pip install -e nki-library" in nk.stderr
+    bad = cli(
+        "profile",
+        "prefill",
+        "--tokens",
+        "8",
+        "--hidden",
+        "512",
+        "--experts",
+        "8",
+        "--kernel",
+        "nkilib:",
+    )
+    assert bad.exit_code == 2 and "MODULE:FUNCTION" in bad.stderr
+    ref = cli("run-prefill", inp, "-o", str(out), "--backend", "reference", "--kernel", "mx.fork:k")
+    assert ref.exit_code == 2 and "backend 'reference' runs mxcli's torch reference" in ref.stderr
+
+
+@pytest.mark.slow
+def test_verify_suite_with_the_forks_through_the_cli(tmp_path: Path) -> None:
+    good = write_prefill_fork(tmp_path / "src", "mxfork_suite_good")
+    swap = write_prefill_fork(tmp_path / "src", "mxfork_suite_swap", "swap")
+    args = [
+        "verify",
+        "--suite",
+        "quick",
+        "--backend",
+        "sim",
+        "--kernel-path",
+        tmp_path / "src",
+        "--json",
+    ]
+    case = ["--case", "prefill/softmax-e16*"]
+    ok = _mxcli(*args, "--kernel", good, *case, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stdout[-2000:] + ok.stderr[-2000:]
+    report = json.loads(ok.stdout)
+    assert report["nki_kernels"][PREFILL]["kernel"] == good
+    bad = _mxcli(*args, "--kernel", swap, *case, cwd=tmp_path)
+    assert bad.returncode == 1
+    failed = [t for c in json.loads(bad.stdout)["cases"] for t in c["tensors"] if not t["passed"]]
+    assert [t["name"] for t in failed] == ["expert_index"]
+    assert f"first mismatch at [{SWAP_TOKEN}, 0]" in failed[0]["message"]
+    # the bwd cases of the suite are not this kernel's: skipped, not failed
+    both = _mxcli(*args, "--kernel", good, "--case", "*norm-only-h512", cwd=tmp_path)
+    assert both.returncode == 0
+
+
+@pytest.mark.skipif(not NKILIB_IMPORTABLE, reason="AWS's nki-library (nkilib) is not importable")
+@pytest.mark.slow
+def test_real_nkilib_prefill_passes_the_quick_suite(tmp_path: Path) -> None:
+    proc = _mxcli(
+        "verify",
+        "--suite",
+        "quick",
+        "--backend",
+        "sim",
+        "--kernel",
+        "nkilib",
+        "--case",
+        "prefill/*",
+        "--json",
+        cwd=tmp_path,
+    )
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 0, [c for c in report["cases"] if not c["passed"]]
+    assert report["nki_kernels"][PREFILL]["module"].startswith("nkilib.")
+    skipped = [c for c in report["cases"] if c["skipped"]]
+    # NOAUX_TC + pack_affinities: refused by nkilib, reported as not supported
+    assert all("not supported by this kernel" in c["skipped"] for c in skipped)
+
+
+def test_profile_compares_two_kernels_side_by_side(tmp_path: Path, cli) -> None:
+    spec = write_prefill_fork(tmp_path / "src", "mxfork_profile")
+    trace = tmp_path / "pf.json"
+    args = ["profile", "prefill", "--tokens", "128", "--hidden", "512", "--experts", "16",
+            "--top-k", "2", "--router-act", "softmax", "--lnc", "1", "--kernel-path", str(tmp_path / "src"),
+            "--kernel", "mxcli", "--kernel", spec, "--trace", str(trace)]  # fmt: skip
+    res = cli(*args, "--json")
+    assert res.exit_code == 0, res.stderr
+    out = json.loads(res.stdout)
+    first, second = out["profiles"]
+    assert first["nki_kernel"]["kernel"] == "mxcli" and second["nki_kernel"]["kernel"] == spec
+    # the fork runs mxcli's kernel: the same instruction stream, so the same estimate
+    rows = out["comparison"]["kernels"]
+    assert [r["kernel"] for r in rows] == ["mxcli", spec]
+    assert rows[1]["schedule_ratio"] == pytest.approx(1.0) and rows[0]["schedule_ratio"] == 1.0
+    traces = [Path(p["trace"]) for p in out["profiles"]]
+    assert [t.name for t in traces] == [
+        "pf.1-mxcli.json",
+        f"pf.2-{spec.replace('.', '_').replace(':', '_')}.json",
+    ]
+    for t in traces:
+        assert json.loads(t.read_text())["traceEvents"]
+    again = cli(*args)  # the traces exist: refused without --force, before any work
+    assert again.exit_code == 2 and "--force" in again.stderr

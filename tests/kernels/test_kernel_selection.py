@@ -1,0 +1,330 @@
+"""``--kernel mxcli|nkilib|MODULE:FUNCTION`` (issue 20): parsing, loading, the launch adapted to
+a third-party kernel, and third-party kernels written at test time (a fork of mxcli's NKI kernel
+under another module path, and mutated forks with one deliberate bug each) that verify must
+pass and fail, naming the tensor and the index. Fresh processes where the CLI is the subject."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import hashlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from mxcli.errors import InputError
+from mxcli.kernels import selection
+from mxcli.kernels.selection import KernelChoice, KernelLoadError, KernelUnsupportedError
+from tests.kernels.forks import SCALE_TOKEN, SWAP_TOKEN, write_prefill_fork
+
+PREFILL, BWD = selection.PREFILL, selection.BWD
+NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
+
+
+def _inputs(**params):
+    import mxcli.inputs as inputs
+    from mxcli.kernels.spec import get_spec
+
+    ki = inputs.make_prefill_inputs(**params)
+    return ki.tensors, get_spec(PREFILL).resolve_kwargs(ki.kwargs)
+
+
+def _run(tensors, kwargs, backend="sim", nki_kernel=None):
+    from mxcli.runs import run_kernel
+
+    return run_kernel(PREFILL, tensors, kwargs, backend=backend, nki_kernel=nki_kernel)
+
+
+@pytest.fixture(scope="module")
+def forks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KernelChoice]:
+    root = tmp_path_factory.mktemp("forks")
+    specs = {
+        "good": write_prefill_fork(root, "mxfork_good"),
+        "scale": write_prefill_fork(root, "mxfork_scale", "scale"),
+        "swap": write_prefill_fork(root, "mxfork_swap", "swap"),
+    }
+    return {k: selection.parse_kernel(v, PREFILL, root) for k, v in specs.items()}
+
+
+# ---- parsing and loading ------------------------------------------------------------------
+
+
+def test_parse_kernel_forms(tmp_path: Path) -> None:
+    assert selection.parse_kernel(None, PREFILL).is_own
+    own = selection.parse_kernel("mxcli", BWD)
+    assert (own.kind, own.kernel) == ("mxcli", BWD)
+    nk = selection.parse_kernel("nkilib", PREFILL)
+    assert (nk.kind, nk.module, nk.function) == (
+        "nkilib",
+        "nkilib.core.rmsnorm",
+        "rmsnorm_mx_prefill",
+    )
+    mod = selection.parse_kernel("my.fork:kern", BWD, tmp_path)
+    assert (mod.kind, mod.module, mod.function, mod.path) == (
+        "module",
+        "my.fork",
+        "kern",
+        str(tmp_path),
+    )
+    for bad in ("my.fork", "my fork:k", "pkg:", ":fn", "a..b:c"):
+        with pytest.raises(InputError, match="expected mxcli, nkilib or MODULE:FUNCTION"):
+            selection.parse_kernel(bad, PREFILL)
+    with pytest.raises(InputError, match="is not a folder"):
+        selection.parse_kernel("nkilib", PREFILL, tmp_path / "missing")
+
+
+def test_missing_module_is_one_line_naming_how_to_install() -> None:
+    choice = selection.parse_kernel("mxcli_no_such_fork.prefill:rmsnorm_mx_prefill", PREFILL)
+    with pytest.raises(KernelLoadError) as exc:
+        selection.load(choice)
+    msg = str(exc.value)
+    assert "'mxcli_no_such_fork' is not importable" in msg and "PYTHONPATH" in msg
+    assert "\n" not in msg
+
+
+def test_describe_names_module_file_and_sha256(forks: dict[str, KernelChoice]) -> None:
+    info = selection.describe(forks["good"])
+    path = Path(info["file"])
+    assert path.name == "prefill.py" and path.parent.name == "mxfork_good"
+    assert info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert (info["kernel"], info["name"], info["module"]) == (
+        forks["good"].spec,
+        "rmsnorm_mx_prefill",
+        "mxfork_good.prefill",
+    )
+    own = selection.describe(selection.parse_kernel("mxcli", PREFILL))
+    assert own["module"] == "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel" and own["sha256"]
+
+
+def test_git_commit_is_read_from_the_checkout(tmp_path: Path) -> None:
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+    (tmp_path / "pkg").mkdir()
+    f = tmp_path / "pkg" / "k.py"
+    f.write_text("")
+    assert selection._git_commit(str(f)) == "0123456789abcdef0123456789abcdef01234567"
+    (git / "refs" / "heads" / "main").unlink()
+    (git / "packed-refs").write_text(
+        "# pack-refs\nfedcba9876543210fedcba9876543210fedcba98 refs/heads/main\n"
+    )
+    assert selection._git_commit(str(f)) == "fedcba9876543210fedcba9876543210fedcba98"
+
+
+def test_reference_backend_refuses_a_third_party_kernel(forks: dict[str, KernelChoice]) -> None:
+    tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
+    with pytest.raises(InputError, match="backend 'reference' runs mxcli's torch reference"):
+        _run(tensors, kwargs, backend="reference", nki_kernel=forks["good"])
+
+
+# ---- the launch adapts to the kernel ------------------------------------------------------
+
+
+def test_fork_runs_with_its_own_enum_and_equals_mxcli_kernel(
+    forks: dict[str, KernelChoice],
+) -> None:
+    # SOFTMAX routes through the fork's own RouterActFnType (by member name), bit for bit
+    tensors, kwargs = _inputs(
+        seq=8, hidden=512, experts=8, top_k=2, seed=3, router_act_fn="SOFTMAX"
+    )
+    mine = _run(tensors, kwargs)
+    fork = _run(tensors, kwargs, nki_kernel=forks["good"])
+    assert fork.nki_kernel is not None and fork.nki_kernel["module"] == "mxfork_good.prefill"
+    assert mine.nki_kernel is not None and mine.nki_kernel["kernel"] == "mxcli"
+    assert fork.uninit_reads == []  # mxcli's kernel writes what it reads
+    assert list(fork.outputs) == list(mine.outputs)
+    for name in mine.outputs:
+        assert torch.equal(
+            fork.outputs[name].view(torch.uint8), mine.outputs[name].view(torch.uint8)
+        ), name
+
+
+def test_mxcli_only_argument_is_refused_by_name(forks: dict[str, KernelChoice]) -> None:
+    tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
+    with pytest.raises(KernelUnsupportedError, match="hidden_interleaved=True"):
+        _run(tensors, {**kwargs, "hidden_interleaved": True}, nki_kernel=forks["good"])
+
+
+def test_known_refusal_is_reported_before_launching() -> None:
+    """nkilib's prefill asserts NOAUX_TC + pack_affinities away; mxcli says so up front."""
+    from mxcli.kernels.rmsnorm_mx_prefill.contract import RouterActFnType
+
+    args = {
+        "router_weights": torch.zeros(1),
+        "router_act_fn": RouterActFnType.NOAUX_TC,
+        "pack_affinities": True,
+    }
+    why = selection._REFUSALS[("nkilib", PREFILL)](args)
+    assert why is not None and "NOAUX_TC with pack_affinities" in why
+    assert selection._REFUSALS[("nkilib", PREFILL)]({**args, "pack_affinities": False}) is None
+
+
+def test_kernel_assert_is_a_refusal_and_hardware_rules_are_not() -> None:
+    from mxcli.nkisim import NkiValidationError
+
+    assert selection.is_kernel_refusal(
+        AssertionError("[INTERNAL_ERROR] Kernel validation exception: x")
+    )
+    assert not selection.is_kernel_refusal(NkiValidationError("nc_matmul: stationary too wide"))
+    text = "[INTERNAL_ERROR] [NCC_INKI016] Kernel validation exception: top_k (9) must be <= 8 - Please check"
+    assert selection._short(text) == "top_k (9) must be <= 8"
+
+
+# ---- the bwd config as the module's own class -----------------------------------------------
+
+
+class _Opt(enum.Enum):
+    SHARD_ON_FREE = 0
+    SHARD_ON_HIDDEN = 1
+
+
+class _Quant(enum.Enum):
+    WRAPX = "wrapX"
+    _1x32 = "1x32"
+
+
+@dataclasses.dataclass
+class _TheirPhase:
+    """A module's own phase config: mxcli's fields it has, by name, and one it lacks (tile_n)."""
+
+    M: int = 0
+    tile_k: int | None = None
+    quant_scheme: _Quant = _Quant.WRAPX
+    enable_scale_packing: bool = False
+    spill_reload: bool = False
+
+
+@dataclasses.dataclass
+class _TheirConfig:
+    shard_option: _Opt = _Opt.SHARD_ON_FREE
+    accumulate_hidden_states_grad: bool = True
+    phase1_config: _TheirPhase = dataclasses.field(default_factory=_TheirPhase)
+    phase2_config: _TheirPhase = dataclasses.field(default_factory=_TheirPhase)
+    phase3_config: _TheirPhase = dataclasses.field(default_factory=_TheirPhase)
+    phase4_config: _TheirPhase = dataclasses.field(default_factory=_TheirPhase)
+
+
+def test_module_config_rebuilds_fields_by_name_and_names_a_missing_one() -> None:
+    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
+    from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig
+
+    theirs = selection._rebuild(MXFP8MOEBwdConfig(), _TheirConfig, "config")
+    assert isinstance(theirs, _TheirConfig)
+    # enums by member name into the module's own enum; mxcli's values, not the module's defaults
+    assert theirs.shard_option is _Opt.SHARD_ON_FREE
+    assert theirs.accumulate_hidden_states_grad is False
+    p1 = theirs.phase1_config  # mxcli fills the phase configs: rebuilt as the module's class
+    assert isinstance(p1, _TheirPhase) and (p1.enable_scale_packing, p1.spill_reload) == (
+        True,
+        True,
+    )
+    nested = MXFP8MOEBwdConfig(phase1_config=MatmulMxfp8KernelConfig(tile_k=256))
+    built = selection._rebuild(nested, _TheirConfig, "config").phase1_config
+    assert (built.tile_k, built.quant_scheme) == (256, _Quant.WRAPX)
+    with pytest.raises(
+        KernelUnsupportedError, match=r"config\.phase1_config\.tile_n: .*no field tile_n"
+    ):
+        selection._rebuild(
+            MXFP8MOEBwdConfig(phase1_config=MatmulMxfp8KernelConfig(tile_n=128)),
+            _TheirConfig,
+            "config",
+        )
+    with pytest.raises(
+        KernelUnsupportedError, match=r"config\.single_expert_dense: .*no field single_expert_dense"
+    ):
+        selection._rebuild(
+            MXFP8MOEBwdConfig(single_expert_dense=False, accumulate_hidden_states_grad=True),
+            _TheirConfig,
+            "config",
+        )
+
+
+# ---- verify: the fork passes, the mutated forks fail naming tensor and index ----------------
+
+
+def test_mutated_forks_fail_naming_the_tensor_and_the_index(forks: dict[str, KernelChoice]) -> None:
+    from mxcli.verification.policy import compare_outputs
+
+    tensors, kwargs = _inputs(
+        seq=8, hidden=512, experts=8, top_k=2, seed=3, router_act_fn="SOFTMAX"
+    )
+    ref = _run(tensors, kwargs, backend="reference").outputs
+    geometry = {"hidden": 512, "num_experts": 8}
+    good = compare_outputs(
+        PREFILL, _run(tensors, kwargs, nki_kernel=forks["good"]).outputs, ref, kwargs, **geometry
+    )
+    assert all(r.passed for r in good), [str(r) for r in good if not r.passed]
+    for which, tensor, index in (
+        ("scale", "norm_quant_packed.scales", [SCALE_TOKEN, 0]),
+        ("swap", "expert_index", [SWAP_TOKEN, 0]),
+    ):
+        reports = compare_outputs(
+            PREFILL, _run(tensors, kwargs, nki_kernel=forks[which]).outputs, ref, kwargs, **geometry
+        )
+        failed = {r.name: r for r in reports if not r.passed}
+        assert tensor in failed, (which, sorted(failed))
+        assert f"first mismatch at {index}" in failed[tensor].message
+        assert "norm_quant_packed.codes" not in failed  # one deliberate bug, nothing else
+
+
+def test_neuron_backend_names_the_chosen_kernel_when_unavailable(
+    forks: dict[str, KernelChoice],
+) -> None:
+    from mxcli.kernels import nki_runtime
+    from mxcli.kernels.backends import BackendUnavailableError
+
+    if nki_runtime.neuron_unavailable_reason() is None:
+        pytest.skip("a Trainium host: the neuron backend can run")
+    from mxcli.kernels.blockwise_moe import nki_backend as bwd_backend
+    from mxcli.kernels.rmsnorm_mx_prefill import nki_backend
+
+    tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
+    # the same launch path as mxcli's kernels: detection first, naming the chosen kernel
+    fork = r"mxfork_good\.prefill:rmsnorm_mx_prefill's rmsnorm_mx_prefill"
+    with pytest.raises(BackendUnavailableError, match=rf"cannot run {fork} here: missing .*nki"):
+        nki_backend.run_neuron(**tensors, **kwargs, kernel=forks["good"])
+    with pytest.raises(
+        BackendUnavailableError, match=r"cannot run nkilib's blockwise_mm_bwd_mxfp8"
+    ):
+        bwd_backend.run_neuron(*([None] * 7), kernel="nkilib")
+
+
+def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -> None:
+    """The bwd launch: API argument names, int32 ids, num_valid_tokens as a [1] tensor, and
+    mxcli's MXFP8MOEBwdConfig rebuilt as the module's own class (its kernel asserts on it)."""
+    import mxcli.inputs as inputs
+    from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.spec import get_spec
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
+    ki = inputs.make_bwd_inputs(
+        tokens=128,
+        hidden=256,
+        intermediate=128,
+        experts=1,
+        top_k=1,
+        block_size=128,
+        dense=True,
+        seed=2,
+    )
+    kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
+    cfg = kw.pop("config")
+    with selection.recording() as launches:
+        out = blockwise_mm_bwd_mxfp8(
+            **ki.tensors, **kw, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
+        )
+    assert [tuple(o.shape) for o in out] == [(128, 256), (128, 1), (1, 256, 2, 128), (1, 128, 256)]
+    assert out[1][:2, 0].tolist() == [128.0, 100.0]  # block_size and num_valid_tokens arrived
+    assert launches and launches[0].kernel["module"] == "mxbwd_third.bwd"
+    # a field the module lacks, set away from mxcli's default, is an error naming it
+    with pytest.raises(KernelUnsupportedError, match=r"config\.fast_dma_transpose: .*no field"):
+        fast = dataclasses.replace(cfg, fast_dma_transpose=True)
+        blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, config=fast, backend="sim", kernel=spec)
+    # the kernel's own assert on a config value it refuses: "not supported", not a crash
+    with pytest.raises(KernelUnsupportedError, match="refused this launch: no skipped init"):
+        skip = dataclasses.replace(cfg, skip_grad_initialization=True)
+        blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, config=skip, backend="sim", kernel=spec)
