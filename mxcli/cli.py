@@ -33,14 +33,15 @@ _ABORTS: tuple[type[BaseException], ...] = (typer.Abort, *_exception_classes("Ab
 
 # The commands in the order of the user's journey: `mxcli --help` lists them so.
 JOURNEY = ("prep-weights", "make-inputs", "run-prefill", "run-bwd", "verify", "inspect",
-           "profile", "demo")  # fmt: skip
+           "profile", "demo", "emulate")  # fmt: skip
 
 app = typer.Typer(
     name="mxcli",
     cls=journey_group(JOURNEY),
     help="MXFP8 MoE kernels for AWS Trainium: prepare weights, run kernels, verify outputs.\n\n"
     "In journey order: prep-weights, make-inputs, run-prefill / run-bwd, verify; inspect and "
-    "profile look inside; demo runs it all on tiny models.",
+    "profile look inside; demo runs it all on tiny models; emulate measures what MXFP8 does "
+    "to a training loss.",
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
@@ -67,6 +68,7 @@ def _root(
 
 # Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
 from mxcli.commands import demo as _demo  # noqa: E402
+from mxcli.commands import emulate as _emulate  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
 from mxcli.commands import make_inputs as _make_inputs  # noqa: E402
 from mxcli.commands import prep_weights  # noqa: E402
@@ -81,6 +83,7 @@ app.command("run-prefill", cls=PlainCommand)(_run.run_prefill)
 app.command("run-bwd", cls=PlainCommand)(_run.run_bwd)
 app.command("verify", cls=PlainCommand)(_verify.verify)
 app.command("inspect", cls=PlainCommand)(_inspect.inspect)
+app.command("emulate", cls=PlainCommand)(_emulate.emulate)
 app.add_typer(_profile.app, name="profile")
 app.command("demo", cls=PlainCommand)(_demo.demo)
 

@@ -26,7 +26,7 @@ from mxcli.kernels.spec import read_kernel_file as read_file
 _MAIN = "import sys; from mxcli.cli import main; sys.argv = ['mxcli', *sys.argv[1:]]; main()"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07")
 JOURNEY = ["prep-weights", "make-inputs", "run-prefill", "run-bwd", "verify", "inspect",
-           "profile", "demo"]  # fmt: skip
+           "profile", "demo", "emulate"]  # fmt: skip
 
 
 def _env(columns: int | None = None) -> dict[str, str]:

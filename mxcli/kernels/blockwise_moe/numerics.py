@@ -7,7 +7,10 @@ run the same code path.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,7 @@ __all__ = [
     "Grouping",
     "Numerics",
     "as_emulate",
+    "mx_rule",
     "clamp_masks",
     "ordered_scatter",
     "silu",
@@ -54,6 +58,24 @@ def as_emulate(emulate: Emulate | str) -> Emulate:
     return coerce_enum(
         Emulate, emulate, "emulate", expected="'kernel' or 'exact'", error=BwdValidationError
     )
+
+
+# Scale rule of every `Numerics.q` in kernel mode: the device's NEURON rule unless a study
+# (`mxcli.emulate`) asks for OCP's, or for None = no MX quantization (the same chain with every
+# bf16 rounding point kept: a like-for-like bf16 baseline). Not part of the device contract.
+_MX_RULE: contextvars.ContextVar[ScaleRule | None] = contextvars.ContextVar(
+    "mxcli_mx_rule", default=ScaleRule.NEURON
+)
+
+
+@contextlib.contextmanager
+def mx_rule(rule: ScaleRule | None) -> Iterator[None]:
+    """Within the block, kernel-mode quantization uses `rule` (None: operands pass unquantized)."""
+    token = _MX_RULE.set(rule)
+    try:
+        yield
+    finally:
+        _MX_RULE.reset(token)
 
 
 Chunks = tuple[tuple[int, int], ...]
@@ -130,7 +152,8 @@ class Numerics:
 
     def q(self, x: torch.Tensor, axis: int, grouping: Grouping) -> torch.Tensor:
         """MXFP8 quantize-dequantize along the contraction `axis` (fp32 result); exact: fp32 copy."""
-        if self.exact:
+        rule = _MX_RULE.get()
+        if self.exact or rule is None:
             return x.to(torch.float32)
         if (
             x.dtype == torch.bfloat16
@@ -145,7 +168,7 @@ class Numerics:
             x,
             axis,
             elem=ElemFormat.E4M3FN,
-            rule=ScaleRule.NEURON,
+            rule=rule,
             scheme=grouping.scheme,
             tile_k=grouping.tile_k,
             chunks=None if grouping.chunks is None else list(grouping.chunks),
