@@ -16,7 +16,7 @@ from rich.progress import (
 )
 
 from mxcli.weightprep.plan import Plan
-from mxcli.weightprep.runner import Reporter
+from mxcli.weightprep.reporter import Reporter
 
 
 def _gb(n: float) -> str:

@@ -46,6 +46,7 @@ from mxcli.weightprep.manifest import (
     read_manifest_json,
 )
 from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
+from mxcli.weightprep.reporter import Reporter
 from mxcli.weightprep.shards import Shard, describe, partition
 from mxcli.weightprep.writer import write_index, write_json
 
@@ -54,18 +55,6 @@ LOCK_NAME = ".prep-weights.lock"
 # --force), shared by --resume runs, which may share it on disjoint --layers
 RUN_LOCK_NAME = ".prep-weights.run.lock"
 _BUSY = "another prep-weights run is writing this folder (--resume runs may share it)"
-
-
-class Reporter:
-    """Progress callbacks; the CLI passes one that drives a rich progress bar on stderr."""
-
-    def start(self, plan: Plan, layers: list[int], skipped: list[int]) -> None: ...
-
-    def advance(self, nbytes: int) -> None: ...
-
-    def layer_done(self, layer: int, record: dict[str, Any]) -> None: ...
-
-    def finish(self) -> None: ...
 
 
 # -- source hashing -----------------------------------------------------------------------------

@@ -25,8 +25,8 @@ def check_export(plan: Any) -> None:
 
 def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
     """Write `plan` in its ``options.output_format``; the result as a JSON-able dict.
-    `reporter` (a `mxcli.weightprep.runner.Reporter`) gets the bf16 expert bytes as they go."""
-    from mxcli.weightprep.runner import Reporter
+    `reporter` (a `mxcli.weightprep.reporter.Reporter`) gets the bf16 expert bytes as they go."""
+    from mxcli.weightprep.reporter import Reporter
 
     check_export(plan)  # before the bar starts and before any byte is written
     rep = reporter or Reporter()
