@@ -13,6 +13,7 @@ from typing import Any, overload
 
 import torch
 
+from mxcli import memory
 from mxcli.errors import InputError
 from mxcli.io.kwargs import coerce_enum
 from mxcli.mx.formats import ElemFormat, as_elem_format, as_tensor
@@ -353,9 +354,10 @@ def _run(
     lead = t.shape[:-1]
     x2 = t.reshape(-1, K)
     R = x2.shape[0]
-    codes = torch.empty((R, K), dtype=torch.uint8, device=t.device) if want_codes else None
-    scales = torch.empty((R, K // GROUP_SIZE), dtype=torch.uint8, device=t.device)
-    deq = torch.empty((R, K), dtype=torch.float32, device=t.device) if want_deq else None
+    # fresh outputs written in full: huge pages for large ones (`memory.empty`)
+    codes = memory.empty((R, K), torch.uint8, t.device) if want_codes else None
+    scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, t.device)
+    deq = memory.empty((R, K), torch.float32, t.device) if want_deq else None
     fused = _fused_kernels(t)
     if fused is not None:
         segments = _segments(K, scheme, tile_k, chunks)
