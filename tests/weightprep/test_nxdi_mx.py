@@ -192,7 +192,7 @@ def test_mx_divisibility_refused_by_the_cli(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr and not out.exists()
 
 
-def test_verify_catches_a_missing_scale_key(src: Path, tmp_path: Path) -> None:
+def test_verify_catches_a_missing_scale_key_and_a_wrong_scale(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "nx"
     prepare_weights(src, out, PrepOptions(output_format="nxdi", formats=("mxfp8",), tp=2))
     f = out / NX.RANK_FILE.format(rank=1)
@@ -203,3 +203,12 @@ def test_verify_catches_a_missing_scale_key(src: Path, tmp_path: Path) -> None:
     r = CliRunner().invoke(app, ["verify", "--checkpoint", str(out), "--against", str(src)])
     assert r.exit_code == 1
     assert f"missing: {NX.RANK_FILE.format(rank=1)}: {key}" in r.stdout
+    f0 = out / NX.RANK_FILE.format(rank=0)
+    t = _tensors(f0)
+    skey = NX.MX_SCALE_KEY.format(l=0, proj="gate_up_proj")
+    t[skey][0, 0, 0, 0, 0] += 1  # one group's values doubled
+    save_file(t, str(f0))
+    r = CliRunner().invoke(app, ["verify", "--checkpoint", str(out), "--against", str(src)])
+    assert r.exit_code == 1
+    gu = NX.GATE_UP_KEY.format(l=0)
+    assert f"wrong: {NX.RANK_FILE.format(rank=0)}: {gu}: codes or scales differ" in r.stdout
