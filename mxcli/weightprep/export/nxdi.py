@@ -298,6 +298,9 @@ def nxdi_facts(plan: Any) -> dict[str, Any]:
         facts["mx"] = {
             "weight_dtype": "F8E4M3FN_X4 (uint32: 4 E4M3FN codes, byte j = element j)",
             "scale_dtype": "F8E8M0 (uint8), value 2^(byte - 127)",
+            "scale_rule_note": "NxD decodes any byte as 2^(byte - 127) and records no rule "
+            "(transform_weights.py, dequantize.py); its own MXFP8 quantizer uses OCP's "
+            "(mx_torch.py quantize_mxfp8); this export's rule is in result.fp8",
             "groups": "32 consecutive elements along the contraction axis (H for gate_up, I "
             "for down)",
             "router_h_order": "shuffled (shuffle_hidden_dim)",
