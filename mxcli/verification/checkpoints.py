@@ -324,24 +324,31 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
 
 
 def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
-    """An nxdi export: keys and shapes per rank file, every expert slice and router bit-exact."""
-    from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, st_dtype, torch_dtype
+    """An nxdi export: keys and shapes per rank file; bf16 experts and the router bit-exact; MX
+    experts decoded from NxD's layout, their SQNR against the source, and their codes and scales
+    equal to mxcli's MXFP8 of the source under the recorded scale rule and range."""
+    from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, st_dtype
     from mxcli.weightprep.export.folder import read_sidecar
     from mxcli.weightprep.export.nxdi import (
         DOWN,
         GATE_UP,
         ROUTER,
         expected_tensors,
+        is_mx,
         rank_file,
         rank_slices,
+        router_tensor,
+        world_ranks,
     )
 
     side = read_sidecar(out) or {}
     s = side.get("settings", {})
     layers = side.get("model", {}).get("moe_layers")
     plan = _plan(
-        against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)), formats=("bf16",),
-        output_format="nxdi", layers=",".join(map(str, layers)) if layers else None,
+        against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)),
+        formats=tuple(s.get("formats", ("bf16",))), scale_rule=s.get("scale_rule", "neuron"),
+        fp8_range=int(s.get("fp8_range", 448)), output_format="nxdi",
+        layers=",".join(map(str, layers)) if layers else None,
     )  # fmt: skip
     if plan is None:
         return dict(report.finish())
@@ -349,38 +356,85 @@ def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
         if L not in plan.layers:
             report.fail("missing", f"layer {L}: a MoE layer of the source with no output")
     m, fam = plan.model, plan.model.family
-    ok_ranks = []
+    mx = is_mx(plan)
+    fp8 = plan.options.fp8()
+    ranks = world_ranks(plan)
+    ok: dict[int, set[str]] = {}
     for r, exp in expected_tensors(plan).items():
         path = out / rank_file(r)
         if not path.is_file():
-            rk = plan.ranks[r]
+            rk = ranks[r]
             report.fail("missing", f"{rank_file(r)} (experts {rk.expert_range[0]}-"
                                    f"{rk.expert_range[1] - 1}, I {rk.i_range[0]}-{rk.i_range[1] - 1})")  # fmt: skip
             continue
-        if len(compare_keys(report, exp, _headers(path), f"{rank_file(r)}: ")) == len(exp):
-            ok_ranks.append(r)
+        ok[r] = set(compare_keys(report, exp, _headers(path), f"{rank_file(r)}: "))
     ckpt = Checkpoint(against)
     with ckpt.reader() as rd:
-        for r in ok_ranks:
-            rk = plan.ranks[r]
+        for r, good in ok.items():
+            rk = ranks[r]
+            where = f"{rank_file(r)}: "
             with open_safetensors(out / rank_file(r)) as f:
                 for L in plan.layers:
                     p = plan.layer_prefix(L)
                     e0, e1 = rk.expert_range
                     gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
                     gu_r, dn_r = rank_slices(gu, dn, *rk.i_range)
-                    ref_router = rd.get(p + fam.router_weight)
-                    for name, ref in (
-                        (GATE_UP.format(l=L), gu_r),
-                        (DOWN.format(l=L), dn_r),
-                        (ROUTER.format(l=L), ref_router.to(torch_dtype(plan.router_dtype))),
-                    ):
+                    exact = {ROUTER.format(l=L): router_tensor(plan, rd.get(p + fam.router_weight))}
+                    if not mx:
+                        exact.update({GATE_UP.format(l=L): gu_r, DOWN.format(l=L): dn_r})
+                    for name, ref in exact.items():
+                        if name not in good:
+                            continue
                         got = f.get_tensor(name)
                         same = st_dtype(got.dtype) == st_dtype(ref.dtype) and torch.equal(
                             got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
                         )
-                        report.numeric(f"{rank_file(r)}: {name}", same, None, True)
+                        report.numeric(where + name, same, None, True)
+                    if mx:
+                        _verify_nxdi_mx(report, f, where, L, gu_r, dn_r, fp8, good)
     return dict(report.finish(family=fam.name, layers=plan.layers, ranks=len(plan.ranks)))
+
+
+def _verify_nxdi_mx(
+    report: _Report, f: Any, where: str, L: int, gu_r: torch.Tensor, dn_r: torch.Tensor,
+    fp8: Any, good: set[str],
+) -> None:  # fmt: skip
+    """One layer's MX experts of one rank file, decoded from NxD's layout."""
+    from mxcli.mx import dequantize_mx
+    from mxcli.weightprep.export.nxdi import (
+        DOWN,
+        DOWN_SCALE,
+        GATE_UP,
+        GATE_UP_SCALE,
+        mx_down_codes,
+        mx_gate_up_codes,
+        quantize_rank,
+    )
+
+    gc, gs, dc, ds, _ = quantize_rank(gu_r, dn_r, fp8)
+    for key, skey, unlay, src, want in (
+        (GATE_UP, GATE_UP_SCALE, mx_gate_up_codes, gu_r, (gc, gs)),
+        (DOWN, DOWN_SCALE, mx_down_codes, dn_r, (dc, ds)),
+    ):
+        name, sname = key.format(l=L), skey.format(l=L)
+        if name not in good or sname not in good:
+            continue  # a missing or misshapen key is already reported
+        codes, scales = unlay(f.get_tensor(name), f.get_tensor(sname))
+        over = _over_range(codes, fp8.max)
+        if over:
+            report.fail(
+                "wrong", f"{where}{name}: {over} FP8 codes beyond the declared +-{fp8.max:g}"
+            )
+        if not (torch.equal(codes, want[0]) and torch.equal(scales, want[1])):
+            # the quantizer is deterministic: other bytes mean another rule, range or layout
+            report.fail(
+                "wrong",
+                f"{where}{name}: codes or scales differ from MXFP8 of the source "
+                f"(scale rule {fp8.scale_rule}, +-{fp8.max:g})",
+            )
+        got = dequantize_mx(codes, scales, axis=1)
+        exact, db = _sqnr(got.to(torch.bfloat16), src)
+        report.numeric(where + name, exact, db, False)
 
 
 def format_report(rep: dict[str, Any]) -> str:

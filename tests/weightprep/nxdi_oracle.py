@@ -40,6 +40,84 @@ MX_H_TILE = 512
 SHUFFLE_VIEW = ("H/4", 4)
 # :689: moe_tp_degree = tp_degree // moe_ep_degree (the MoE TP x EP ranks make the world).
 
+# -- The MX layout (same commit; mx_layout_transform.py unless named) ---------------------------
+# :13-15: PMAX 128, Q_WIDTH 4, Q_HEIGHT 8. :81-92 (convert_gate_up_proj_fp4): gate and up are
+# [E, H/4, I] words, each packing 4 consecutive H; :163 and :555: codes per word = Q_WIDTH.
+# :176-192, :223-235, :252-253 (_tile_transpose_concat_gate_up_weight): view [E, H/512, 16, 8,
+# 1, tp, nIt, qbI, 8, 4] -> permute to [E, 16, 8, concat, H/512, tp, nIt, 4(Q_WIDTH_I), qbI,
+# 8(Q_HEIGHT_I)], gate then up on the concat axis -> [E, 128, 2, H/512, tp * I_tp]: word
+# [e, p, g, t, col] packs H 512t + 4p + j (j = 0..3), and within a rank's I tile of size T the
+# position qw * T/4 + qb * 8 + qh holds tile element qb * 32 + qh * 4 + qw.
+# :266-278, :305-315, :329-330 (_tile_transpose_concat_gate_up_scale): [E, 16, 2, H/512,
+# tp * I_tp], byte [e, b, g, t, col] of H block 16t + b, the same column order.
+# :494-500 (convert_down_proj_fp4): down is [E, I/4, H] words, each 4 consecutive I.
+# :576-586 (tile_transpose_down_proj_for_mxfp4_kernel, shuffle_output_hidden False): view
+# [E, tp, nIt, qbI, 8, H] -> permute [E, tp, qbI, 8, nIt, H] -> [E, tp * T/4, nIt, H]: word
+# [e, k, t, h] of a rank packs I tT + 4k + j; scale [E, tp * T/32, nIt, H], byte of I block
+# tT/32 + b. :146-156: nIt = I_tp / 512 above 512, else 1 (T = I_tp).
+# :761-762: the keys are "...mlp_op.{proj}.weight" and "...mlp_op.{proj}.scale".
+# models/config.py:229-233: is_hidden_dim_shuffled = is_intermediate_dim_shuffled =
+# is_mxfp4_compute; is_full_model_shuffled defaults to False (down's output H stays in order).
+MX_ROWS_PER_H_TILE = 128  # 512 H / 4 per word
+MX_SCALE_KEY = "layers.{l}.mlp.expert_mlps.mlp_op.{proj}.scale"
+MX_WEIGHT_DTYPE = "U32"
+MX_SCALE_DTYPE = "U8"
+
+# aws-neuron/neuronx-distributed@fbac349b (src/neuronx_distributed/...), the MX dtypes:
+# quantization/quantization_config.py:107-109: F4E2M1FN_X4 = uint16, F8E4M3FN_X4 = uint32;
+# :125-129: 4 codes per word for both; :134: F8E8M0 scales are uint8; :241-256
+# (is_ocp_mx_quantized): blockwise, F4E2M1FN_X4 / F8E4M3FN_X4 / F8E5M2_X4, F8E8M0 scales.
+# quantization/quantization_layers.py:1086-1112: the expert column-parallel MX weight is
+# (E, in_tile/4, 2, in/in_tile, out_pp * 4 / 2) with stride 1, partitioned on dim 4;
+# :1289-1315: the row-parallel one (E, in_tile_pp/4, in_pp/in_tile_pp, out * 4), on dim 1;
+# :145-150: the last dim is divided by the codes per word.
+# quantization/microscaling/transform_weights.py:253-322 (get_mxfp8_tensor_from_uint32): byte j
+# (bits 8j) of a word is element j (:299-310), an E4M3FN code (:258), scaled by 2^(byte - 127)
+# (:278, :312).
+# modules/moe/moe_fused_tkg_mx.py:119-122: the fused TKG MX wrapper reinterprets the expert
+# weights as float4_e2m1fn_x4; modules/moe/blockwise.py:1176-1253 (BlockwiseMatmulMXNKIFunc) calls
+# nkilib's bwmm_shard_on_block_mx, which takes float8_e4m3fn_x4 weights
+# (aws-neuron/nki-library@d2ad3a57, src/nkilib_src/nkilib/core/moe/moe_cte/
+# bwmm_shard_on_block_mx.py:134-137).
+FP8_WORD_BYTE_ORDER = "little"  # byte j = element j
+
+# World rank -> (ep_rank, tp_rank) for MoE, same NxD commit:
+# modules/moe/moe_process_group.py:22-33: the MoE groups come from
+# initialize_model_parallel(tp=moe_tp, ep=moe_ep, mesh_only=True);
+# parallel_layers/parallel_state.py:620-628: cluster_ranks_exp = arange(world).reshape(PP,
+# DP_exp, EP, TP), TP contiguous; :155-162: an EP group is cluster_ranks_exp[pp, dp, :, tp];
+# trace/trace.py:783, parallel_state.py:978-996: a rank's ep_rank is its index in its EP group;
+# trace.py:801: its TP piece is rank % tp; parallel_state.py:1025-1028: ep_rank holds experts
+# [ep_rank * E/ep, (ep_rank + 1) * E/ep).
+
+
+def world_rank(ep_rank: int, tp_rank: int, tp: int) -> int:
+    return ep_rank * tp + tp_rank
+
+
+def mx_i_tile(i_tp: int) -> int:
+    return MX_I_RULE["tile"] if i_tp > MX_I_RULE["tile"] else i_tp
+
+
+def gate_up_word_position(h: int, i: int, i_tp: int) -> tuple[int, int, int, int]:
+    """(p, t, col, byte) of H index `h` and rank-local I index `i` in gate_up's MX weight."""
+    tile = mx_i_tile(i_tp)
+    t, hh = divmod(h, MX_H_TILE)
+    p, j = divmod(hh, 4)
+    it, m = divmod(i, tile)
+    qb, r = divmod(m, 32)
+    qh, qw = divmod(r, 4)
+    return p, t, it * tile + qw * (tile // 4) + qb * 8 + qh, j
+
+
+def down_word_position(i: int, h: int, i_tp: int) -> tuple[int, int, int, int]:
+    """(k, t, h, byte) of rank-local I index `i` and H index `h` in down's MX weight."""
+    tile = mx_i_tile(i_tp)
+    t, m = divmod(i, tile)
+    k, j = divmod(m, 4)
+    return k, t, h, j
+
+
 # How a rank's slice is cut, from aws-neuron/neuronx-distributed at commit
 # fbac349b61a3adbb123c2983835af692840ff62f (src/neuronx_distributed/...):
 # modules/moe/experts.py:94-111: gate_up_proj is an ExpertFusedColumnParallelLinear with

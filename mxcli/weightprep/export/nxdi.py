@@ -1,35 +1,60 @@
 """``--output-format nxdi``: the MoE weights in NxD Inference's key names and layouts, one file
-per rank.
+per rank, in bf16 or in NxD's MX layout (MXFP8 codes).
 
-Facts taken from aws-neuron/neuronx-distributed-inference (commit 4bcdc54b; the tests hold them,
-with file:line, in ``tests/weightprep/nxdi_oracle.py``):
+Facts taken from aws-neuron/neuronx-distributed-inference (NxDI, commit 4bcdc54b) and
+aws-neuron/neuronx-distributed (NxD, commit fbac349b); the tests hold them, with file:line, in
+``tests/weightprep/nxdi_oracle.py``:
 
 - experts: ``layers.{l}.mlp.expert_mlps.mlp_op.gate_up_proj.weight [E, H, 2I]``, gate half first
   (``[..., :I]`` = gate_proj.T, ``[..., I:]`` = up_proj.T) and
   ``layers.{l}.mlp.expert_mlps.mlp_op.down_proj.weight [E, I, H]`` (down_proj.T);
   router ``layers.{l}.mlp.router.linear_router.weight [E, H]`` (the HF gate weight, unchanged)
-  (models/qwen3_moe/modeling_qwen3_moe.py);
+  (NxDI models/qwen3_moe/modeling_qwen3_moe.py);
 - pre-sharded checkpoints are ``weights/tp{rank}_sharded_checkpoint.safetensors``
-  (models/application_base.py);
-- its MX path (gpt-oss, models/gpt_oss/mx_layout_transform.py) needs the per-rank I a multiple of
-  512 when above 512, else of 32, and H a multiple of 512 (512-wide H tiles of 128 rows), and
-  permutes the router's H dimension (``shuffle_hidden_dim``: H viewed as [H/4, 4], transposed).
+  (NxDI models/application_base.py), ``rank`` the world rank;
+- ranks: NxD builds the MoE groups from ``arange(world).reshape(PP, DP_exp, EP, TP)`` (TP
+  contiguous; parallel_state.py, through moe_process_group.py), shards a rank's TP piece by
+  ``rank % tp`` and its experts by its place in its EP group, contiguous ``E/ep`` each
+  (trace.py, parallel_state.py get_experts_for_expert_parallel_rank): so world rank
+  ``r = ep_rank * tp + tp_rank``.
 
-The TP slices follow aws-neuron/neuronx-distributed (commit fbac349b): gate_up_proj is an expert
-column-parallel linear with stride 2 (modules/moe/experts.py), so a rank holds the pieces r and
-r + tp of 2I (trace/trace.py create_local_weight): its gate slice, then its up slice; down_proj
-is row-parallel on I. Per rank ``r = ep_rank * tp + tp_rank`` (mxcli's rank order; NxD's
-moe_tp x moe_ep = tp_degree, mx_layout_transform.py; the mapping of world ranks to (tp, ep) is
-mxcli's assumption, not read from NxD), each file holds, per MoE layer, the router (replicated), and its EP range
-of experts with its contiguous TP slice of I: ``gate_up [E/ep, H, 2*I/tp]`` (the rank's gate
-slice, then its up slice) and ``down [E/ep, I/tp, H]``. Experts are bf16, exactly the (dequantized)
-source. Only the MoE tensors are written: attention, embeddings and norms stay with NxDI's own
-conversion of the HF checkpoint.
+bf16 (``--formats bf16``): gate_up is an expert column-parallel linear with stride 2 (NxD
+modules/moe/experts.py; trace/trace.py create_local_weight), so a rank holds its gate slice of I,
+then its up slice; down_proj is row-parallel on I. Each file holds, per MoE layer, the router
+(replicated) and its EP range of experts with its contiguous TP slice of I: ``gate_up
+[E/ep, H, 2*I/tp]`` and ``down [E/ep, I/tp, H]``, exactly the (dequantized) source.
 
-Not written (refused with one line): the MX weight layout itself (NxDI's MXFP4-compute tiling for
-gpt-oss), families with shared experts, expert biases or a router selection bias (their NxDI key
-names are not established here). ``--formats`` with mxfp8 checks the MX path's divisibility rules
-before anything is written, then refuses.
+MX (``--formats mxfp8``, or ``bf16,mxfp8``: the MX tensors, since both cannot share the keys): the
+layout NxDI's MX path writes for gpt-oss (models/gpt_oss/mx_layout_transform.py) and NxD's
+quantized expert layers allocate for an OCP-MX dtype (quantization/quantization_layers.py), with
+``F8E4M3FN_X4`` (uint32, 4 E4M3FN codes) in place of gpt-oss's ``F4E2M1FN_X4``: NxD's layers,
+its dequantizer and nkilib's blockwise MX kernel take both (``is_ocp_mx_quantized``). Per rank,
+with ``T`` the I tile (512, or the per-rank I when at most 512) and ``n = I_tp / T``:
+
+- ``gate_up_proj.weight`` U32 ``[E/ep, 128, 2, H/512, I_tp]``: word ``[e, p, g, t, c]`` packs the
+  codes of H ``512t + 4p + j`` (byte j, little-endian) for gate (g=0) or up (g=1), and ``c`` is
+  the I shuffle: within each I tile, position ``j*T/4 + k`` holds tile element ``4k + j``;
+- ``gate_up_proj.scale`` U8 ``[E/ep, 16, 2, H/512, I_tp]``: the E8M0 byte of H block
+  ``16t + b`` (32 consecutive H), same I order;
+- ``down_proj.weight`` U32 ``[E/ep, T/4, n, H]``: word ``[e, k, t, h]`` packs I ``tT + 4k + j``;
+- ``down_proj.scale`` U8 ``[E/ep, T/32, n, H]``: the byte of I block ``tT/32 + b``;
+- the router in the MX path's H order (``shuffle_hidden_dim``: H viewed as [H/4, 4], transposed),
+  because that path also shuffles o_proj's output (NxDI's own conversion of the other weights);
+  down's output H stays in order (``is_full_model_shuffled`` defaults to False).
+
+Value = E4M3FN(code) * 2^(byte - 127) (NxD transform_weights.py get_mxfp8_tensor_from_uint32),
+whichever rule chose the byte: the scale rule and FP8 range are recorded in the sidecar. The
+per-rank I must be a multiple of 512 above 512, else of 32, and H of 512; checked before any
+byte is written. Only the MoE tensors are written: attention, embeddings and norms stay with
+NxDI's own conversion of the HF checkpoint.
+
+Not written (refused with one line): families with shared experts, expert biases or a router
+selection bias (their NxDI key names are not established here).
+
+Caveat recorded in the sidecar: at NxD fbac349b the blockwise MX path (``BlockwiseMatmulMXNKIFunc``,
+chosen through ``blockwise_matmul_config.blockwise_nki_autograd_cls``; nkilib's
+bwmm_shard_on_block_mx) takes float8_e4m3fn_x4 weights, but the fused token-generation MX
+wrapper (moe_fused_tkg_mx.py) reinterprets them as float4_e2m1fn_x4 only.
 """
 
 from __future__ import annotations
@@ -46,21 +71,35 @@ import torch
 from mxcli import __version__
 from mxcli.errors import InputError
 from mxcli.fsutil import default_mode
+from mxcli.mx import quantize_mx
 from mxcli.weightprep.checkpoint import Checkpoint, torch_dtype
 from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
 from mxcli.weightprep.families import Fused
+from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec
 
 WEIGHTS_DIR = "weights"
 GATE_UP = "layers.{l}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
 DOWN = "layers.{l}.mlp.expert_mlps.mlp_op.down_proj.weight"
+# NxD's quantized layers register the scale as the parameter "scale" beside "weight"
+# (quantization_layers.py), the names NxDI's MX conversion writes (mx_layout_transform.py)
+GATE_UP_SCALE = "layers.{l}.mlp.expert_mlps.mlp_op.gate_up_proj.scale"
+DOWN_SCALE = "layers.{l}.mlp.expert_mlps.mlp_op.down_proj.scale"
 ROUTER = "layers.{l}.mlp.router.linear_router.weight"
 MX_TILE = 512  # NxDI MX path: I tile, and H tile (pmax 128 x q_width 4)
 MX_BLOCK = 32  # NxDI MX path: q_width 4 x q_height 8
+MX_PACK = 4  # codes per F8E4M3FN_X4 word, consecutive along the contraction axis
+RANK_MAPPING = "r = ep_rank * tp + tp_rank (NxD: TP contiguous in world ranks)"
 
 
 def rank_file(rank: int) -> str:
     return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+
+
+def world_rank(ep_rank: int, tp_rank: int, tp: int) -> int:
+    """NxD's world rank of MoE (ep_rank, tp_rank): its expert-region mesh is
+    ``arange(world).reshape(PP, DP_exp, EP, TP)`` (parallel_state.py), TP the contiguous axis."""
+    return ep_rank * tp + tp_rank
 
 
 def shuffle_hidden(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -85,6 +124,92 @@ def mx_path_problems(H: int, I_tp: int) -> list[str]:
     return out
 
 
+def i_tiling(I_tp: int) -> tuple[int, int]:
+    """(tiles, tile size) of a rank's I: 512-wide above 512, else one tile (get_i_tiling_shard_i)."""
+    n = I_tp // MX_TILE if I_tp > MX_TILE else 1
+    return n, I_tp // n
+
+
+def _shuffle_i(t: torch.Tensor, dim: int, I_tp: int) -> torch.Tensor:
+    """The MX path's I order: `shuffle_hidden` within each I tile of `dim`."""
+    n, tile = i_tiling(I_tp)
+    return shuffle_hidden(t.unflatten(dim, (n, tile)), dim + 1).flatten(dim, dim + 1)
+
+
+def _unshuffle_i(t: torch.Tensor, dim: int, I_tp: int) -> torch.Tensor:
+    n, tile = i_tiling(I_tp)
+    u = t.unflatten(dim, (n, MX_PACK, tile // MX_PACK)).transpose(dim + 1, dim + 2)
+    return u.flatten(dim, dim + 2).contiguous()
+
+
+def mx_gate_up(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's gate_up codes ``[c, H, 2*I_tp]`` (gate slice, then up; uint8, MX groups of 32
+    along H) and scales ``[c, H/32, 2*I_tp]`` -> NxD's ``weight`` U32 ``[c, 128, 2, H/512, I_tp]``
+    and ``scale`` U8 ``[c, 16, 2, H/512, I_tp]`` (mx_layout_transform.py
+    _tile_transpose_concat_gate_up_weight/_scale)."""
+    from mxcli.mx.layouts import pack_x4
+
+    c, H, I2 = codes.shape
+    it, nh = I2 // 2, H // MX_TILE
+    per_tile = MX_TILE // MX_PACK  # 128 word rows per H tile
+    w = codes.reshape(c, nh, per_tile, MX_PACK, 2, it).permute(0, 2, 4, 1, 5, 3)
+    w = pack_x4(_shuffle_i(w, 4, it), axis=-1).squeeze(-1)
+    s = scales.reshape(c, nh, MX_TILE // MX_BLOCK, 2, it).permute(0, 2, 3, 1, 4)
+    return w.contiguous(), _shuffle_i(s, 4, it)
+
+
+def mx_gate_up_codes(
+    weight: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `mx_gate_up`: codes ``[c, H, 2*I_tp]`` and scales ``[c, H/32, 2*I_tp]``."""
+    from mxcli.mx.layouts import unpack_x4
+
+    c, rows, _, nh, it = weight.shape
+    b = _unshuffle_i(unpack_x4(weight.unsqueeze(-1), axis=-1), 4, it)  # [c, 128, 2, nh, it, 4]
+    codes = b.permute(0, 3, 1, 5, 2, 4).reshape(c, nh * rows * MX_PACK, 2 * it)
+    s = _unshuffle_i(scale, 4, it).permute(0, 3, 1, 2, 4)
+    return codes.contiguous(), s.reshape(c, -1, 2 * it).contiguous()
+
+
+def mx_down(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's down codes ``[c, I_tp, H]`` (MX groups of 32 along I) and scales
+    ``[c, I_tp/32, H]`` -> ``weight`` U32 ``[c, T/4, I_tp/T, H]`` and ``scale`` U8
+    ``[c, T/32, I_tp/T, H]``, T the I tile (tile_transpose_down_proj_for_mxfp4_kernel)."""
+    from mxcli.mx.layouts import pack_x4
+
+    c, it, H = codes.shape
+    n, tile = i_tiling(it)
+    w = codes.reshape(c, n, tile // MX_PACK, MX_PACK, H).permute(0, 2, 1, 4, 3)
+    w = pack_x4(w, axis=-1).squeeze(-1)
+    s = scales.reshape(c, n, tile // MX_BLOCK, H).permute(0, 2, 1, 3)
+    return w.contiguous(), s.contiguous()
+
+
+def mx_down_codes(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of `mx_down`: codes ``[c, I_tp, H]`` and scales ``[c, I_tp/32, H]``."""
+    from mxcli.mx.layouts import unpack_x4
+
+    c, words, n, H = weight.shape
+    b = unpack_x4(weight.unsqueeze(-1), axis=-1)  # [c, T/4, n, H, 4]
+    codes = b.permute(0, 2, 1, 4, 3).reshape(c, n * words * MX_PACK, H)
+    return codes.contiguous(), scale.permute(0, 2, 1, 3).reshape(c, -1, H).contiguous()
+
+
+def quantize_rank(
+    gate_up: torch.Tensor, down: torch.Tensor, fp8: Fp8Semantics
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """MX-quantize one rank's ``[c, H, 2*I_tp]`` and ``[c, I_tp, H]`` along their contraction
+    axis (H, I: dim 1) in plain groups of 32, `fp8`'s scale rule and range. Returns gate_up
+    codes and scales, down codes and scales (uint8, unlaid) and the codes clipped to the range."""
+    out: list[torch.Tensor] = []
+    clipped = 0
+    for x in (gate_up, down):
+        codes, scales = quantize_mx(x, axis=1, rule=fp8.rule_bytes, scheme="1x32")
+        clipped += clip_codes(codes, fp8.fp8_range)
+        out += [codes, scales]
+    return out[0], out[1], out[2], out[3], clipped
+
+
 def check_plan(plan: Any) -> None:
     """Everything refused before any byte is written."""
     fam, m, o = plan.model.family, plan.model, plan.options
@@ -104,25 +229,41 @@ def check_plan(plan: Any) -> None:
                 + "; ".join(probs)
                 + " (use --formats bf16)"
             )
-        raise InputError(
-            "--output-format nxdi --formats mxfp8: NxDI's MX weight layout is not written by "
-            "this version (divisibility checked: fine); use --formats bf16"
-        )
+
+
+def is_mx(plan: Any) -> bool:
+    return "mxfp8" in plan.options.formats
+
+
+def world_ranks(plan: Any) -> dict[int, Any]:
+    """NxD world rank -> the plan's `Rank` (its expert range and I slice)."""
+    tp = plan.options.tp
+    return {world_rank(rk.ep_rank, rk.tp_rank, tp): rk for rk in plan.ranks}
 
 
 def expected_tensors(plan: Any) -> dict[int, dict[str, tuple[str, tuple[int, ...]]]]:
-    """Per rank: tensor name -> (safetensors dtype, shape)."""
+    """Per NxD world rank: tensor name -> (safetensors dtype, shape)."""
     m = plan.model
+    mx = is_mx(plan)
     out: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}
-    for rk in plan.ranks:
+    for r, rk in sorted(world_ranks(plan).items()):
         e0, e1 = rk.expert_range
         i0, i1 = rk.i_range
+        c, it = e1 - e0, i1 - i0
         t: dict[str, tuple[str, tuple[int, ...]]] = {}
         for L in plan.layers:
             t[ROUTER.format(l=L)] = (plan.router_dtype, (m.E, m.H))
-            t[GATE_UP.format(l=L)] = ("BF16", (e1 - e0, m.H, 2 * (i1 - i0)))
-            t[DOWN.format(l=L)] = ("BF16", (e1 - e0, i1 - i0, m.H))
-        out[rk.rank] = t
+            if mx:
+                nh, (n, tile) = m.H // MX_TILE, i_tiling(it)
+                rows = MX_TILE // MX_PACK
+                t[GATE_UP.format(l=L)] = ("U32", (c, rows, 2, nh, it))
+                t[GATE_UP_SCALE.format(l=L)] = ("U8", (c, MX_TILE // MX_BLOCK, 2, nh, it))
+                t[DOWN.format(l=L)] = ("U32", (c, tile // MX_PACK, n, m.H))
+                t[DOWN_SCALE.format(l=L)] = ("U8", (c, tile // MX_BLOCK, n, m.H))
+            else:
+                t[GATE_UP.format(l=L)] = ("BF16", (c, m.H, 2 * it))
+                t[DOWN.format(l=L)] = ("BF16", (c, it, m.H))
+        out[r] = t
     return out
 
 
@@ -136,6 +277,44 @@ def rank_slices(
     return gu, down[:, i0:i1, :].contiguous()
 
 
+def router_tensor(plan: Any, router: torch.Tensor) -> torch.Tensor:
+    """The router as written: the source's ``[E, H]`` in the router dtype, its H shuffled on the
+    MX path (mx_layout_transform.py: the router follows the shuffled o_proj output)."""
+    r = router.to(torch_dtype(plan.router_dtype))
+    return shuffle_hidden(r, dim=-1) if is_mx(plan) else r
+
+
+def nxdi_facts(plan: Any) -> dict[str, Any]:
+    """What the sidecar records about the layout and its sources."""
+    facts: dict[str, Any] = {
+        "nxdi_commit": "4bcdc54bf3b6ccdad490e5cd0680a3dc95270b8e",
+        "nxd_commit": "fbac349b61a3adbb123c2983835af692840ff62f",
+        "rank_mapping": RANK_MAPPING,
+        "rank_mapping_source": "NxD parallel_layers/parallel_state.py initialize_model_parallel "
+        "(cluster_ranks_exp), trace/trace.py (rank % tp; EP-group index), "
+        "get_experts_for_expert_parallel_rank (contiguous E/ep); no custom expert_distribution",
+    }
+    if is_mx(plan):
+        facts["mx"] = {
+            "weight_dtype": "F8E4M3FN_X4 (uint32: 4 E4M3FN codes, byte j = element j)",
+            "scale_dtype": "F8E8M0 (uint8), value 2^(byte - 127)",
+            "scale_rule_note": "NxD decodes any byte as 2^(byte - 127) and records no rule "
+            "(transform_weights.py, dequantize.py); its own MXFP8 quantizer uses OCP's "
+            "(mx_torch.py quantize_mxfp8); this export's rule is in result.fp8",
+            "groups": "32 consecutive elements along the contraction axis (H for gate_up, I "
+            "for down)",
+            "router_h_order": "shuffled (shuffle_hidden_dim)",
+            "down_output_h_order": "natural (is_full_model_shuffled=False)",
+            "intermediate_dim_shuffled": True,
+            "source": "NxDI models/gpt_oss/mx_layout_transform.py (the MXFP4 layout, with "
+            "F8E4M3FN_X4 words); NxD quantization/quantization_layers.py",
+            "caveat": "NxD's fused token-generation MX wrapper (moe_fused_tkg_mx.py) "
+            "reinterprets expert weights as float4_e2m1fn_x4 only; the blockwise MX kernel "
+            "(bwmm_shard_on_block_mx) takes float8_e4m3fn_x4",
+        }
+    return facts
+
+
 def export_nxdi(
     plan: Any, out: Path | str, force: bool, progress: Callable[[int], None] | None = None
 ) -> dict[str, Any]:
@@ -146,7 +325,10 @@ def export_nxdi(
     fam = m.family
     ckpt = Checkpoint(plan.source)
     expected = expected_tensors(plan)
+    mx = is_mx(plan)
     md = {"format": "pt", "producer": f"mxcli {__version__} prep-weights --output-format nxdi"}
+    if mx:
+        md.update(plan.options.fp8().metadata())
     with export_folder(out, ckpt.root, force) as tmp:
         (tmp / WEIGHTS_DIR).mkdir()
         with ExitStack() as stack, ckpt.reader() as rd:
@@ -159,39 +341,63 @@ def export_nxdi(
                 writers[r] = StreamingWriter(fd, specs, {**md, "rank": str(r)})
                 stack.callback(os.ftruncate, fd, writers[r].total_bytes)
             step = plan.chunk_experts()
+            fp8 = plan.options.fp8()
+            clipped = 0
             for L in plan.layers:
                 p = plan.layer_prefix(L)
-                router = rd.get(p + fam.router_weight).to(torch_dtype(plan.router_dtype))
+                router = router_tensor(plan, rd.get(p + fam.router_weight))
                 for w in writers.values():
                     w.write(ROUTER.format(l=L), router)
-                for rk in plan.ranks:
+                for r, rk in world_ranks(plan).items():
                     e_lo, e_hi = rk.expert_range
                     i0, i1 = rk.i_range
                     for e0 in range(e_lo, e_hi, step):
                         e1 = min(e_hi, e0 + step)
                         gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
                         gu_r, dn_r = rank_slices(gu, dn, i0, i1)
-                        writers[rk.rank].write(GATE_UP.format(l=L), gu_r)
-                        writers[rk.rank].write(DOWN.format(l=L), dn_r)
+                        if mx:
+                            gc, gs, dc, ds, n = quantize_rank(gu_r, dn_r, fp8)
+                            clipped += n
+                            for key, (wt, sc) in (
+                                ((GATE_UP, GATE_UP_SCALE), mx_gate_up(gc, gs)),
+                                ((DOWN, DOWN_SCALE), mx_down(dc, ds)),
+                            ):
+                                writers[r].write(key[0].format(l=L), wt)
+                                writers[r].write(key[1].format(l=L), sc)
+                        else:
+                            writers[r].write(GATE_UP.format(l=L), gu_r)
+                            writers[r].write(DOWN.format(l=L), dn_r)
                         if progress:
                             progress((e1 - e0) * 3 * m.H * (i1 - i0) * 2)
             for w in writers.values():
                 w.finish()
+        per_rank = 4 if mx else 2
         result = {
             "output": str(out),
             "output_format": "nxdi",
             "family": fam.name,
             "source_format": plan.source_format,
-            "experts_format": "bf16",
-            "expert_tensors": 2 * len(plan.layers) * len(plan.ranks),
+            "experts_format": "mxfp8" if mx else "bf16",
+            "expert_tensors": per_rank * len(plan.layers) * len(plan.ranks),
             "ranks": len(plan.ranks),
             "files": [rank_file(r) for r in expected],
             "layers": plan.layers,
-            "fp8": None,
+            "fp8": fp8.to_dict() if mx else None,
+            "fp8_clipped": clipped,
+            "nxdi": nxdi_facts(plan),
             "notes": [
                 "MoE tensors only; NxDI converts attention, embeddings and norms itself",
-                f"rank r = ep_rank * {plan.options.tp} + tp_rank",
-            ],
+                f"world rank {RANK_MAPPING}, tp {plan.options.tp}",
+            ]
+            + (
+                [
+                    "MX layout of NxDI's MX path with F8E4M3FN_X4 words; router H shuffled: "
+                    "NxDI must shuffle o_proj likewise (its MX path does)",
+                    "NxD's fused TKG MX wrapper reads float4_e2m1fn_x4 only (see nxdi.mx.caveat)",
+                ]
+                if mx
+                else []
+            ),
         }
         write_json(tmp / SIDECAR, sidecar(plan, "nxdi", {"result": result}))
     result["seconds"] = round(time.perf_counter() - t0, 3)
