@@ -534,11 +534,18 @@ def prepare_weights(
     if dry_run:  # shards that are not here are planned from config.json
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
-        if options.output_format != "mxcli":
-            from mxcli.weightprep.export import check_export
+        res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
+        if options.output_format != "mxcli":  # the export's tensors, not mxcli's layout
+            from mxcli.weightprep.export import check_export, dry_run_view
 
             check_export(plan)
-        res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
+            view = dry_run_view(plan)
+            p = res["plan"]
+            p["outputs_per_layer"] = view["outputs_per_layer"]
+            p["output_bytes"] = view["write_total"]
+            for e in p.get("per_layer") or []:
+                e["output_bytes"] = view["write_per_layer"]
+            p["notes"] = [*p.get("notes", []), view["note"]]
         problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
         if problem is not None:
             res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]

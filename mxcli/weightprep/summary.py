@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -70,11 +71,19 @@ def format_plan(plan: dict[str, Any], width: int = 80) -> str:
     first = next(iter(plan["outputs_per_layer"]))
     lines.append(f"outputs per layer and rank ({first} shown):")
     outs = plan["outputs_per_layer"][first]
-    wn = max((len(t["name"]) for t in outs), default=0)
+    # long key names (other stacks' layouts): their common dotted prefix is said once
+    common = os.path.commonprefix([t["name"] for t in outs]) if len(outs) > 1 else ""
+    common = common[: common.rfind(".") + 1]
+    if len(common) > 8:
+        lines.append(f"  under {common}")
+    cut = len(common) if len(common) > 8 else 0
+    wn = max((len(t["name"]) - cut for t in outs), default=0)
+    wd = max([5] + [len(t["dtype"]) for t in outs])
     ws = max((len(str(t["shape"])) for t in outs), default=0)
     for t in outs:
         lines.append(
-            f"  {t['name']:<{wn}}  {t['dtype']:<5} {str(t['shape']):<{ws}}  {_gb(t['bytes'])}"
+            f"  {t['name'][cut:]:<{wn}}  {t['dtype']:<{wd}} {str(t['shape']):<{ws}}  "
+            f"{_gb(t['bytes'])}"
         )
     per = plan.get("per_layer") or []
     if per:

@@ -212,3 +212,37 @@ def test_verify_catches_a_missing_scale_key_and_a_wrong_scale(src: Path, tmp_pat
     assert r.exit_code == 1
     gu = NX.GATE_UP_KEY.format(l=0)
     assert f"wrong: {NX.RANK_FILE.format(rank=0)}: {gu}: codes or scales differ" in r.stdout
+
+
+@pytest.mark.parametrize(
+    "fmt,extra",
+    [("nxdi", ["--formats", "mxfp8", "--tp", "2", "--ep", "2"]), ("compressed-tensors", [])],
+)
+def test_dry_run_shows_the_exports_tensors_and_bytes(
+    src: Path, tmp_path: Path, fmt: str, extra: list[str]
+) -> None:
+    """``--dry-run`` of an export lists the export's own tensors (not mxcli's layout), and its
+    write total is what the real export then writes (the tensors it rewrites)."""
+    args = ["prep-weights", str(src), str(tmp_path / "out"), "--output-format", fmt, *extra]
+    cmd = [sys.executable, "-m", "mxcli", *args, "--dry-run"]
+    text = subprocess.run(cmd, capture_output=True, text=True, env={"COLUMNS": "80"})
+    assert text.returncode == 0, text.stderr
+    assert "_weight_mxfp8" not in text.stdout and "gate_up_weight_scales" not in text.stdout
+    assert max(len(line) for line in text.stdout.splitlines()) <= 80
+    if fmt == "nxdi":
+        assert (
+            "gate_up_proj.scale" in text.stdout and "[2, 128, 2, 1, 512]" in text.stdout
+        )  # E/ep experts, I/tp
+    else:
+        assert "gate_proj.weight_scale" in text.stdout and "F8_E4M3" in text.stdout
+    plan = json.loads(
+        subprocess.run(cmd + ["--json"], capture_output=True, text=True, check=True).stdout
+    )  # --dry-run --json prints the plan
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    written = 0
+    for f in sorted((tmp_path / "out").rglob("*.safetensors")):
+        for name, t in _tensors(f).items():
+            if fmt == "nxdi" or ".mlp.experts." in name:
+                written += t.numel() * t.element_size()
+    assert plan["output_bytes"] == written

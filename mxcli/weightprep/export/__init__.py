@@ -23,6 +23,46 @@ def check_export(plan: Any) -> None:
         check_nx(plan)
 
 
+def _row(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
+    from mxcli.weightprep.writer import TensorSpec
+
+    return {"name": name, "dtype": dtype, "shape": list(shape),
+            "bytes": TensorSpec(name, dtype, shape).nbytes}  # fmt: skip
+
+
+def dry_run_view(plan: Any) -> dict[str, Any]:
+    """What ``--dry-run`` shows of an export instead of mxcli's own layout: the tensors of the
+    first converted layer in the first output file (``outputs_per_layer``, keyed by that file),
+    and the bytes written per layer and in all (the MoE tensors the export rewrites)."""
+    L = plan.layers[0]
+    fmt = plan.options.output_format
+    if fmt == "nxdi":
+        from mxcli.weightprep.export.nxdi import expected_tensors, rank_file
+
+        per_rank = expected_tensors(plan)
+        mark = f"layers.{L}."
+        r0 = min(per_rank)
+        rows = [_row(n, d, s) for n, (d, s) in per_rank[r0].items() if n.startswith(mark)]
+        total = sum(_row(n, d, s)["bytes"] for t in per_rank.values() for n, (d, s) in t.items())
+        note = f"{len(per_rank)} rank file(s) {rank_file(r0)}, ...; MoE tensors only"
+        return {"outputs_per_layer": {f"rank {r0}": rows},
+                "write_per_layer": total // len(plan.layers), "write_total": total, "note": note}  # fmt: skip
+    from mxcli.weightprep.export.compressed_tensors import MX_GROUP
+
+    m = plan.model
+    rows = []
+    # check_plan admits PerExpert layouts only: expert 0's Linear weights, [out, in]
+    for n, (o_, i_) in m.family.experts.expected(plan.layer_prefix(L), 1, m.H, m.I).items():
+        if "mxfp8" in plan.options.formats:
+            rows += [_row(n, "F8_E4M3", (o_, i_)), _row(n + "_scale", "U8", (o_, i_ // MX_GROUP))]
+        else:
+            rows.append(_row(n, "BF16", (o_, i_)))
+    per_layer = sum(r["bytes"] for r in rows) * m.E
+    note = f"expert 0 of {m.E} shown; every other tensor is copied unchanged"
+    return {"outputs_per_layer": {f"layer {L}": rows}, "write_per_layer": per_layer,
+            "write_total": per_layer * len(plan.layers), "note": note}  # fmt: skip
+
+
 def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
     """Write `plan` in its ``options.output_format``; the result as a JSON-able dict.
     `reporter` (a `mxcli.weightprep.reporter.Reporter`) gets the bf16 expert bytes as they go."""
