@@ -514,6 +514,7 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     # the block's two weight-gradient row offsets, broadcast through HBM (`_rmw_index`)
     t["rmw_s"] = nl.ndarray((2,), dtype=nl.int32, buffer=nl.private_hbm, name="rmw_offset_s")
     t["seen_s"] = nl.ndarray((cfg.E,), dtype=nl.int32, buffer=nl.private_hbm, name="seen_s")
+    t["knock_s"] = nl.ndarray((cfg.E,), dtype=nl.int32, buffer=nl.private_hbm, name="knock_s")
     # quantized phase-3/4 operands, token lanes (rows = B/4), unpacked scales
     rows = cfg.B // 4
     # (X and S when they stay on chip are allocated per block, see `_block`)
@@ -580,6 +581,53 @@ def _rmw_constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
     t["rmw_rows"] = rows
 
 
+def _zero_unused_experts(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> None:
+    """Zero this core's part of the weight grads of every expert no block had (bwd spec §4.3),
+    once the last block's `_rmw_index` has set the flags: scatters from the zero tile whose
+    rows are all skipped (-1) for an expert that had a block, so those move no bytes.
+
+    Per expert, the rows of its tiles (``e*H + ht*P + p``, ``e*I + it*P + p``) plus
+    ``-big * seen[e]`` (negative for a seen expert, clamped to -1); ``seen`` reaches every
+    partition through HBM, converted to the fp32 per-partition operand on the way."""
+    E, ni, I2 = cfg.E, cfg.I // P, 2 * cfg.I
+    big = E * max(cfg.H, cfg.I)  # > every row of the row views
+    sv = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf, name="unused_seen")
+    _index_dma(sv, t["seen_s"].ap([[E, 1], [1, E]], offset=0))
+    nisa.tensor_scalar(dst=sv, data=sv, op0=nl.multiply, operand0=float(-big))
+    _index_dma(t["knock_s"].ap([[E, 1], [1, E]], offset=0), sv)
+    kf = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="unused_knock")
+    nisa.dma_copy(dst=kf, src=t["knock_s"].ap([[0, P], [1, E]], offset=0))
+    z = t["zero"]
+    for e in range(E):
+        idx = nl.ndarray((P, geo.n_h + ni), dtype=nl.int32, buffer=nl.sbuf, name="unused_idx")
+        if geo.n_h:
+            nisa.iota(
+                dst=idx[:, 0 : geo.n_h], pattern=[[P, geo.n_h]], offset=e * cfg.H + geo.h0,
+                channel_multiplier=1,
+            )  # fmt: skip
+        nisa.iota(dst=idx[:, geo.n_h :], pattern=[[P, ni]], offset=e * cfg.I, channel_multiplier=1)
+        nisa.tensor_scalar(
+            dst=idx, data=idx, op0=nl.add, operand0=kf[:, e : e + 1], op1=nl.maximum,
+            operand1=-1.0,
+        )  # fmt: skip
+        for j in range(geo.n_h):
+            for c0 in range(0, I2, ZCOLS):
+                n = min(ZCOLS, I2 - c0)
+                dst = t["dwgu_rows"].ap(
+                    [[I2, P], [1, n]], offset=c0, vector_offset=idx[:, j : j + 1], indirect_dim=0
+                )
+                nisa.dma_copy(dst=dst, src=z[:, 0:n], oob_mode=nisa.oob_mode.skip)
+        for it in range(ni):
+            col = geo.n_h + it
+            for c0 in range(geo.h0, geo.h0 + geo.Hc, ZCOLS):
+                n = min(ZCOLS, geo.h0 + geo.Hc - c0)
+                dst = t["dwd_rows"].ap(
+                    [[cfg.H, P], [1, n]], offset=c0, vector_offset=idx[:, col : col + 1],
+                    indirect_dim=0,
+                )  # fmt: skip
+                nisa.dma_copy(dst=dst, src=z[:, 0:n], oob_mode=nisa.oob_mode.skip)
+
+
 def _zeros_hbm(
     jobs: list[Any], dst: Any, offset: int, row_stride: int, nrows: int, ncols: int
 ) -> None:
@@ -616,9 +664,9 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> lis
     affinity grads only (rows past the count are then 0, as in the reference).
     The first block issues them spread over its phase-1 windows and phase-2 windows respectively
     (`_block`): nothing touches the hidden grad before phase 2 or the weight grads before phase
-    3, and a burst at the start would hold back the DMA engines phase 1 starts with. With one
-    expert the weight grads are not zeroed: block 0 is that expert's first block and writes
-    every element of them (`_rmw_olds`)."""
+    3, and a burst at the start would hold back the DMA engines phase 1 starts with. The
+    weight grads are not zeroed here: an expert's first block writes every element of them
+    (`_rmw_olds`), and `_zero_unused_experts` zeroes those of experts without a block."""
     jobs: list[Any] = []
     wjobs: list[Any] = []
     _zeros_hbm(jobs, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
@@ -627,9 +675,6 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> lis
     if cfg.dense:
         return [jobs, wjobs]
     for e in range(cfg.E):
-        if cfg.E > 1:
-            _zeros_flat(wjobs, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
-            _zeros_hbm(wjobs, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
         if cfg.bias:
             _zeros_hbm(wjobs, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
             for g in range(2):
@@ -1915,6 +1960,8 @@ def blockwise_mm_bwd_mxfp8_nki(
     tn: Any = None
     if cfg.N > 1:
         tn = _block_tensors(t, 1)
+    if cfg.N == 1 and not cfg.dense:
+        _zero_unused_experts(cfg, geo, t)
     fr = _block_phase1(cfg, geo, tb, 0, zero_jobs[0], st, tn)
     for b in range(cfg.N):
         tnn: Any = None
@@ -1925,6 +1972,8 @@ def blockwise_mm_bwd_mxfp8_nki(
             jobs = zero_jobs[1]
         if tn is not None:
             _setup_indices(cfg, tn, fr["next"], b + 1)
+            if b + 2 == cfg.N and not cfg.dense:
+                _zero_unused_experts(cfg, geo, t)
         _block_phase2(cfg, geo, tb, b, jobs, fr)
         if tn is not None:
             st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
