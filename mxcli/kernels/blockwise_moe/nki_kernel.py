@@ -108,9 +108,13 @@ STATIONARY_BUDGET = 120 * 1024
 # block's tokens, scales packed) may take together to stay on chip instead of going through
 # HBM scratch.
 MOVING_BUDGET = 48 * 1024
+# SBUF bytes per partition block b's phase-3/4 working set and block b+1's prologue and
+# phase-1 loads may take together for the two to overlap (`_geometry`).
+OVERLAP_BUDGET = 160 * 1024
+OVERLAP4_BUDGET = 180 * 1024
 # SBUF bytes per partition two windows' phase-2 X rows and hidden-grad rows may take for the
 # latter to be gathered a window ahead (`_hsg_old`).
-OLD_AHEAD_BUDGET = 64 * 1024
+OLD_AHEAD_BUDGET = 32 * 1024
 # SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
 # ahead of their use (three windows' rows live) instead of one.
 ROWS_AHEAD_BUDGET = 96 * 1024
@@ -218,6 +222,8 @@ class Geometry(nl.NKIObject):
     res_x: bool
     res_s: bool
     res_moving: bool
+    overlap: bool
+    overlap4: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -289,9 +295,22 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     g_bytes = _packed_bytes(len(cfg.k3), 2 * cfg.I)
     y_bytes = _packed_bytes(len(cfg.k4), Hc)
     res_moving = Hc > 0 and g_bytes + y_bytes <= MOVING_BUDGET
+    # Block b+1's prologue and phase 1 run during block b's phases 3/4 where both working sets
+    # fit `OVERLAP_BUDGET`: phase 3/4's on-chip operands and two column groups of output tiles,
+    # and the next block's resident W_d, first dY rows and window-0 loads.
+    p34 = (x_bytes if res_x else 0) + (s_bytes if res_s else 0)
+    p34 = p34 + (g_bytes + y_bytes if res_moving else 0)
+    p34 = p34 + 2 * max(n_h, cfg.I // P) * NMAX * 2
+    nxt = _packed_bytes(len(cfg.k1), d_cols) + 2 * (cfg.W // P) * cfg.H * 2
+    nxt = nxt + n_i * cfg.W * 2 * 2 + cfg.W * 4
+    overlap = p34 + nxt <= OVERLAP_BUDGET
+    # else block b+1's prologue alone during block b's phase 4 where that fits
+    # `OVERLAP4_BUDGET` (phase 4's operands and output tiles only)
+    p4 = (s_bytes if res_s else 0) + (y_bytes if res_moving else 0) + 2 * (cfg.I // P) * NMAX * 2
+    overlap4 = p4 + nxt <= OVERLAP4_BUDGET
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
-        res_moving,
+        res_moving, overlap, overlap4,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -814,12 +833,18 @@ def _gather_rows(
     c0: int,
     n: int,
     zero_engine: Any = None,
+    zero: Any = None,
 ) -> None:
     """dst ``[P, n]`` <- token rows (padding rows 0, zeroed first on `zero_engine`: VectorE by
-    default, GpSimd where it is otherwise idle)."""
+    default, GpSimd where it is otherwise idle; ScalarE, which has no memset, copies them
+    from the zero tile `zero`)."""
     if blk["tok"] is not None:
         if zero_engine is None:
             nisa.memset(dst=dst, value=0.0)
+        elif zero is not None:
+            for z0 in range(0, n, ZCOLS):
+                nz = min(ZCOLS, n - z0)
+                nisa.tensor_copy(dst=dst[:, z0 : z0 + nz], src=zero[:, 0:nz], engine=zero_engine)
         else:
             nisa.memset(dst=dst, value=0.0, engine=zero_engine)
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n), oob_mode=_oob(cfg))
@@ -1175,7 +1200,7 @@ def _phase1_rows(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b
     for j in range(nTw):
         _gather_rows(
             cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H,
-            nisa.engine.gpsimd,
+            nisa.engine.scalar, t["zero"],
         )  # fmt: skip
     return dyw
 
@@ -1960,8 +1985,6 @@ def blockwise_mm_bwd_mxfp8_nki(
     tn: Any = None
     if cfg.N > 1:
         tn = _block_tensors(t, 1)
-    if cfg.N == 1 and not cfg.dense:
-        _zero_unused_experts(cfg, geo, t)
     fr = _block_phase1(cfg, geo, tb, 0, zero_jobs[0], st, tn)
     for b in range(cfg.N):
         tnn: Any = None
@@ -1972,20 +1995,28 @@ def blockwise_mm_bwd_mxfp8_nki(
             jobs = zero_jobs[1]
         if tn is not None:
             _setup_indices(cfg, tn, fr["next"], b + 1)
-            if b + 2 == cfg.N and not cfg.dense:
-                _zero_unused_experts(cfg, geo, t)
+        if b + 1 == cfg.N and not cfg.dense:
+            # every block's expert flag is set by now (`_rmw_index`); before the last block's
+            # phases 2-4 rather than at the end, where nothing would overlap it
+            _zero_unused_experts(cfg, geo, t)
         _block_phase2(cfg, geo, tb, b, jobs, fr)
-        if tn is not None:
+        nfr: Any = None
+        if tn is not None and geo.overlap:
             st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
         _phase3(cfg, geo, tb, fr["blk"], b)
         # (before phase 3 it would overwrite the S scratch phase 3 of the other core may still
         # be reading: the LNC race check catches that order)
-        nfr: Any = None
-        if tn is not None:
+        if tn is not None and geo.overlap:
             nfr = _block_phase1(cfg, geo, tn, b + 1, [], st, tnn)
+        if tn is not None and not geo.overlap and geo.overlap4:
+            st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
         _phase4(cfg, geo, tb, fr["blk"], b)
         if cfg.bias:
             _write_bias(cfg, geo, tb, fr["blk"])
+        if tn is not None and not geo.overlap:
+            if not geo.overlap4:
+                st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
+            nfr = _block_phase1(cfg, geo, tn, b + 1, [], st, tnn)
         tb, fr, tn = tn, nfr, tnn
     if cfg.bias:
         return (t["hsg"], t["dea"], t["dwgu"], t["dwd"], t["dbgu"], t["dbd"])
