@@ -112,6 +112,10 @@ MOVING_BUDGET = 48 * 1024
 # phase-1 loads may take together for the two to overlap (`_geometry`).
 OVERLAP_BUDGET = 160 * 1024
 OVERLAP4_BUDGET = 180 * 1024
+# SBUF bytes per partition of the resident phase-3 X under which a streamed W_gu's phase-2
+# column groups are loaded one ahead (the B=1024 DeepSeek-V3 shape, with X twice as large,
+# would exceed the SBUF by the second group).
+W_AHEAD_X_BUDGET = 24 * 1024
 # SBUF bytes per partition two windows' phase-2 X rows and hidden-grad rows may take for the
 # latter to be gathered a window ahead (`_hsg_old`).
 OLD_AHEAD_BUDGET = 32 * 1024
@@ -224,6 +228,7 @@ class Geometry(nl.NKIObject):
     res_moving: bool
     overlap: bool
     overlap4: bool
+    w2_ahead: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -308,9 +313,12 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     # `OVERLAP4_BUDGET` (phase 4's operands and output tiles only)
     p4 = (s_bytes if res_s else 0) + (y_bytes if res_moving else 0) + 2 * (cfg.I // P) * NMAX * 2
     overlap4 = p4 + nxt <= OVERLAP4_BUDGET
+    # a streamed W_gu's phase-2 column groups loaded one ahead where the resident X leaves room
+    # for the second group (`W_AHEAD_X_BUDGET`)
+    w2_ahead = not res_gu and (x_bytes if res_x else 0) <= W_AHEAD_X_BUDGET
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
-        res_moving, overlap, overlap4,
+        res_moving, overlap, overlap4, w2_ahead,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -1466,9 +1474,19 @@ def _phase2(
     hold = pre["hsg_old"]
     if cfg.accumulate and blk["tok"] is not None and hold is None:
         hold = _hsg_old(cfg, geo, t, blk, b, win)
+    groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
-        n = min(NMAX, geo.h0 + geo.Hc - c0)
-        wq, wsv = _load_q(w["gu"], c0, n, "p2_w")
+        groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
+    # streamed W_gu (not resident): each column group's load issued one group ahead of its
+    # matmuls where a second group fits (`_geometry`; resident operands are slices, no DMA)
+    nxt_w = _load_q(w["gu"], groups[0][0], groups[0][1], "p2_w")
+    for k in range(len(groups)):
+        c0, n = groups[k]
+        if k > 0 and not geo.w2_ahead:
+            nxt_w = _load_q(w["gu"], c0, n, "p2_w")
+        wq, wsv = nxt_w
+        if k + 1 < len(groups) and geo.w2_ahead:
+            nxt_w = _load_q(w["gu"], groups[k + 1][0], groups[k + 1][1], "p2_w")
         for tt in range(nTw):
             r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
             for ci in range(ntk):
