@@ -18,6 +18,7 @@ import torch
 from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL  # noqa: F401 (bench_nki: prof.PREFILL)
 from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
 from mxcli.kernels.spec import get_spec, read_kernel_file
 from mxcli.nkisim import cost, schedule, trace

@@ -48,8 +48,11 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    phase 3). The stationary ``X`` and ``S`` stay in SBUF when they fit `STATIONARY_BUDGET`
    (scales packed four chunks to a tile), the moving ``dGU`` / ``dY`` go through HBM scratch.
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
-   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
+   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile: the old value gathered per
+   row (``oob_mode.skip``) only where an earlier block had expert ``e`` (a per-expert flag,
+   `_rmw_index`), else taken as +0 without a read; written through a ``scalar_offset`` DMA.
+   The weight grads of experts without any block are zeroed once the flags are final
+   (`_zero_unused_experts`); dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
@@ -64,10 +67,12 @@ and zeroing use different DMA queues (`_load`, `_store`).
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
 first) and written by core 0. Both cores zero exactly the output regions they later update.
-The three shared scratch tensors handed between the cores (``dgu_s``, ``s_s``, ``da_s``) each
-get a ``core_barrier`` on that tensor by both cores at both hand-overs of a block: after
-phase 1 (written by both, then read by both) and at the end of the block (read by both, then
-overwritten by the next block's phase 1).
+Blocks overlap: block b+1's indices, prologue and phase 1 are issued during block b's phases
+3/4 where their working sets fit (`_geometry`), so the three shared scratch tensors handed
+between the cores (``dgu_s``, ``s_s``, ``da_s``) come in two sets used by alternate blocks
+(`_block_tensors`); after each block's phase 1 both cores ``core_barrier`` on both sets: this
+block's (written by both, then read by both) and the previous block's (its last reads, in
+phases 2-3, come before this point on both cores; the next writes after it).
 
 Supported: routed and ``single_expert_dense`` paths, on-the-fly or pre-quantized weights
 (packed or unpacked scales), ``accumulate_hidden_states_grad``, bias grads, clamp masks,
@@ -544,7 +549,7 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     t["knock_s"] = nl.ndarray((cfg.E,), dtype=nl.int32, buffer=nl.private_hbm, name="knock_s")
     # quantized phase-3/4 operands, token lanes (rows = B/4), unpacked scales
     rows = cfg.B // 4
-    # (X and S when they stay on chip are allocated per block, see `_block`)
+    # (X and S when they stay on chip are allocated per block, see `_block_phase2`)
     t["xq_hbm"] = None
     t["sq_hbm"] = None
     if not geo.res_x:
@@ -690,7 +695,7 @@ def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> lis
     affinity grads, and the weight and bias grads. Dense with a token count: the hidden and
     affinity grads only (rows past the count are then 0, as in the reference).
     The first block issues them spread over its phase-1 windows and phase-2 windows respectively
-    (`_block`): nothing touches the hidden grad before phase 2 or the weight grads before phase
+    (`_block_phase1`, `_block_phase2`): nothing touches the hidden grad before phase 2 or the weight grads before phase
     3, and a burst at the start would hold back the DMA engines phase 1 starts with. The
     weight grads are not zeroed here: an expert's first block writes every element of them
     (`_rmw_olds`), and `_zero_unused_experts` zeroes those of experts without a block."""
@@ -1016,7 +1021,7 @@ def _hand_over(geo: Geometry, t: dict[str, Any]) -> None:
 
 
 def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
-    """Phase 1's software pipeline (`_block`): whether window w+1's loads and operands are
+    """Phase 1's software pipeline (`_block_phase1`): whether window w+1's loads and operands are
     issued before window w's compute (where they fit `PIPELINE_BUDGET`; else the operands just
     before their compute), and how many windows ahead the dY rows are gathered (two where
     they fit `ROWS_AHEAD_BUDGET`)."""
@@ -1052,7 +1057,7 @@ def _prologue(
 ) -> dict[str, Any]:
     """What block `b` reads before its phase-1 compute: indices, the read-modify-write rows,
     W_d quantized, the first windows' dY rows and window 0's loads. Issued for block b+1
-    during block b's phases 3/4 (`_block`), whose DMA-bound read-modify-writes leave the
+    during block b's phases 3/4 (`blockwise_mm_bwd_mxfp8_nki`), whose DMA-bound read-modify-writes leave the
     other engines and queues room: the blocks overlap instead of starting cold. `blk`: the
     block's indices from `_prologue_indices` (issued earlier still), else issued here."""
     if blk is None:
@@ -1202,7 +1207,8 @@ def _load_checkpoints(
 def _phase1_rows(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int,
                  win: int) -> Any:  # fmt: skip
     """The dY rows of window `win` (tokens on partitions, ``[P, W/P, H]``), gathered two
-    windows ahead of their use (`_block`; zeroed on GpSimd, which keeps up at that distance)."""
+    windows ahead of their use (`_block_phase1`; zeroed on ScalarE, copies of the zero tile:
+    GpSimd and VectorE are the busier engines in phase 1)."""
     nTw = cfg.W // P
     dyw = nl.ndarray((P, nTw, cfg.H), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p1_dy")
     for j in range(nTw):
@@ -1218,7 +1224,7 @@ def _phase1_loads(
 ) -> dict[str, Any]:
     """What phase 1 reads from HBM for window `win`: the dY rows `dyw` (`_phase1_rows`), the
     alpha row and the checkpoint tiles of this core's I tiles. Issued one window ahead of their
-    compute (`_block`): DMA engines and queues start transfers in program order, so a load
+    compute (`_block_phase1`): DMA engines and queues start transfers in program order, so a load
     issued after a window's write-backs would wait for them."""
     Wn, w0 = cfg.W, win * cfg.W
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
@@ -1691,7 +1697,7 @@ def _phase34_operands(
 ) -> None:
     """Phase-3 operands of window `win` quantized along the tokens from its loads `pre`
     (`_phase2_loads`): X (gathered rows) and [dG|dU] (phase 2's rows, transposed). dY's came
-    with phase 1; S's follow phase 2 (`_block`)."""
+    with phase 1; S's follow phase 2 (`_phase3`)."""
     if not geo.Hc:
         return
     _rows_q(cfg, pre["x"], 0, win, t["xq"], geo.Hc, geo.h0, "p3_x")
