@@ -267,9 +267,9 @@ def _store(dst: Any, src: Any) -> None:
 
 
 def _index_dma(dst: Any, src: Any) -> None:
-    """A small DMA of a block's index chain (`_prologue_indices`) on the sync engine's
-    hardware-DGE queue, which carries nothing else: the chain alternates DMAs and integer ops,
-    and on a shared queue each link would hold back the loads queued behind it (see `_load`)."""
+    """A small DMA of a block's index chain (`_indices_load`, `_setup_indices`) on the sync
+    engine's hardware-DGE queue, which carries nothing else: the chain alternates DMAs and
+    integer ops, and on a shared queue each link would hold back the loads behind it (`_load`)."""
     nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
 
 
@@ -895,9 +895,6 @@ def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any],
         if cfg.skip_token:
             # every padding id below 0 becomes -1, the skipped index (upstream's convention)
             nisa.tensor_scalar(dst=tok, data=tok, op0=nl.maximum, operand0=-1.0)
-        ecol = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf, name="expert_col")
-        _index_dma(ecol, t["block_to_expert"].ap([[0, P], [1, 1]], offset=b))
-        blk["expert"] = ecol[0:1, 0:1]
         # ea_idx = tok*E + e: the multiply with an fp32 operand (exact below 2^24), then an
         # int32 add of the expert id column; padding -> negative (clamped to -1) or >= T*E
         addr = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf, name="ea_addr")
@@ -1132,7 +1129,7 @@ def _block_phase1(
             # W_gu (needed from phase 2 on) once phase 1's first window is under way
             _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
         _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
-    # the next block's indices (their chain of small DMAs and integer ops, `_prologue_indices`)
+    # the next block's index loads (the first stage of its chain, `_indices_load`)
     # once this block's phase-1 loads are all issued: the next prologue's loads wait for them
     nblk: Any = None
     if tn is not None:
