@@ -16,10 +16,11 @@ Shapes (LNC=2):
   512 and 1024. The plan's padding is its own line: routed pairs / the positions of the plan's
   static block count N = ceil((T*K - (E-1)) / B) + E - 1.
 
-The backward kernel is profiled on (blocks, experts) = (1, 2), (2, 2), (1, 4) at the real T, H,
-I, B and extrapolated linearly to the plan's N blocks and E experts
-(`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction stream per
-block, and its per-launch work is per token or per expert). The real plans take 100k-1M
+The backward kernel is profiled on (blocks, experts) = (1, 2), (2, 2), (2, 2) with both blocks
+on expert 0, and (1, 4) at the real T, H, I, B and extrapolated linearly to the plan's N blocks
+(first blocks of their expert, and later ones, whose weight-gradient reads are not skipped) and
+E experts (`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction
+stream per block, and its per-launch work is per token or per expert). The real plans take 100k-1M
 instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
 weights as inputs, 10-25 GB of memory.
 

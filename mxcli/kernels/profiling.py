@@ -18,6 +18,7 @@ import torch
 from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL  # noqa: F401 (bench_nki: prof.PREFILL)
 from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
 from mxcli.kernels.spec import get_spec, read_kernel_file
 from mxcli.nkisim import cost, schedule, trace
@@ -241,14 +242,17 @@ def profile_kernel(
 
 
 def _sample_bwd_inputs(
-    s: BwdShape, n_blocks: int, n_experts: int
+    s: BwdShape, n_blocks: int, n_experts: int, one_expert: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A plan of `n_blocks` full blocks (block b: expert b mod `n_experts`, tokens b*B.. mod T)
-    at the shape's T, H, I and B with `n_experts` experts and the shape's top-K config."""
+    """A plan of `n_blocks` full blocks (block b: expert b mod `n_experts`, or expert 0 for all
+    with `one_expert`; tokens b*B.. mod T) at the shape's T, H, I and B with `n_experts`
+    experts and the shape's top-K config."""
     T, H, I, E, B = s.tokens, s.hidden, s.intermediate, n_experts, s.block_size  # noqa: E741
     bf = torch.bfloat16
     tpi = (torch.arange(n_blocks * B, dtype=torch.int64) % T).to(torch.int32)
     b2e = (torch.arange(n_blocks, dtype=torch.int32) % E).reshape(n_blocks, 1)
+    if one_expert:
+        b2e = torch.zeros(n_blocks, 1, dtype=torch.int32)
     tensors = {
         "hidden_states": torch.zeros(T, H, dtype=bf),
         "expert_affinities_masked": torch.zeros(T * E, 1, dtype=bf),
@@ -262,16 +266,16 @@ def _sample_bwd_inputs(
     return tensors, {"block_size": B, "config": MXFP8MOEBwdConfig.routed(top_k=s.top_k)}
 
 
-def _extrapolate(base: Any, per_block: Any, per_expert: Any, db: float, de: float) -> Any:
-    """``base + db * (per_block - base) + de * (per_expert - base)`` on matching numbers."""
+def _extrapolate(base: Any, steps: list[tuple[Any, float]]) -> Any:
+    """``base + sum(w * (sample - base))`` over `steps` ``(sample, w)``, on matching numbers."""
     if isinstance(base, dict):
         return {
-            k: _extrapolate(base[k], per_block[k], per_expert[k], db, de)
+            k: _extrapolate(base[k], [(x[k], w) for x, w in steps])
             for k in base
-            if k in per_block and k in per_expert
+            if all(k in x for x, _ in steps)
         }
     if isinstance(base, (int, float)) and not isinstance(base, bool):
-        v = base + db * (per_block - base) + de * (per_expert - base)
+        v = base + sum(w * (x - base) for x, w in steps)
         return int(round(v)) if isinstance(base, int) else float(v)
     return base
 
@@ -279,30 +283,41 @@ def _extrapolate(base: Any, per_block: Any, per_expert: Any, db: float, de: floa
 def profile_bwd_scaled(
     s: BwdShape, *, lnc: int = 2, target: str = "trn3", blocks: tuple[int, int] = (1, 2)
 ) -> dict[str, Any]:
-    """The backward kernel's profile at shape `s`, extrapolated from three short runs.
+    """The backward kernel's profile at shape `s`, extrapolated from four short runs.
 
     Scaling argument: the kernel processes the plan block by block with the same instruction
     stream per block (only the expert's weight offset and the token ids differ), and its other
     work is per launch: per token (zeroing the hidden-state gradient, exact here: the samples
-    use the real T) and per expert (zeroing each expert's weight gradients). So every engine's
-    busy time, the DMA bytes, the PE FLOPs and, past the pipeline fill, the list schedule are
-    ``m(N, E) = m0 + N * per_block + E * per_expert``; three runs — (n1, e1), (n2, e1),
-    (n1, e2) blocks and experts — give the slopes. The sampled blocks are full of real tokens;
+    use the real T) and per expert (zeroing each expert's weight gradients). A block's DMAs
+    differ in one way: the weight-gradient read of a read-modify-write is skipped where the
+    block is its expert's first (the rows still hold zeros). So every engine's busy time, the
+    DMA bytes, the PE FLOPs and, past the pipeline fill, the list schedule are
+    ``m(N, E) = m0 + U * first + (N - U) * later + E * per_expert`` with U the plan's distinct
+    experts (blocks that are their expert's first); four runs — (n1, e1), (n2, e1), (n2, e1)
+    with all blocks on one expert, and (n1, e2) blocks and experts — give the slopes. The sampled blocks are full of real tokens;
     padding positions of the real plan are skipped by the DMAs (oob skip) but computed like
     real ones, so the estimate is an upper bound for padded blocks. The plan's padding comes
     from the real plan (`bwd_inputs`). Small E also keeps the runs' memory small (the weights of
     all E experts are inputs).
     """
     n1, n2 = blocks
+    if n1 != 1 or n2 <= n1:
+        raise InputError(f"blocks: expected (1, n) with n > 1, got {blocks}")
     e1, e2 = n2, 2 * n2
     runs = []
-    for nb, ne in ((n1, e1), (n2, e1), (n1, e2)):
-        tensors, kwargs = _sample_bwd_inputs(s, nb, ne)
+    for nb, ne, one in ((n1, e1, False), (n2, e1, False), (n2, e1, True), (n1, e2, False)):
+        tensors, kwargs = _sample_bwd_inputs(s, nb, ne, one)
         runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target))
-    pad = _padding(*bwd_inputs(s))
-    base, pb, pe = (r.summary(10) for r in runs)
-    db = (pad.blocks - n1) / (n2 - n1)
-    de = (s.experts - e1) / (e2 - e1)
+    plan = bwd_inputs(s)
+    pad = _padding(*plan)
+    firsts = int(plan[0]["block_to_expert"].unique().numel())
+    base, pb, pl, pe = (r.summary(10) for r in runs)
+    # all sampled blocks are their expert's first, but the one-expert run's last n2 - n1
+    steps = [
+        (pb, (firsts - n1) / (n2 - n1)),
+        (pl, (pad.blocks - firsts) / (n2 - n1)),
+        (pe, (s.experts - e1) / (e2 - e1)),
+    ]
     keys = ("busy_us", "dma_queue_us", "schedule_us", "pe_flops", "dma", "instructions")
     out: dict[str, Any] = {
         "kernel": BWD.name,
@@ -311,7 +326,7 @@ def profile_bwd_scaled(
         "lnc": lnc,
     }
     for k in keys:
-        out[k] = _extrapolate(base[k], pb[k], pe[k], db, de)
+        out[k] = _extrapolate(base[k], [(x[k], w) for x, w in steps])
     busy = out["busy_us"]
     out["bottleneck"] = max(busy, key=lambda k: busy[k])
     out["lower_bound_us"] = max(busy.values())
@@ -331,6 +346,6 @@ def profile_bwd_scaled(
         "efficiency": pad.efficiency,
     }  # fmt: skip
     out["top_lines"] = pb["top_lines"]
-    out["sampled"] = {"blocks_experts": [[n1, e1], [n2, e1], [n1, e2]]}
+    out["sampled"] = {"blocks_experts": [[n1, e1], [n2, e1], [n2, 1], [n1, e2]]}
     out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
     return out

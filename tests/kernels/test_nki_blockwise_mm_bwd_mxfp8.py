@@ -221,6 +221,57 @@ def test_dma_runs() -> None:
     assert nki_backend.dma_runs(((0, 384), (384, 512))) == ((0, 1), (1, 1))
 
 
+def _weight_grad_rows_read(args: dict[str, Any], cfg: MXFP8MOEBwdConfig, lnc: int) -> int:
+    """Rows the kernel's DMAs read from the two weight-gradient outputs (check-only run)."""
+    from mxcli.nkisim import trace
+
+    with trace.recording() as recorders:
+        launch_sim(**args, config=cfg, lnc=lnc, check_only=True)
+    names = ("gate_up_proj_weight_grad", "down_proj_weight_grad")
+    rows = 0
+    for rec in recorders:
+        for ins in rec.instrs:
+            if ins.op != "dma_copy":
+                continue
+            for o in ins.operands:
+                if o.tensor in names and not o.write and o.name == "src":
+                    rows += o.rows
+    return rows
+
+
+def test_expert_blocks_apart_and_an_expert_without_blocks() -> None:
+    """The weight grads of a plan whose expert blocks are not consecutive ([e0, e1, e0, e1,
+    e1 (padding)]) and a third expert without any block: each expert's first block writes
+    without reading, later blocks read back what the earlier ones wrote, and the unused
+    expert's grads are zeroed at the end. Against the reference, with the unused expert's
+    grads exactly 0, and the read-modify-write reads counted: only the three later blocks
+    read, 2H + I rows each (LNC 1: phase 3 reads H rows for each of the gate and up column
+    groups, I = 256 wide, phase 4 I rows for the one 512-column group of H), nothing for the
+    first blocks (block 0 issues no read, block 1's reads skip every row)."""
+    T, H, I, B = 256, 512, 256, 128  # noqa: E741
+    args = case(T, H, 2, B, 2, I)
+    assert args["block_to_expert"].flatten().tolist() == [0, 0, 1, 1, 1]
+    perm = torch.tensor([0, 2, 1, 4, 3])
+    args["block_to_expert"] = args["block_to_expert"][perm].contiguous()
+    tpi = args["token_position_to_id"].reshape(5, B)[perm].reshape(-1).contiguous()
+    args["token_position_to_id"] = tpi
+    ck = args["gate_up_proj_act_checkpoint_T"]
+    args["gate_up_proj_act_checkpoint_T"] = ck[perm].contiguous()
+    # a third expert with weights but no routed token
+    for k in ("gate_up_proj_weight", "down_proj_weight"):
+        w = args[k]
+        args[k] = torch.cat([w, w[:1].flip(-1)]).contiguous()
+    ea = args["expert_affinities_masked"].reshape(T, 2)
+    zero_col = torch.zeros(T, 1, dtype=ea.dtype)
+    args["expert_affinities_masked"] = torch.cat([ea, zero_col], 1).reshape(-1, 1)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
+    out, ref = both(args, cfg, lnc=2)
+    compare(out, ref)
+    assert (out[2][2] == 0).all() and (out[3][2] == 0).all()
+    assert (out[2][0] != 0).any() and (out[3][1] != 0).any()
+    assert _weight_grad_rows_read(args, cfg, lnc=1) == 3 * (2 * H + I)
+
+
 def test_affinity_offsets_reach_last_expert_and_skip_padding() -> None:
     """E=3, top-2, B=128: affinity-grad entries ``t*E + e`` are computed on the device as an
     fp32 multiply then an int32 add (tensor_scalar operands are fp32); every routed entry of

@@ -48,8 +48,11 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    phase 3). The stationary ``X`` and ``S`` stay in SBUF when they fit `STATIONARY_BUDGET`
    (scales packed four chunks to a tile), the moving ``dGU`` / ``dY`` go through HBM scratch.
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
-   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, read-modify-write through a
-   ``scalar_offset`` (the expert id) DMA; dense block 0 writes instead.
+   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile: the old value gathered per
+   row (``oob_mode.skip``) only where an earlier block had expert ``e`` (a per-expert flag,
+   `_rmw_index`), else taken as +0 without a read; written through a ``scalar_offset`` DMA.
+   The weight grads of experts without any block are zeroed once the flags are final
+   (`_zero_unused_experts`); dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
    bf16 running sums per block, then a bf16 read-modify-write per block.
 
@@ -64,10 +67,12 @@ and zeroing use different DMA queues (`_load`, `_store`).
 LNC 2 (SHARD_ON_FREE): phase 1 splits the 128-row I tiles, phases 2-4 split the 128-column H
 tiles between the two cores; the affinity-grad partials are added in fp32 (core 0's half
 first) and written by core 0. Both cores zero exactly the output regions they later update.
-The three shared scratch tensors handed between the cores (``dgu_s``, ``s_s``, ``da_s``) each
-get a ``core_barrier`` on that tensor by both cores at both hand-overs of a block: after
-phase 1 (written by both, then read by both) and at the end of the block (read by both, then
-overwritten by the next block's phase 1).
+Blocks overlap: block b+1's indices, prologue and phase 1 are issued during block b's phases
+3/4 where their working sets fit (`_geometry`), so the three shared scratch tensors handed
+between the cores (``dgu_s``, ``s_s``, ``da_s``) come in two sets used by alternate blocks
+(`_block_tensors`); after each block's phase 1 both cores ``core_barrier`` on both sets: this
+block's (written by both, then read by both) and the previous block's (its last reads, in
+phases 2-3, come before this point on both cores; the next writes after it).
 
 Supported: routed and ``single_expert_dense`` paths, on-the-fly or pre-quantized weights
 (packed or unpacked scales), ``accumulate_hidden_states_grad``, bias grads, clamp masks,
@@ -104,6 +109,21 @@ RESIDENT_BUDGET = 96 * 1024
 # block's tokens, scales packed) may take together to stay on chip for the block instead of
 # going through HBM scratch and being loaded again for every output tile.
 STATIONARY_BUDGET = 120 * 1024
+# SBUF bytes per partition the phase-3/4 moving operands (dGU and dY, quantized along the
+# block's tokens, scales packed) may take together to stay on chip instead of going through
+# HBM scratch.
+MOVING_BUDGET = 48 * 1024
+# SBUF bytes per partition block b's phase-3/4 working set and block b+1's prologue and
+# phase-1 loads may take together for the two to overlap (`_geometry`).
+OVERLAP_BUDGET = 160 * 1024
+OVERLAP4_BUDGET = 180 * 1024
+# SBUF bytes per partition of the resident phase-3 X under which a streamed W_gu's phase-2
+# column groups are loaded one ahead (the B=1024 DeepSeek-V3 shape, with X twice as large,
+# would exceed the SBUF by the second group).
+W_AHEAD_X_BUDGET = 24 * 1024
+# SBUF bytes per partition two windows' phase-2 X rows and hidden-grad rows may take for the
+# latter to be gathered a window ahead (`_hsg_old`).
+OLD_AHEAD_BUDGET = 32 * 1024
 # SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
 # ahead of their use (three windows' rows live) instead of one.
 ROWS_AHEAD_BUDGET = 96 * 1024
@@ -210,6 +230,10 @@ class Geometry(nl.NKIObject):
     res_d: bool
     res_x: bool
     res_s: bool
+    res_moving: bool
+    overlap: bool
+    overlap4: bool
+    w2_ahead: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -242,6 +266,13 @@ def _store(dst: Any, src: Any) -> None:
     nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.scalar)
 
 
+def _index_dma(dst: Any, src: Any) -> None:
+    """A small DMA of a block's index chain (`_indices_load`, `_setup_indices`) on the sync
+    engine's hardware-DGE queue, which carries nothing else: the chain alternates DMAs and
+    integer ops, and on a shared queue each link would hold back the loads behind it (`_load`)."""
+    nisa.dma_copy(dst=dst, src=src, dge_mode=nisa.dge_mode.hwdge, engine=nisa.engine.sync)
+
+
 def _ktiles(pairs: tuple[tuple[int, int], ...]) -> tuple[Any, ...]:
     out = []
     for k0, c in pairs:
@@ -268,8 +299,31 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     s_bytes = _packed_bytes(len(cfg.k4), cfg.I)
     res_x = Hc > 0 and x_bytes <= STATIONARY_BUDGET
     res_s = Hc > 0 and s_bytes <= STATIONARY_BUDGET - (x_bytes if res_x else 0)
+    # The moving operands dGU [tok lanes, 2I] and dY [tok lanes, Hc] likewise stay on chip
+    # from the phase that quantizes them to phases 3/4 when they fit `MOVING_BUDGET` (short
+    # blocks): no spill and reload through HBM scratch on the way.
+    g_bytes = _packed_bytes(len(cfg.k3), 2 * cfg.I)
+    y_bytes = _packed_bytes(len(cfg.k4), Hc)
+    res_moving = Hc > 0 and g_bytes + y_bytes <= MOVING_BUDGET
+    # Block b+1's prologue and phase 1 run during block b's phases 3/4 where both working sets
+    # fit `OVERLAP_BUDGET`: phase 3/4's on-chip operands and two column groups of output tiles,
+    # and the next block's resident W_d, first dY rows and window-0 loads.
+    p34 = (x_bytes if res_x else 0) + (s_bytes if res_s else 0)
+    p34 = p34 + (g_bytes + y_bytes if res_moving else 0)
+    p34 = p34 + 2 * max(n_h, cfg.I // P) * NMAX * 2
+    nxt = _packed_bytes(len(cfg.k1), d_cols) + 2 * (cfg.W // P) * cfg.H * 2
+    nxt = nxt + n_i * cfg.W * 2 * 2 + cfg.W * 4
+    overlap = p34 + nxt <= OVERLAP_BUDGET
+    # else block b+1's prologue alone during block b's phase 4 where that fits
+    # `OVERLAP4_BUDGET` (phase 4's operands and output tiles only)
+    p4 = (s_bytes if res_s else 0) + (y_bytes if res_moving else 0) + 2 * (cfg.I // P) * NMAX * 2
+    overlap4 = p4 + nxt <= OVERLAP4_BUDGET
+    # a streamed W_gu's phase-2 column groups loaded one ahead where the resident X leaves room
+    # for the second group (`W_AHEAD_X_BUDGET`)
+    w2_ahead = not res_gu and (x_bytes if res_x else 0) <= W_AHEAD_X_BUDGET
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
+        res_moving, overlap, overlap4, w2_ahead,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -449,6 +503,9 @@ def _alloc_outputs(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
         (cfg.E, cfg.H, 2, cfg.I), dtype=bf, buffer=sh, name="gate_up_proj_weight_grad"
     )
     t["dwd"] = nl.ndarray((cfg.E, cfg.I, cfg.H), dtype=bf, buffer=sh, name="down_proj_weight_grad")
+    # row views (expert-major rows) for the indirect weight-gradient reads (`_rmw_index`)
+    t["dwgu_rows"] = t["dwgu"].reshape((cfg.E * cfg.H, 2 * cfg.I))
+    t["dwd_rows"] = t["dwd"].reshape((cfg.E * cfg.I, cfg.H))
     if cfg.bias:
         t["dbgu"] = nl.ndarray(
             (cfg.E, 2, cfg.I), dtype=bf, buffer=sh, name="gate_and_up_proj_bias_grad"
@@ -471,19 +528,40 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     # phase-1 -> phase-2 hand-over (both cores read all of it): bf16 [2I, B], [I, B], fp32
     # affinity-grad partials [lnc, B]
     bf = cfg.compute_dtype
-    t["dgu_s"] = nl.ndarray((2 * cfg.I, cfg.B), dtype=bf, buffer=sh, name="dgu_T_scratch")
-    t["s_s"] = nl.ndarray((cfg.I, cfg.B), dtype=bf, buffer=sh, name="s_T_scratch")
-    t["da_s"] = nl.ndarray((geo.lnc, cfg.B), dtype=nl.float32, buffer=sh, name="da_scratch")
+    # Two sets, used by alternate blocks (`_block_tensors`): block b+1's phase 1 runs during
+    # block b's phases 3/4 (`blockwise_mm_bwd_mxfp8_nki`), while block b still reads its set.
+    t["dgu_s2"] = []
+    t["s_s2"] = []
+    t["da_s2"] = []
+    t["yq2"] = []
+    for k in range(min(2, cfg.N)):
+        t["dgu_s2"].append(
+            nl.ndarray((2 * cfg.I, cfg.B), dtype=bf, buffer=sh, name=f"dgu_T_scratch{k}")
+        )
+        t["s_s2"].append(nl.ndarray((cfg.I, cfg.B), dtype=bf, buffer=sh, name=f"s_T_scratch{k}"))
+        t["da_s2"].append(
+            nl.ndarray((geo.lnc, cfg.B), dtype=nl.float32, buffer=sh, name=f"da_scratch{k}")
+        )
     t["alpha_s"] = nl.ndarray((cfg.B,), dtype=nl.float32, buffer=nl.private_hbm, name="alpha_s")
+    # the block's two weight-gradient row offsets, broadcast through HBM (`_rmw_index`)
+    t["rmw_s"] = nl.ndarray((2,), dtype=nl.int32, buffer=nl.private_hbm, name="rmw_offset_s")
+    t["seen_s"] = nl.ndarray((cfg.E,), dtype=nl.int32, buffer=nl.private_hbm, name="seen_s")
+    t["knock_s"] = nl.ndarray((cfg.E,), dtype=nl.int32, buffer=nl.private_hbm, name="knock_s")
     # quantized phase-3/4 operands, token lanes (rows = B/4), unpacked scales
     rows = cfg.B // 4
-    # (X and S when they stay on chip are allocated per block, see `_block`)
+    # (X and S when they stay on chip are allocated per block, see `_block_phase2`)
     t["xq_hbm"] = None
     t["sq_hbm"] = None
     if not geo.res_x:
         t["xq_hbm"] = _scratch_operand(rows, cfg.H, geo.k3, cfg.runs3, "xq")
-    t["gq"] = _scratch_operand(rows, 2 * cfg.I, geo.k3, cfg.runs3, "dguq")
-    t["yq"] = _scratch_operand(rows, cfg.H, geo.k4, cfg.runs4, "dyq")
+    t["gq"] = None
+    if not geo.res_moving:
+        t["gq"] = _scratch_operand(rows, 2 * cfg.I, geo.k3, cfg.runs3, "dguq")
+    for k in range(min(2, cfg.N)):
+        y: Any = None
+        if not geo.res_moving:
+            y = _scratch_operand(rows, cfg.H, geo.k4, cfg.runs4, f"dyq{k}")
+        t["yq2"].append(y)
     if not geo.res_s:
         t["sq_hbm"] = _scratch_operand(rows, cfg.I, geo.k4, cfg.runs4, "sq")
     # quantized weights of the current expert when they are streamed (not resident)
@@ -504,6 +582,8 @@ def _constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
     t["ones_bf"] = nl.ndarray((P, 1), dtype=bf, buffer=nl.sbuf, name="ones_bf")
     nisa.memset(dst=t["ones_bf"], value=1.0)
     t["nv_col"] = None
+    if not cfg.dense:
+        _rmw_constants(cfg, t)
     if cfg.nv:
         # count clamped to [0, T] (API reference), broadcast to every partition, fp32
         nvi = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf, name="nv_i")
@@ -514,6 +594,70 @@ def _constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
             op1=nl.maximum, operand1=0.0,
         )  # fmt: skip
         t["nv_col"] = nv_col
+
+
+def _rmw_constants(cfg: BwdKernelConfig, t: dict[str, Any]) -> None:
+    """Launch state of `_rmw_index`: the per-expert "has had a block" flags (int32, zeroed),
+    a one to set them with, and the output rows each partition reads for every tile of phase
+    3 (``ht*P + p``, all H tiles) and phase 4 (``it*P + p``), before the expert's offset."""
+    nh, ni = cfg.H // P, cfg.I // P
+    z = nl.ndarray((1, cfg.E), dtype=nl.int32, buffer=nl.sbuf, name="seen_zero")
+    nisa.memset(dst=z, value=0)
+    _index_dma(t["seen_s"].ap([[cfg.E, 1], [1, cfg.E]], offset=0), z)
+    one = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="seen_one")
+    nisa.memset(dst=one, value=1)
+    rows = nl.ndarray((P, nh + ni), dtype=nl.int32, buffer=nl.sbuf, name="rmw_rows")
+    nisa.iota(dst=rows[:, 0:nh], pattern=[[P, nh]], offset=0, channel_multiplier=1)
+    nisa.iota(dst=rows[:, nh : nh + ni], pattern=[[P, ni]], offset=0, channel_multiplier=1)
+    t["seen_one"] = one
+    t["rmw_rows"] = rows
+
+
+def _zero_unused_experts(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> None:
+    """Zero this core's part of the weight grads of every expert no block had (bwd spec §4.3),
+    once the last block's `_rmw_index` has set the flags: scatters from the zero tile whose
+    rows are all skipped (-1) for an expert that had a block, so those move no bytes.
+
+    Per expert, the rows of its tiles (``e*H + ht*P + p``, ``e*I + it*P + p``) plus
+    ``-big * seen[e]`` (negative for a seen expert, clamped to -1); ``seen`` reaches every
+    partition through HBM, converted to the fp32 per-partition operand on the way."""
+    E, ni, I2 = cfg.E, cfg.I // P, 2 * cfg.I
+    big = E * max(cfg.H, cfg.I)  # > every row of the row views
+    sv = nl.ndarray((1, E), dtype=nl.int32, buffer=nl.sbuf, name="unused_seen")
+    _index_dma(sv, t["seen_s"].ap([[E, 1], [1, E]], offset=0))
+    nisa.tensor_scalar(dst=sv, data=sv, op0=nl.multiply, operand0=float(-big))
+    _index_dma(t["knock_s"].ap([[E, 1], [1, E]], offset=0), sv)
+    kf = nl.ndarray((P, E), dtype=nl.float32, buffer=nl.sbuf, name="unused_knock")
+    nisa.dma_copy(dst=kf, src=t["knock_s"].ap([[0, P], [1, E]], offset=0))
+    z = t["zero"]
+    for e in range(E):
+        idx = nl.ndarray((P, geo.n_h + ni), dtype=nl.int32, buffer=nl.sbuf, name="unused_idx")
+        if geo.n_h:
+            nisa.iota(
+                dst=idx[:, 0 : geo.n_h], pattern=[[P, geo.n_h]], offset=e * cfg.H + geo.h0,
+                channel_multiplier=1,
+            )  # fmt: skip
+        nisa.iota(dst=idx[:, geo.n_h :], pattern=[[P, ni]], offset=e * cfg.I, channel_multiplier=1)
+        nisa.tensor_scalar(
+            dst=idx, data=idx, op0=nl.add, operand0=kf[:, e : e + 1], op1=nl.maximum,
+            operand1=-1.0,
+        )  # fmt: skip
+        for j in range(geo.n_h):
+            for c0 in range(0, I2, ZCOLS):
+                n = min(ZCOLS, I2 - c0)
+                dst = t["dwgu_rows"].ap(
+                    [[I2, P], [1, n]], offset=c0, vector_offset=idx[:, j : j + 1], indirect_dim=0
+                )
+                nisa.dma_copy(dst=dst, src=z[:, 0:n], oob_mode=nisa.oob_mode.skip)
+        for it in range(ni):
+            col = geo.n_h + it
+            for c0 in range(geo.h0, geo.h0 + geo.Hc, ZCOLS):
+                n = min(ZCOLS, geo.h0 + geo.Hc - c0)
+                dst = t["dwd_rows"].ap(
+                    [[cfg.H, P], [1, n]], offset=c0, vector_offset=idx[:, col : col + 1],
+                    indirect_dim=0,
+                )  # fmt: skip
+                nisa.dma_copy(dst=dst, src=z[:, 0:n], oob_mode=nisa.oob_mode.skip)
 
 
 def _zeros_hbm(
@@ -547,26 +691,28 @@ def _run_zeros(t: dict[str, Any], jobs: list[Any]) -> None:
 
 
 def _init_outputs(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> list[Any]:
-    """The DMAs zeroing what this core updates (bwd spec §4.3). Dense with a token count: the
-    hidden and affinity grads only (rows past the count are then 0, as in the reference).
-    The first block issues them spread over its phase-1 windows (`_block`): nothing reads or
-    writes these outputs before phase 2, and a burst at the start would hold back the DMA
-    engines phase 1 starts with."""
+    """The DMAs zeroing what this core updates (bwd spec §4.3), as two lists: the hidden and
+    affinity grads, and the weight and bias grads. Dense with a token count: the hidden and
+    affinity grads only (rows past the count are then 0, as in the reference).
+    The first block issues them spread over its phase-1 windows and phase-2 windows respectively
+    (`_block_phase1`, `_block_phase2`): nothing touches the hidden grad before phase 2 or the weight grads before phase
+    3, and a burst at the start would hold back the DMA engines phase 1 starts with. The
+    weight grads are not zeroed here: an expert's first block writes every element of them
+    (`_rmw_olds`), and `_zero_unused_experts` zeroes those of experts without a block."""
     jobs: list[Any] = []
+    wjobs: list[Any] = []
     _zeros_hbm(jobs, t["hsg"], geo.h0, cfg.H, cfg.T, geo.Hc)
     if geo.pid == 0:
         _zeros_flat(jobs, t["dea"], 0, cfg.T * cfg.E)
     if cfg.dense:
-        return jobs
+        return [jobs, wjobs]
     for e in range(cfg.E):
-        _zeros_flat(jobs, t["dwgu"], (e * cfg.H + geo.h0) * 2 * cfg.I, geo.Hc * 2 * cfg.I)
-        _zeros_hbm(jobs, t["dwd"], e * cfg.I * cfg.H + geo.h0, cfg.H, cfg.I, geo.Hc)
         if cfg.bias:
-            _zeros_hbm(jobs, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
+            _zeros_hbm(wjobs, t["dbd"], e * cfg.H + geo.h0, cfg.H, 1, geo.Hc)
             for g in range(2):
                 for j in range(geo.n_i):
-                    _zeros_flat(jobs, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
-    return jobs
+                    _zeros_flat(wjobs, t["dbgu"], (e * 2 + g) * cfg.I + (geo.i_lo + j) * P, P)
+    return [jobs, wjobs]
 
 
 # --------------------------------------------------------------------------------------------
@@ -700,12 +846,18 @@ def _gather_rows(
     c0: int,
     n: int,
     zero_engine: Any = None,
+    zero: Any = None,
 ) -> None:
     """dst ``[P, n]`` <- token rows (padding rows 0, zeroed first on `zero_engine`: VectorE by
-    default, GpSimd where it is otherwise idle)."""
+    default, GpSimd where it is otherwise idle; ScalarE, which has no memset, copies them
+    from the zero tile `zero`)."""
     if blk["tok"] is not None:
         if zero_engine is None:
             nisa.memset(dst=dst, value=0.0)
+        elif zero is not None:
+            for z0 in range(0, n, ZCOLS):
+                nz = min(ZCOLS, n - z0)
+                nisa.tensor_copy(dst=dst[:, z0 : z0 + nz], src=zero[:, 0:nz], engine=zero_engine)
         else:
             nisa.memset(dst=dst, value=0.0, engine=zero_engine)
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n), oob_mode=_oob(cfg))
@@ -713,23 +865,36 @@ def _gather_rows(
         nisa.dma_copy(dst=dst, src=_rows_src(cfg, blk, src, b, tt, c0, n))
 
 
-def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str, Any]:
-    """Token ids, affinity indices, expert id and affinities of block `b` (bwd spec §3.1,
-    §4.1), as the per-block tensor dict."""
+def _indices_load(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str, Any]:
+    """The index loads of block `b` (token ids, expert id), as the
+    per-block tensor dict that `_setup_indices` completes. The three stages (loads, integer
+    ops and gathers, `_rmw_index_finish`) are issued at three points of the previous block
+    (`blockwise_mm_bwd_mxfp8_nki`): each waits for DMAs issued a phase earlier, so that no
+    in-order engine stalls on the chain's DMA latencies."""
     NT = cfg.B // P
-    blk: dict[str, Any] = {"tok": None, "ea_idx": None, "expert": None}
+    blk: dict[str, Any] = {"tok": None, "ea_idx": None, "expert": None, "rmw_idx": None}
     if not cfg.dense:
         # tok[p, t] = token_position_to_id[b*B + t*P + p]
         tok = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf, name="tok")
-        nisa.dma_copy(
-            dst=tok, src=t["token_position_to_id"].ap([[1, P], [P, NT]], offset=b * cfg.B)
-        )
+        _index_dma(tok, t["token_position_to_id"].ap([[1, P], [P, NT]], offset=b * cfg.B))
+        ecol = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf, name="expert_col")
+        _index_dma(ecol, t["block_to_expert"].ap([[0, P], [1, 1]], offset=b))
+        blk["expert"] = ecol[0:1, 0:1]
+        blk["tok"] = tok
+        blk["ecol"] = ecol
+    return blk
+
+
+def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int) -> None:
+    """Affinity indices and affinities of block `b` (bwd spec §3.1, §4.1) from its loads
+    `blk` (`_indices_load`), and `_rmw_index`'s integer ops."""
+    NT = cfg.B // P
+    if not cfg.dense:
+        tok = blk["tok"]
+        ecol = blk["ecol"]
         if cfg.skip_token:
             # every padding id below 0 becomes -1, the skipped index (upstream's convention)
             nisa.tensor_scalar(dst=tok, data=tok, op0=nl.maximum, operand0=-1.0)
-        ecol = nl.ndarray((P, 1), dtype=nl.int32, buffer=nl.sbuf, name="expert_col")
-        nisa.dma_copy(dst=ecol, src=t["block_to_expert"].ap([[0, P], [1, 1]], offset=b))
-        blk["expert"] = ecol[0:1, 0:1]
         # ea_idx = tok*E + e: the multiply with an fp32 operand (exact below 2^24), then an
         # int32 add of the expert id column; padding -> negative (clamped to -1) or >= T*E
         addr = nl.ndarray((P, NT), dtype=nl.int32, buffer=nl.sbuf, name="ea_addr")
@@ -741,7 +906,6 @@ def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str,
             )
         if cfg.skip_token:
             nisa.tensor_scalar(dst=ea_idx, data=ea_idx, op0=nl.maximum, operand0=-1.0)
-        blk["tok"] = tok
         blk["ea_idx"] = ea_idx
     elif cfg.nv:
         # dense with a token count: positions >= count become padding (-1)
@@ -773,9 +937,53 @@ def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str,
             )  # fmt: skip
     else:
         nisa.dma_copy(dst=alpha_tok, src=ea.ap([[1, P], [P, NT]], offset=b * cfg.B))
-    nisa.dma_copy(dst=t["alpha_s"].ap([[1, P], [P, NT]], offset=0), src=alpha_tok)
+    _index_dma(t["alpha_s"].ap([[1, P], [P, NT]], offset=0), alpha_tok)
     blk["alpha_tok"] = alpha_tok
-    return blk
+    if not cfg.dense:
+        _rmw_index(cfg, t, blk, b)
+
+
+def _rmw_index(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int) -> None:
+    """Routed block `b`: whether an earlier block had its expert ``e`` (the flag ``seen_s[e]``,
+    then set), and from it the row offsets `_rmw_index_finish` completes: per partition, the
+    row of ``dW_gu[e]`` / ``dW_d[e]`` (as the expert-major row views ``[E*H, 2I]`` /
+    ``[E*I, H]``) that each phase-3/4 tile reads for its read-modify-write, or -1 where the
+    block is its expert's first.
+
+    Those rows still hold the zeros of `_init_outputs`, so the read is skipped (``oob_mode.skip``
+    into a zeroed tile: the sum starts from +0 as in bwd spec §4.3) and moves no bytes. Block
+    0 is always its expert's first and reads nothing (`_rmw_olds`). The work per block does
+    not depend on N (one flag lookup), and the two offsets reach every partition through a
+    2-element HBM scratch (stride-0 read)."""
+    big = max(cfg.H, cfg.I)  # > every row in rmw_rows: rows - big < 0, skipped
+    e = blk["expert"]
+    flag = t["seen_s"].ap([[1, 1], [1, 1]], offset=0, scalar_offset=e, indirect_dim=0)
+    seen = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="rmw_seen")
+    _index_dma(seen, flag)
+    _index_dma(flag, t["seen_one"])
+    # off = (e*F + big) * seen - big: e*F when seen, else -big (int32, exact below 2^24)
+    off = nl.ndarray((1, 2), dtype=nl.int32, buffer=nl.sbuf, name="rmw_off")
+    for j, F in ((0, cfg.H), (1, cfg.I)):
+        col = off[0:1, j : j + 1]
+        nisa.tensor_scalar(
+            dst=col, data=e, op0=nl.multiply, operand0=float(F), op1=nl.add, operand1=float(big)
+        )
+        nisa.tensor_tensor(dst=col, data1=col, data2=seen, op=nl.multiply)
+    nisa.tensor_scalar(dst=off, data=off, op0=nl.subtract, operand0=float(big))
+    _index_dma(t["rmw_s"].ap([[2, 1], [1, 2]], offset=0), off)
+
+
+def _rmw_index_finish(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any]) -> None:
+    """`_rmw_index`'s two offsets read back onto every partition and added to the rows."""
+    nh, ni = cfg.H // P, cfg.I // P
+    offb = nl.ndarray((P, nh + ni), dtype=nl.int32, buffer=nl.sbuf, name="rmw_offb")
+    _index_dma(offb[:, 0:nh], t["rmw_s"].ap([[0, P], [0, nh]], offset=0))
+    _index_dma(offb[:, nh : nh + ni], t["rmw_s"].ap([[0, P], [0, ni]], offset=1))
+    idx = nl.ndarray((P, nh + ni), dtype=nl.int32, buffer=nl.sbuf, name="rmw_idx")
+    nisa.tensor_tensor(dst=idx, data1=t["rmw_rows"], data2=offb, op=nl.add)
+    # a skipped row is marked -1 (oob_mode.skip, as the token ids in `_setup_indices`)
+    nisa.tensor_scalar(dst=idx, data=idx, op0=nl.maximum, operand0=-1.0)
+    blk["rmw_idx"] = idx
 
 
 # --------------------------------------------------------------------------------------------
@@ -783,28 +991,107 @@ def _setup_indices(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str,
 # --------------------------------------------------------------------------------------------
 
 
+def _block_tensors(t: dict[str, Any], b: int) -> dict[str, Any]:
+    """The tensor dict of block `b`: the launch's tensors, with the scratch set of its parity
+    (``dgu_s``, ``s_s``, ``da_s``, ``yq``) and the other set (``*_o``, for `_hand_over`)."""
+    tb: dict[str, Any] = {}
+    for k in t:
+        tb[k] = t[k]
+    n = len(t["dgu_s2"])
+    tb["two_sets"] = n > 1
+    for k in ("dgu_s", "s_s", "da_s", "yq"):
+        tb[k] = t[k + "2"][b % n]
+        tb[k + "_o"] = t[k + "2"][(b + 1) % n]
+    return tb
+
+
 def _hand_over(geo: Geometry, t: dict[str, Any]) -> None:
-    """LNC 2: both cores synchronize on each shared scratch tensor they hand over."""
+    """LNC 2: after phase 1 both cores synchronize on the shared scratch tensors of both sets:
+    this block's (written by both, read by both from here on) and the other one (the previous
+    block's, whose last reads, in phases 2-3, precede this point on both cores; the next
+    block's phase 1, after this point, overwrites it)."""
     if geo.lnc > 1:
-        nisa.core_barrier(t["dgu_s"], (0, 1))
-        nisa.core_barrier(t["s_s"], (0, 1))
-        nisa.core_barrier(t["da_s"], (0, 1))
+        for k in ("dgu_s", "s_s", "da_s"):
+            nisa.core_barrier(t[k], (0, 1))
+            if t["two_sets"]:
+                nisa.core_barrier(t[k + "_o"], (0, 1))
 
 
-def _block(
+def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
+    """Phase 1's software pipeline (`_block_phase1`): whether window w+1's loads and operands are
+    issued before window w's compute (where they fit `PIPELINE_BUDGET`; else the operands just
+    before their compute), and how many windows ahead the dY rows are gathered (two where
+    they fit `ROWS_AHEAD_BUDGET`)."""
+    Wn, bpe = cfg.W, 2
+    dy_bytes = (Wn // P) * cfg.H * bpe
+    win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
+    w_bytes = 0
+    if geo.res_d:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k1), geo.d_cols)
+    if geo.res_gu:
+        w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
+    q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
+    ahead = 1
+    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
+        ahead = 2
+    return q_ahead, ahead
+
+
+def _prologue_indices(cfg: BwdKernelConfig, t: dict[str, Any], b: int) -> dict[str, Any]:
+    """Block `b`'s indices, all three stages at once (the first block)."""
+    blk = _indices_load(cfg, t, b)
+    _setup_indices(cfg, t, blk, b)
+    return blk
+
+
+def _prologue(
     cfg: BwdKernelConfig,
     geo: Geometry,
     t: dict[str, Any],
     w_dense: Any,
     b: int,
-    zero_jobs: list[Any],
-) -> None:
-    """One block (module docstring); `zero_jobs`: output-zeroing DMAs still to issue."""
-    blk = _setup_indices(cfg, t, b)
+    blk: Any = None,
+) -> dict[str, Any]:
+    """What block `b` reads before its phase-1 compute: indices, the read-modify-write rows,
+    W_d quantized, the first windows' dY rows and window 0's loads. Issued for block b+1
+    during block b's phases 3/4 (`blockwise_mm_bwd_mxfp8_nki`), whose DMA-bound read-modify-writes leave the
+    other engines and queues room: the blocks overlap instead of starting cold. `blk`: the
+    block's indices from `_prologue_indices` (issued earlier still), else issued here."""
+    if blk is None:
+        blk = _prologue_indices(cfg, t, b)
+    if not cfg.dense and b > 0:
+        _rmw_index_finish(cfg, t, blk)
     w = w_dense
     if not cfg.dense:
         # W_gu (phase 2) is quantized after phase 1's first window is under way
         w = _quantize_weights(cfg, geo, t, blk["expert"], "d")
+    q_ahead, ahead = _pipeline_depth(cfg, geo)
+    nwin = cfg.B // cfg.W
+    rows = []
+    for win in range(min(ahead, nwin)):
+        rows.append(_phase1_rows(cfg, t, blk, b, win))
+    pre: Any = None
+    if q_ahead:
+        pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
+    return {"blk": blk, "w": w, "rows": rows, "pre": pre}
+
+
+def _block_phase1(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    b: int,
+    zero_jobs: list[Any],
+    st: dict[str, Any],
+    tn: Any,
+) -> dict[str, Any]:
+    """Phase 1 of block `b` (module docstring) from its `_prologue` `st`, the hand-over to phase
+    2 and the affinity grad; `zero_jobs`: output-zeroing DMAs to spread over its windows; `tn`:
+    the next block's tensor dict (None for the last block), whose indices are issued here.
+    Returns what phases 2-4 need and the next block's indices: ``{"blk", "w", "next"}``."""
+    blk, w, rows, pre = st["blk"], st["w"], st["rows"], st["pre"]
+    if geo.res_moving:
+        t["yq"] = _onchip_operand(geo.k4, geo.h0, geo.Hc, "p4_yres")
     blk["acc_bgu"] = None
     if cfg.bias:
         acc_bgu = nl.ndarray(
@@ -820,30 +1107,11 @@ def _block(
         nisa.memset(dst=acc_bd, value=0.0)
         blk["acc_bd"] = acc_bd
     # phase 1 as a software pipeline: window w+1's loads and operands are issued before window
-    # w's matmuls and SwiGLU backward
+    # w's matmuls and SwiGLU backward (`_pipeline_depth`)
     nwin = cfg.B // cfg.W
-    # Where they fit (`PIPELINE_BUDGET`): window w+1's loads and operands before window w's
-    # compute, dY rows two windows ahead (`ROWS_AHEAD_BUDGET`); else the operands just before
-    # their compute and the rows one window ahead.
-    Wn, bpe = cfg.W, 2
-    dy_bytes = (Wn // P) * cfg.H * bpe
-    win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
-    w_bytes = 0
-    if geo.res_d:
-        w_bytes = w_bytes + _packed_bytes(len(geo.k1), geo.d_cols)
-    if geo.res_gu:
-        w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
-    q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
-    ahead = 1
-    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
-        ahead = 2
-    rows = []
-    for win in range(min(ahead, nwin)):
-        rows.append(_phase1_rows(cfg, t, blk, b, win))
-    pre: Any = None
+    q_ahead, ahead = _pipeline_depth(cfg, geo)
     q: Any = None
     if q_ahead:
-        pre = _phase1_loads(cfg, geo, t, b, 0, rows[0])
         q = _phase1_operands(cfg, geo, t, blk, 0, pre)
     for win in range(nwin):
         if not q_ahead:
@@ -861,31 +1129,48 @@ def _block(
             # W_gu (needed from phase 2 on) once phase 1's first window is under way
             _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
         _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
+    # the next block's index loads (the first stage of its chain, `_indices_load`)
+    # once this block's phase-1 loads are all issued: the next prologue's loads wait for them
+    nblk: Any = None
+    if tn is not None:
+        nblk = _indices_load(cfg, tn, b + 1)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
     _write_affinity_grad(cfg, geo, t, blk, b)
+    return {"blk": blk, "w": w, "next": nblk}
+
+
+def _block_phase2(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    b: int,
+    zero_jobs: list[Any],
+    fr: dict[str, Any],
+) -> None:
+    """Phase 2 of block `b` and phase 3's operands (`_block_phase1`'s `fr`); `zero_jobs`: output-
+    zeroing DMAs to spread over its windows."""
+    blk, w = fr["blk"], fr["w"]
+    nwin = cfg.B // cfg.W
     t["xq"] = t["xq_hbm"]
     if geo.res_x:
         t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
+    if geo.res_moving:
+        t["gq"] = _onchip_operand(geo.k3, 0, 2 * cfg.I, "p3_gres")
     nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
     for win in range(nwin):
         pre = nxt
         if win + 1 < nwin:
             nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
+        nz = len(zero_jobs)
+        _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
         _phase2(cfg, geo, t, blk, w, b, win, pre)
         _phase34_operands(cfg, geo, t, blk, b, win, pre)
-    # S quantized along the tokens after phase 2 (W_gu is no longer live: SBUF room for S on
-    # chip), its loads one window ahead
+    # S quantized along the tokens during phase 3 (W_gu is no longer live: SBUF room for S on
+    # chip)
     t["sq"] = t["sq_hbm"]
     if geo.res_s:
         t["sq"] = _onchip_operand(geo.k4, 0, cfg.I, "p4_sres")
-    _phase3(cfg, geo, t, blk, b)
-    _phase4(cfg, geo, t, blk, b)
-    if cfg.bias:
-        _write_bias(cfg, geo, t, blk)
-    # hand-over 2: both cores are done reading this block's scratch before the next block's
-    # phase 1 overwrites it
-    _hand_over(geo, t)
 
 
 # -- phase 1 ---------------------------------------------------------------------------------
@@ -919,13 +1204,14 @@ def _load_checkpoints(
 def _phase1_rows(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], b: int,
                  win: int) -> Any:  # fmt: skip
     """The dY rows of window `win` (tokens on partitions, ``[P, W/P, H]``), gathered two
-    windows ahead of their use (`_block`; zeroed on GpSimd, which keeps up at that distance)."""
+    windows ahead of their use (`_block_phase1`; zeroed on ScalarE, copies of the zero tile:
+    GpSimd and VectorE are the busier engines in phase 1)."""
     nTw = cfg.W // P
     dyw = nl.ndarray((P, nTw, cfg.H), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p1_dy")
     for j in range(nTw):
         _gather_rows(
             cfg, blk, dyw[:, j, :], t["output_hidden_states_grad"], b, win * nTw + j, 0, cfg.H,
-            nisa.engine.gpsimd,
+            nisa.engine.scalar, t["zero"],
         )  # fmt: skip
     return dyw
 
@@ -935,7 +1221,7 @@ def _phase1_loads(
 ) -> dict[str, Any]:
     """What phase 1 reads from HBM for window `win`: the dY rows `dyw` (`_phase1_rows`), the
     alpha row and the checkpoint tiles of this core's I tiles. Issued one window ahead of their
-    compute (`_block`): DMA engines and queues start transfers in program order, so a load
+    compute (`_block_phase1`): DMA engines and queues start transfers in program order, so a load
     issued after a window's write-backs would wait for them."""
     Wn, w0 = cfg.W, win * cfg.W
     alpha = nl.ndarray((P, Wn), dtype=nl.float32, buffer=nl.sbuf, name="alpha_row")
@@ -1188,9 +1474,22 @@ def _phase2(
         nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
     hsg = t["hsg"]
+    hold = pre["hsg_old"]
+    if cfg.accumulate and blk["tok"] is not None and hold is None:
+        hold = _hsg_old(cfg, geo, t, blk, b, win)
+    groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
-        n = min(NMAX, geo.h0 + geo.Hc - c0)
-        wq, wsv = _load_q(w["gu"], c0, n, "p2_w")
+        groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
+    # streamed W_gu (not resident): each column group's load issued one group ahead of its
+    # matmuls where a second group fits (`_geometry`; resident operands are slices, no DMA)
+    nxt_w = _load_q(w["gu"], groups[0][0], groups[0][1], "p2_w")
+    for k in range(len(groups)):
+        c0, n = groups[k]
+        if k > 0 and not geo.w2_ahead:
+            nxt_w = _load_q(w["gu"], c0, n, "p2_w")
+        wq, wsv = nxt_w
+        if k + 1 < len(groups) and geo.w2_ahead:
+            nxt_w = _load_q(w["gu"], groups[k + 1][0], groups[k + 1][1], "p2_w")
         for tt in range(nTw):
             r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
             for ci in range(ntk):
@@ -1208,9 +1507,10 @@ def _phase2(
                 _store(hsg[r0 : r0 + P, c0 : c0 + n], r)
                 continue
             if cfg.accumulate:
-                # read-add-write in bf16 (one token per row of a block, bwd spec §3.2)
-                old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_old")
-                _gather_rows(cfg, blk, old, hsg, b, gtt, c0, n)
+                # read-add-write in bf16 (one token per row of a block, bwd spec §3.2); the
+                # rows were gathered before the window's scatters (`_hsg_old`)
+                o = c0 - geo.h0
+                old = hold[:, tt, o : o + n]
                 nisa.tensor_tensor(dst=r, data1=old, data2=r, op=nl.add)
             dst = _rows_src(cfg, blk, hsg, b, gtt, c0, n)
             nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
@@ -1246,7 +1546,29 @@ def _phase2_loads(
             nisa.engine.gpsimd,
         )  # fmt: skip
     out["x"] = x
+    out["hsg_old"] = None
+    if cfg.accumulate and blk["tok"] is not None and 4 * nTw * geo.Hc * 2 <= OLD_AHEAD_BUDGET:
+        out["hsg_old"] = _hsg_old(cfg, geo, t, blk, b, win)
     return out
+
+
+def _hsg_old(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+) -> Any:
+    """The hidden-grad rows window `win` adds to (``[P, W/P, Hc]``), gathered before any of its
+    scatters: gathered per tile between the scatters, each gather would wait in the gather
+    queue for the previous tile's scatter. The block's tokens are distinct (bwd spec §3.2),
+    so no row gathered here is scattered earlier in the block. Issued with the window's loads
+    (a window ahead) where two windows' rows and X rows fit `OLD_AHEAD_BUDGET`, else at the
+    start of the window's phase 2."""
+    nTw = cfg.W // P
+    old = nl.ndarray((P, nTw, geo.Hc), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p2_old")
+    for j in range(nTw):
+        _gather_rows(
+            cfg, blk, old[:, j, :], t["hsg"], b, win * nTw + j, geo.h0, geo.Hc,
+            nisa.engine.gpsimd,
+        )  # fmt: skip
+    return old
 
 
 def _s_loads(cfg: BwdKernelConfig, t: dict[str, Any], win: int) -> list[Any]:
@@ -1372,7 +1694,7 @@ def _phase34_operands(
 ) -> None:
     """Phase-3 operands of window `win` quantized along the tokens from its loads `pre`
     (`_phase2_loads`): X (gathered rows) and [dG|dU] (phase 2's rows, transposed). dY's came
-    with phase 1; S's follow phase 2 (`_block`)."""
+    with phase 1; S's follow phase 2 (`_phase3`)."""
     if not geo.Hc:
         return
     _rows_q(cfg, pre["x"], 0, win, t["xq"], geo.Hc, geo.h0, "p3_x")
@@ -1409,12 +1731,46 @@ def _bias_down(
 
 
 def _rmw_load(bf: Any, dst_ap: Any, first_dense: bool, n: int, name: str) -> Any:
-    """The current value of an output tile for `_rmw` (None for dense block 0, which writes)."""
+    """The current value of an output tile for `_rmw` (dense; None for block 0, which writes)."""
     if first_dense:
         return None
     old = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name=f"{name}_old")
     _load(old, dst_ap)
     return old
+
+
+def _rmw_olds(
+    cfg: BwdKernelConfig,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    rows: Any,
+    tiles: list[tuple[int, int]],
+    c0: int,
+    n: int,
+    name: str,
+) -> list[Any]:
+    """Routed: the current value of output tiles ``(row tile, index column)`` of the row view
+    `rows`, columns ``[c0, c0+n)``, for `_rmw`. Block 0 reads nothing (the zero tile: every
+    block-0 tile is its expert's first); later blocks gather the rows `_rmw_index` gives into
+    a tile zeroed on GpSimd (idle in phases 3/4), skipping an expert's first block."""
+    if blk["rmw_idx"] is None:
+        out = []
+        for _ in tiles:
+            out.append(t["zero"][:, 0:n])
+        return out
+    old = nl.ndarray((P, len(tiles), n), dtype=cfg.compute_dtype, buffer=nl.sbuf,
+                     name=f"{name}_old")  # fmt: skip
+    nisa.memset(dst=old, value=0.0, engine=nisa.engine.gpsimd)
+    out = []
+    for k in range(len(tiles)):
+        _rt, col = tiles[k]
+        src = rows.ap(
+            [[rows.shape[1], P], [1, n]], offset=c0, vector_offset=blk["rmw_idx"][:, col : col + 1],
+            indirect_dim=0,
+        )  # fmt: skip
+        nisa.dma_copy(dst=old[:, k, :], src=src, oob_mode=nisa.oob_mode.skip)
+        out.append(old[:, k, :])
+    return out
 
 
 def _rmw(bf: Any, dst_ap: Any, c_ps: Any, old: Any, n: int, name: str) -> None:
@@ -1438,6 +1794,11 @@ def _p3_loads(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[
     """Phase 3's loads for dGU columns ``[col, col+n)``: the moving operand and the current
     value of this core's output tiles."""
     gq, gsv = _load_q(t["gq"], col, n, "p3_g")
+    if not cfg.dense:
+        tiles = []
+        for j in range(geo.n_h):
+            tiles.append((geo.h_lo + j, geo.h_lo + j))
+        return gq, gsv, _rmw_olds(cfg, t, blk, t["dwgu_rows"], tiles, col, n, "p3")
     olds = []
     for j in range(geo.n_h):
         dst = _p3_dst(cfg, t, blk, col, n, geo.h_lo + j)
@@ -1507,6 +1868,11 @@ def _p4_loads(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], firs
               c0: int, n: int) -> tuple[Any, Any, list[Any]]:  # fmt: skip
     """Phase 4's loads for H columns ``[c0, c0+n)``: dY's operand and the output tiles."""
     yq, ysv = _load_q(t["yq"], c0, n, "p4_y")
+    if not cfg.dense:
+        tiles = []
+        for it in range(cfg.I // P):
+            tiles.append((it, cfg.H // P + it))
+        return yq, ysv, _rmw_olds(cfg, t, blk, t["dwd_rows"], tiles, c0, n, "p4")
     olds = []
     for it in range(cfg.I // P):
         dst = _p4_dst(cfg, t, blk, c0, n, it)
@@ -1625,17 +1991,54 @@ def blockwise_mm_bwd_mxfp8_nki(
     _alloc_outputs(cfg, t)
     _alloc_scratch(cfg, geo, t)
     _constants(cfg, t)
-    zero_jobs: list[Any] = []
+    zero_jobs: list[Any] = [[], []]
     if not cfg.dense or cfg.nv:
         zero_jobs = _init_outputs(cfg, geo, t)
     w_dense = None
     if cfg.dense:
         w_dense = _quantize_weights(cfg, geo, t, None)
+    # Blocks overlap: block b+1's indices, prologue and phase 1 are issued during block b's
+    # phases 3/4 (DMA-bound read-modify-writes that leave the compute engines room; engines
+    # and DMA queues run in program order, so the overlap has to be in the program). The
+    # scratch handed from phase 1 to phases 2-4 alternates between two sets (`_block_tensors`).
+    tb = _block_tensors(t, 0)
+    st = _prologue(cfg, geo, tb, w_dense, 0)
+    tn: Any = None
+    if cfg.N > 1:
+        tn = _block_tensors(t, 1)
+    fr = _block_phase1(cfg, geo, tb, 0, zero_jobs[0], st, tn)
     for b in range(cfg.N):
+        tnn: Any = None
+        if b + 2 < cfg.N:
+            tnn = _block_tensors(t, b + 2)
         jobs: list[Any] = []
         if b == 0:
-            jobs = zero_jobs
-        _block(cfg, geo, t, w_dense, b, jobs)
+            jobs = zero_jobs[1]
+        if tn is not None:
+            _setup_indices(cfg, tn, fr["next"], b + 1)
+        if b + 1 == cfg.N and not cfg.dense:
+            # every block's expert flag is set by now (`_rmw_index`); before the last block's
+            # phases 2-4 rather than at the end, where nothing would overlap it
+            _zero_unused_experts(cfg, geo, t)
+        _block_phase2(cfg, geo, tb, b, jobs, fr)
+        nfr: Any = None
+        if tn is not None and geo.overlap:
+            st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
+        _phase3(cfg, geo, tb, fr["blk"], b)
+        # (before phase 3 it would overwrite the S scratch phase 3 of the other core may still
+        # be reading: the LNC race check catches that order)
+        if tn is not None and geo.overlap:
+            nfr = _block_phase1(cfg, geo, tn, b + 1, [], st, tnn)
+        if tn is not None and not geo.overlap and geo.overlap4:
+            st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
+        _phase4(cfg, geo, tb, fr["blk"], b)
+        if cfg.bias:
+            _write_bias(cfg, geo, tb, fr["blk"])
+        if tn is not None and not geo.overlap:
+            if not geo.overlap4:
+                st = _prologue(cfg, geo, tn, w_dense, b + 1, fr["next"])
+            nfr = _block_phase1(cfg, geo, tn, b + 1, [], st, tnn)
+        tb, fr, tn = tn, nfr, tnn
     if cfg.bias:
         return (t["hsg"], t["dea"], t["dwgu"], t["dwd"], t["dbgu"], t["dbd"])
     return (t["hsg"], t["dea"], t["dwgu"], t["dwd"])
