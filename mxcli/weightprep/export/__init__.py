@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mxcli.weightprep.writer import TensorSpec
+
 
 def check_export(plan: Any) -> None:
     """What the export of `plan` refuses, before any byte is written (``--dry-run`` too)."""
@@ -24,8 +26,6 @@ def check_export(plan: Any) -> None:
 
 
 def _row(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    from mxcli.weightprep.writer import TensorSpec
-
     return {"name": name, "dtype": dtype, "shape": list(shape),
             "bytes": TensorSpec(name, dtype, shape).nbytes}  # fmt: skip
 
@@ -43,7 +43,9 @@ def dry_run_view(plan: Any) -> dict[str, Any]:
         mark = f"layers.{L}."
         r0 = min(per_rank)
         rows = [_row(n, d, s) for n, (d, s) in per_rank[r0].items() if n.startswith(mark)]
-        total = sum(_row(n, d, s)["bytes"] for t in per_rank.values() for n, (d, s) in t.items())
+        total = sum(
+            TensorSpec(n, d, s).nbytes for t in per_rank.values() for n, (d, s) in t.items()
+        )
         note = f"{len(per_rank)} rank file(s) {rank_file(r0)}, ...; MoE tensors only"
         return {"outputs_per_layer": {f"rank {r0}": rows},
                 "write_per_layer": total // len(plan.layers), "write_total": total, "note": note}  # fmt: skip
