@@ -813,6 +813,41 @@ def _quantize_weight(
     return res
 
 
+def _wgu_staged(cfg: BwdKernelConfig, geo: Geometry) -> bool:
+    """Whether W_gu is quantized on chip into SBUF a few chunks per phase-1 window
+    (`_wgu_pairs`) rather than all at once after window 0's loads."""
+    return not cfg.dense and not cfg.pq_gu and geo.Hc > 0 and geo.res_gu
+
+
+def _wgu_pairs(cfg: BwdKernelConfig, geo: Geometry) -> list[tuple[int, int, int]]:
+    """W_gu's (column start, columns, chunk) quantization steps, as in `_quantize_weights`."""
+    out = []
+    for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
+        for i in range(len(geo.k2)):
+            out.append((c0, min(NMAX, geo.h0 + geo.Hc - c0), i))
+    return out
+
+
+def _wgu_load(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any,
+              step: tuple[int, int, int]) -> Any:  # fmt: skip
+    """One W_gu step's ``dma_transpose`` into the wrapX layout (`_quantize_weight`), bf16."""
+    c0, n, i = step
+    kt = geo.k2[i]
+    v = kt.v
+    w = t["gate_up_proj_weight"]
+    K = 2 * cfg.I
+    bf = cfg.compute_dtype
+    src = _ap(w, [[v, 4], [K, n], [1, v]], c0 * K + kt.k0, expert)
+    ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name="wgu_ilv")
+    if w.dtype == bf:
+        nisa.dma_transpose(dst=ilv[0:v, :, :], src=src, axes=(2, 1, 0))
+    else:
+        raw = nl.ndarray((P, n, 4), dtype=w.dtype, buffer=nl.sbuf, name="wgu_raw")
+        nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
+        nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
+    return ilv
+
+
 # --------------------------------------------------------------------------------------------
 # Token rows
 # --------------------------------------------------------------------------------------------
@@ -1110,10 +1145,19 @@ def _block_phase1(
     # w's matmuls and SwiGLU backward (`_pipeline_depth`)
     nwin = cfg.B // cfg.W
     q_ahead, ahead = _pipeline_depth(cfg, geo)
+    staged = _wgu_staged(cfg, geo)
+    steps: list[Any] = []
+    staged_prev: list[Any] = []
+    if staged:
+        steps = _wgu_pairs(cfg, geo)
+        w["gu"] = _onchip_operand(geo.k2, geo.h0, geo.Hc, "wgu_res")
     q: Any = None
     if q_ahead:
         q = _phase1_operands(cfg, geo, t, blk, 0, pre)
     for win in range(nwin):
+        # staged W_gu (below): the previous window's share, before this window's allocations
+        for step, ilv in staged_prev:
+            _quantize_chunk_to(ilv, geo.k2[step[2]], step[1], "wgu", w["gu"], step[0], step[2])
         if not q_ahead:
             pre = _phase1_loads(cfg, geo, t, b, win, rows[win])
             q = _phase1_operands(cfg, geo, t, blk, win, pre)
@@ -1125,10 +1169,22 @@ def _block_phase1(
             q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
         nz = len(zero_jobs)
         _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
-        if win == 0 and not cfg.dense:
+        if win == 0 and not cfg.dense and not staged:
             # W_gu (needed from phase 2 on) once phase 1's first window is under way
             _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
+        # staged W_gu: this window's share of the chunks loaded before its SwiGLU backward,
+        # quantized before the next window's (after it in the last window), so that VectorE
+        # does not wait on those loads
+        share = []
+        if staged:
+            lo, hi = (win * len(steps)) // nwin, ((win + 1) * len(steps)) // nwin
+            for k in range(lo, hi):
+                share.append((steps[k], _wgu_load(cfg, geo, t, blk["expert"], steps[k])))
+        staged_prev = share
         _phase1(cfg, geo, t, blk, w, b, win, cur_pre, cur_q)
+        if win + 1 == nwin:
+            for step, ilv in share:
+                _quantize_chunk_to(ilv, geo.k2[step[2]], step[1], "wgu", w["gu"], step[0], step[2])
     # the next block's index loads (the first stage of its chain, `_indices_load`)
     # once this block's phase-1 loads are all issued: the next prologue's loads wait for them
     nblk: Any = None
@@ -1136,7 +1192,6 @@ def _block_phase1(
         nblk = _indices_load(cfg, tn, b + 1)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
-    _write_affinity_grad(cfg, geo, t, blk, b)
     return {"blk": blk, "w": w, "next": nblk}
 
 
@@ -1157,15 +1212,28 @@ def _block_phase2(
         t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
     if geo.res_moving:
         t["gq"] = _onchip_operand(geo.k3, 0, 2 * cfg.I, "p3_gres")
+    # A software pipeline over the windows: in program order window w's phase-3 operands
+    # (PE transposes, then VectorE copies and quantization) come before its phase-2 matmuls,
+    # and window w+1's phase-2 quantization after them, so that VectorE prepares window w+1's
+    # matmul operand while the PE runs window w's matmuls (the other order left the PE idle
+    # while VectorE worked through window w's transposes and w+1's quantization).
     nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
+    nxt_q = _phase2_quant(cfg, geo, nxt) if geo.Hc else None
     for win in range(nwin):
-        pre = nxt
+        pre, q = nxt, nxt_q
         if win + 1 < nwin:
             nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
         nz = len(zero_jobs)
         _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
-        _phase2(cfg, geo, t, blk, w, b, win, pre)
         _phase34_operands(cfg, geo, t, blk, b, win, pre)
+        _phase2(cfg, geo, t, blk, w, b, win, pre, q)
+        if win + 1 < nwin and geo.Hc:
+            nxt_q = _phase2_quant(cfg, geo, nxt)
+        if win == 0:
+            # the affinity grad (core 0 reads both cores' partials) once window 0 is under
+            # way: right after the hand-over its reads would hold the load queue that phase
+            # 2's first loads wait in
+            _write_affinity_grad(cfg, geo, t, blk, b)
     # S quantized along the tokens during phase 3 (W_gu is no longer live: SBUF room for S on
     # chip)
     t["sq"] = t["sq_hbm"]
@@ -1447,21 +1515,10 @@ def _write_affinity_grad(
 # -- phase 2 ---------------------------------------------------------------------------------
 
 
-def _phase2(
-    cfg: BwdKernelConfig,
-    geo: Geometry,
-    t: dict[str, Any],
-    blk: dict[str, Any],
-    w: dict[str, Any],
-    b: int,
-    win: int,
-    pre: dict[str, Any],
-) -> None:
-    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2), on
-    the window's loads `pre` (`_phase2_loads`)."""
-    Wn, nTw = cfg.W, cfg.W // P
-    if not geo.Hc:
-        return
+def _phase2_quant(cfg: BwdKernelConfig, geo: Geometry, pre: dict[str, Any]) -> tuple[Any, Any]:
+    """Phase 2's stationary ``[dG|dU]`` of a window, quantized along 2I from its row tiles
+    (`_phase2_loads`): one VectorE copy per chunk interleaves the rows into the wrapX layout."""
+    Wn = cfg.W
     bf = cfg.compute_dtype
     ntk = len(geo.k2)
     gq = nl.ndarray((P, ntk, Wn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name="p2_gq")
@@ -1473,6 +1530,29 @@ def _phase2(
         ilv = nl.ndarray((P, Wn, 4), dtype=bf, buffer=nl.sbuf, name="p2_ilv")
         nisa.tensor_copy(dst=ilv[0:v, :, :], src=rows[0:v, :, :].permute((0, 2, 1)))
         _quantize_tile(ilv, kt, Wn, gq[0:v, ci, :], gs[0:v, ci, :])
+    return gq, gs
+
+
+def _phase2(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    w: dict[str, Any],
+    b: int,
+    win: int,
+    pre: dict[str, Any],
+    q: tuple[Any, Any],
+) -> None:
+    """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2), on
+    the window's loads `pre` (`_phase2_loads`) and its quantized ``[dG|dU]`` `q`
+    (`_phase2_quant`)."""
+    nTw = cfg.W // P
+    if not geo.Hc:
+        return
+    bf = cfg.compute_dtype
+    ntk = len(geo.k2)
+    gq, gs = q
     hsg = t["hsg"]
     hold = pre["hsg_old"]
     if cfg.accumulate and blk["tok"] is not None and hold is None:
