@@ -102,6 +102,10 @@ P = 128  # partitions (nl.tile_size.pmax)
 NMAX = 512  # moving free size of one matmul (one fp32 PSUM bank)
 ZCOLS = 2048  # columns of the zero tile used to initialise outputs
 QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadrant)
+# Columns of a spilled phase-3/4 operand staged per write-back in phase 1 (`_rows_q`): 4 KiB
+# data / 1 KiB scale runs (nki-dma-bandwidth-guide.rst: ~89% / ~67% of peak, against ~80% /
+# ~50% for one 512-column matmul group), in 5 KiB of SBUF per partition.
+SPILL_COLS = 1024
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
@@ -1560,8 +1564,28 @@ def _phase2(
     groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
-    # streamed W_gu (not resident): each column group's load issued one group ahead of its
-    # matmuls where a second group fits (`_geometry`; resident operands are slices, no DMA)
+    if w["gu"]["layout"] is None:
+        # resident W_gu: per token tile all column groups, then one write-back of the whole
+        # row range (Hc-element runs instead of 512: nki-dma-bandwidth-guide.rst, 1 KiB runs
+        # ~67% of peak, 4 KiB ~89%)
+        for tt in range(nTw):
+            r = nl.ndarray((P, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p2_rb")
+            for c0, n in groups:
+                wq, wsv = _load_q(w["gu"], c0, n, "p2_w")
+                r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
+                for ci in range(ntk):
+                    v = geo.k2[ci].v
+                    nisa.nc_matmul_mx(
+                        dst=r_ps, stationary=gq[0:v, ci, tt * P : (tt + 1) * P],
+                        moving=wq[0:v, ci, :], stationary_scale=gs[0:v, ci, tt * P : (tt + 1) * P],
+                        moving_scale=wsv[ci], accumulate=ci > 0,
+                    )  # fmt: skip
+                o = c0 - geo.h0
+                nisa.tensor_copy(dst=r[:, o : o + n], src=r_ps, engine=nisa.engine.scalar)
+            _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, geo.h0, geo.Hc)
+        return
+    # streamed W_gu: each column group's load issued one group ahead of its matmuls where a
+    # second group fits (`_geometry`)
     nxt_w = _load_q(w["gu"], groups[0][0], groups[0][1], "p2_w")
     for k in range(len(groups)):
         c0, n = groups[k]
@@ -1581,19 +1605,37 @@ def _phase2(
                 )  # fmt: skip
             r = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_rb")
             nisa.tensor_copy(dst=r, src=r_ps, engine=nisa.engine.scalar)
-            gtt = win * nTw + tt
-            if blk["tok"] is None:
-                r0 = b * cfg.B + gtt * P
-                _store(hsg[r0 : r0 + P, c0 : c0 + n], r)
-                continue
-            if cfg.accumulate:
-                # read-add-write in bf16 (one token per row of a block, bwd spec §3.2); the
-                # rows were gathered before the window's scatters (`_hsg_old`)
-                o = c0 - geo.h0
-                old = hold[:, tt, o : o + n]
-                nisa.tensor_tensor(dst=r, data1=old, data2=r, op=nl.add)
-            dst = _rows_src(cfg, blk, hsg, b, gtt, c0, n)
-            nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
+            _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, c0, n)
+
+
+def _p2_write(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    blk: dict[str, Any],
+    hsg: Any,
+    hold: Any,
+    b: int,
+    win: int,
+    tt: int,
+    r: Any,
+    c0: int,
+    n: int,
+) -> None:
+    """Write token tile `tt` of window `win`'s R (bf16 ``[P, n]``, columns ``[c0, c0+n)``) into
+    the hidden-state grad: stored (dense), scattered, or added to the old rows `hold` and
+    scattered (accumulating)."""
+    gtt = win * (cfg.W // P) + tt
+    if blk["tok"] is None:
+        r0 = b * cfg.B + gtt * P
+        _store(hsg[r0 : r0 + P, c0 : c0 + n], r)
+        return
+    if cfg.accumulate:
+        # read-add-write in bf16 (one token per row of a block, bwd spec §3.2); the rows were
+        # gathered before the window's scatters (`_hsg_old`)
+        o = c0 - geo.h0
+        nisa.tensor_tensor(dst=r, data1=hold[:, tt, o : o + n], data2=r, op=nl.add)
+    dst = _rows_src(cfg, blk, hsg, b, gtt, c0, n)
+    nisa.dma_copy(dst=dst, src=r, oob_mode=_oob(cfg))
 
 
 def _phase2_loads(
@@ -1692,18 +1734,35 @@ def _rows_q(
     chunks inside the window: one copy per byte interleaves them)."""
     Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
+    spill = dst["layout"] is not None
+    # a spilled operand is staged and written back SPILL_COLS columns at a time (as in
+    # `_rows_t_q`; phase 1, where this runs for dY, has less SBUF to spare than phase 2)
+    step = SPILL_COLS if spill else NMAX
     for ci, kt in _window_tiles(dst, w0, Wn):
         v = kt.v
-        for f0 in range(0, F, NMAX):
-            n = min(NMAX, F - f0)
-            ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
-            for j in range(4):
-                pos = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
-                tt = pos // P
-                p0 = pos % P
-                src = rows[p0 : p0 + v, tt, r0 + f0 : r0 + f0 + n]
-                nisa.tensor_copy(dst=ilv[0:v, :, j], src=src)
-            _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0, ci)
+        for s0 in range(0, F, step):
+            sn = min(step, F - s0)
+            if spill:
+                sq = nl.ndarray((P, sn), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf,
+                                name=f"{name}_q")  # fmt: skip
+                ss = nl.ndarray((P, sn), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
+                nisa.memset(dst=ss[0:v, :], value=0)
+            for f0 in range(s0, s0 + sn, NMAX):
+                n = min(NMAX, s0 + sn - f0)
+                ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
+                for j in range(4):
+                    pos = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
+                    tt = pos // P
+                    p0 = pos % P
+                    src = rows[p0 : p0 + v, tt, r0 + f0 : r0 + f0 + n]
+                    nisa.tensor_copy(dst=ilv[0:v, :, j], src=src)
+                if spill:
+                    o = f0 - s0
+                    _quantize_tile(ilv, kt, n, sq[0:v, o : o + n], ss[0:v, o : o + n])
+                else:
+                    _quantize_chunk_to(ilv, kt, n, name, dst, c0 + f0, ci)
+            if spill:
+                _spill(dst, kt, c0 + s0, sn, sq[0:v, :], ss[0:v, :])
 
 
 def _transposed_q(
@@ -1745,12 +1804,21 @@ def _rows_t_q(
     Wn, w0 = cfg.W, win * cfg.W
     bf = cfg.compute_dtype
     tiles = _window_tiles(dst, w0, Wn)
-    for i2 in range(len(geo.k2)):
-        k2 = geo.k2[i2]
-        v2, c2 = k2.v, k2.c
-        rows = rows2[i2]
-        for ci, kt in tiles:
-            v = kt.v
+    F = 2 * cfg.I
+    spill = dst["layout"] is not None
+    for ci, kt in tiles:
+        v = kt.v
+        if spill:
+            # a spilled operand: the whole 2I row range staged and written back at once
+            # (4*2I-byte data / 2I-byte scale runs instead of per 2I chunk: 2 KiB / 512 B,
+            # ~80% / ~50% of peak, nki-dma-bandwidth-guide.rst)
+            sq = nl.ndarray((P, F), dtype=nl.float8_e4m3fn_x4, buffer=nl.sbuf, name=f"{name}_q")
+            ss = nl.ndarray((P, F), dtype=nl.uint8, buffer=nl.sbuf, name=f"{name}_s")
+            nisa.memset(dst=ss[0:v, :], value=0)
+        for i2 in range(len(geo.k2)):
+            k2 = geo.k2[i2]
+            v2, c2 = k2.v, k2.c
+            rows = rows2[i2]
             ilv = nl.ndarray((P, c2, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
             for j in range(4):
                 k = kt.k0 - w0 + j * v  # window position of lane 0 of byte j
@@ -1760,7 +1828,13 @@ def _rows_t_q(
                         dst=ps[0:v, g * v2 : (g + 1) * v2], data=rows[0:v2, g, k : k + v]
                     )
                 nisa.tensor_copy(dst=ilv[0:v, :, j], src=ps[0:v, :])
-            _quantize_chunk_to(ilv, kt, c2, name, dst, k2.k0, ci)
+            if spill:
+                c_hi = k2.k0 + c2
+                _quantize_tile(ilv, kt, c2, sq[0:v, k2.k0 : c_hi], ss[0:v, k2.k0 : c_hi])
+            else:
+                _quantize_chunk_to(ilv, kt, c2, name, dst, k2.k0, ci)
+        if spill:
+            _spill(dst, kt, 0, F, sq[0:v, :], ss[0:v, :])
 
 
 def _phase34_operands(
