@@ -1196,6 +1196,8 @@ def _block_phase1(
         nblk = _indices_load(cfg, tn, b + 1)
     # hand-over 1: dgu_s / s_s / da_s written by both cores, read by both from here on
     _hand_over(geo, t)
+    if geo.overlap:
+        _write_affinity_grad(cfg, geo, t, blk, b)
     return {"blk": blk, "w": w, "next": nblk}
 
 
@@ -1216,27 +1218,38 @@ def _block_phase2(
         t["xq"] = _onchip_operand(geo.k3, geo.h0, geo.Hc, "p3_xres")
     if geo.res_moving:
         t["gq"] = _onchip_operand(geo.k3, 0, 2 * cfg.I, "p3_gres")
-    # A software pipeline over the windows: in program order window w's phase-3 operands
-    # (PE transposes, then VectorE copies and quantization) come before its phase-2 matmuls,
-    # and window w+1's phase-2 quantization after them, so that VectorE prepares window w+1's
-    # matmul operand while the PE runs window w's matmuls (the other order left the PE idle
-    # while VectorE worked through window w's transposes and w+1's quantization).
+    # Without block overlap, a software pipeline over the windows: in program order window
+    # w's phase-3 operands (PE transposes, then VectorE copies and quantization) come before
+    # its phase-2 matmuls, and window w+1's phase-2 quantization after them, so that VectorE
+    # prepares window w+1's matmul operand while the PE runs window w's matmuls (the other
+    # order left the PE idle while VectorE worked through window w's transposes and w+1's
+    # quantization). Where blocks overlap (`_geometry`), the matmuls come first: the next
+    # block's phase 1 fills those gaps, and the hidden-grad write-backs start earlier (cost
+    # model, `scripts/bench_nki.py`: Qwen3-30B-A3B 1.29 / 1.26 of the bound against 1.33 /
+    # 1.37 the other way).
+    pipelined = not geo.overlap
     nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
-    nxt_q = _phase2_quant(cfg, geo, nxt) if geo.Hc else None
+    nxt_q = _phase2_quant(cfg, geo, nxt) if geo.Hc and pipelined else None
     for win in range(nwin):
         pre, q = nxt, nxt_q
         if win + 1 < nwin:
             nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
         nz = len(zero_jobs)
         _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
-        _phase34_operands(cfg, geo, t, blk, b, win, pre)
-        _phase2(cfg, geo, t, blk, w, b, win, pre, q)
-        if win + 1 < nwin and geo.Hc:
-            nxt_q = _phase2_quant(cfg, geo, nxt)
-        if win == 0:
+        if pipelined:
+            _phase34_operands(cfg, geo, t, blk, b, win, pre)
+            _phase2(cfg, geo, t, blk, w, b, win, pre, q)
+            if win + 1 < nwin and geo.Hc:
+                nxt_q = _phase2_quant(cfg, geo, nxt)
+        else:
+            q = _phase2_quant(cfg, geo, pre) if geo.Hc else None
+            _phase2(cfg, geo, t, blk, w, b, win, pre, q)
+            _phase34_operands(cfg, geo, t, blk, b, win, pre)
+        if win == 0 and not geo.overlap:
             # the affinity grad (core 0 reads both cores' partials) once window 0 is under
-            # way: right after the hand-over its reads would hold the load queue that phase
-            # 2's first loads wait in
+            # way: right after the hand-over its small dependent DMAs would hold the queue
+            # phase 2's first loads wait in (where blocks overlap, phase 1 ends during the
+            # previous block's phases 3/4 instead, and it goes there)
             _write_affinity_grad(cfg, geo, t, blk, b)
     # S quantized along the tokens during phase 3 (W_gu is no longer live: SBUF room for S on
     # chip)
