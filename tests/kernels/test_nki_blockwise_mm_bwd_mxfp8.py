@@ -350,6 +350,29 @@ def test_streamed_weights(monkeypatch: pytest.MonkeyPatch, prequantized: bool) -
     compare(out, ref)
 
 
+def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A streamed (not resident) W_gu of a routed launch is quantized on chip per phase-2
+    column group from its DMA transpose, with no HBM scratch in between: two 512-token windows
+    and two column groups per core (H=2048, LNC 2), three experts' blocks; bit-exact to the
+    reference, and the kernel allocates no quantized-W_gu scratch."""
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    monkeypatch.setattr(mod, "RESIDENT_BUDGET", 0)
+    args = case(512, 2048, 3, 1024, 2, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
+    scratch: list[str] = []
+    real = mod._scratch_operand
+    monkeypatch.setattr(
+        mod,
+        "_scratch_operand",
+        lambda *a: scratch.append(a[-1]) or real(*a),  # type: ignore[func-returns-value]
+    )
+    out, ref = both(args, cfg, lnc=2)
+    compare(out, ref)
+    assert "wdq" in scratch and "wguq" not in scratch
+
+
 # -- validation -------------------------------------------------------------------------------
 
 

@@ -573,7 +573,8 @@ def _alloc_scratch(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any]) -> No
     t["wguq_s"] = None
     if not cfg.pq_d and not geo.res_d:
         t["wdq_s"] = _scratch_operand(cfg.H // 4, cfg.I, geo.k1, cfg.runs1, "wdq")
-    if not cfg.pq_gu and not geo.res_gu:
+    if not cfg.pq_gu and not geo.res_gu and cfg.dense:
+        # (routed launches quantize a streamed W_gu per phase-2 column group, `_wgu_fly`)
         t["wguq_s"] = _scratch_operand(2 * cfg.I // 4, cfg.H, geo.k2, cfg.runs2, "wguq")
 
 
@@ -821,6 +822,25 @@ def _wgu_staged(cfg: BwdKernelConfig, geo: Geometry) -> bool:
     """Whether W_gu is quantized on chip into SBUF a few chunks per phase-1 window
     (`_wgu_pairs`) rather than all at once after window 0's loads."""
     return not cfg.dense and not cfg.pq_gu and geo.Hc > 0 and geo.res_gu
+
+
+def _wgu_fly(cfg: BwdKernelConfig, geo: Geometry) -> bool:
+    """Whether a streamed (not resident) W_gu is quantized per phase-2 column group straight
+    from its ``dma_transpose`` (`_wgu_group`) instead of once per block into an HBM scratch
+    that phase 2 then reads back: the weights' x4 data and scales go through HBM twice less
+    (dense launches quantize once for all blocks and keep the scratch)."""
+    return not cfg.dense and not cfg.pq_gu and geo.Hc > 0 and not geo.res_gu
+
+
+def _wgu_group(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any, c0: int,
+               n: int) -> tuple[Any, list[Any]]:  # fmt: skip
+    """Columns ``[c0, c0+n)`` of the expert's W_gu quantized on chip (`_wgu_fly`), as
+    `_load_q` hands them out."""
+    op = _onchip_operand(geo.k2, c0, n, "p2_wf")
+    for i in range(len(geo.k2)):
+        ilv = _wgu_load(cfg, geo, t, expert, (c0, n, i))
+        _quantize_chunk_to(ilv, geo.k2[i], n, "p2_wf", op, c0, i)
+    return _load_q(op, c0, n, "p2_wf")
 
 
 def _wgu_pairs(cfg: BwdKernelConfig, geo: Geometry) -> list[tuple[int, int, int]]:
@@ -1173,7 +1193,7 @@ def _block_phase1(
             q = _phase1_operands(cfg, geo, t, blk, win + 1, pre)
         nz = len(zero_jobs)
         _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
-        if win == 0 and not cfg.dense and not staged:
+        if win == 0 and not cfg.dense and not staged and not _wgu_fly(cfg, geo):
             # W_gu (needed from phase 2 on) once phase 1's first window is under way
             _quantize_weights(cfg, geo, t, blk["expert"], "gu", w)
         # staged W_gu: this window's share of the chunks loaded before its SwiGLU backward,
@@ -1577,7 +1597,8 @@ def _phase2(
     groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
-    if w["gu"]["layout"] is None:
+    fly = _wgu_fly(cfg, geo)
+    if not fly and w["gu"]["layout"] is None:
         # resident W_gu: per token tile all column groups, then one write-back of the whole
         # row range (Hc-element runs instead of 512: nki-dma-bandwidth-guide.rst, 1 KiB runs
         # ~67% of peak, 4 KiB ~89%)
@@ -1597,16 +1618,16 @@ def _phase2(
                 nisa.tensor_copy(dst=r[:, o : o + n], src=r_ps, engine=nisa.engine.scalar)
             _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, geo.h0, geo.Hc)
         return
-    # streamed W_gu: each column group's load issued one group ahead of its matmuls where a
-    # second group fits (`_geometry`)
-    nxt_w = _load_q(w["gu"], groups[0][0], groups[0][1], "p2_w")
+    # streamed W_gu: each column group's load (or on-chip quantization, `_wgu_fly`) issued one
+    # group ahead of its matmuls where a second group fits (`_geometry`)
+    nxt_w = _p2_weights(cfg, geo, t, blk, w, groups[0][0], groups[0][1], fly)
     for k in range(len(groups)):
         c0, n = groups[k]
         if k > 0 and not geo.w2_ahead:
-            nxt_w = _load_q(w["gu"], c0, n, "p2_w")
+            nxt_w = _p2_weights(cfg, geo, t, blk, w, c0, n, fly)
         wq, wsv = nxt_w
         if k + 1 < len(groups) and geo.w2_ahead:
-            nxt_w = _load_q(w["gu"], groups[k + 1][0], groups[k + 1][1], "p2_w")
+            nxt_w = _p2_weights(cfg, geo, t, blk, w, groups[k + 1][0], groups[k + 1][1], fly)
         for tt in range(nTw):
             r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
             for ci in range(ntk):
@@ -1619,6 +1640,14 @@ def _phase2(
             r = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_rb")
             nisa.tensor_copy(dst=r, src=r_ps, engine=nisa.engine.scalar)
             _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, c0, n)
+
+
+def _p2_weights(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any],
+                w: dict[str, Any], c0: int, n: int, fly: bool) -> tuple[Any, list[Any]]:  # fmt: skip
+    """A streamed W_gu's columns ``[c0, c0+n)`` for phase 2's matmuls."""
+    if fly:
+        return _wgu_group(cfg, geo, t, blk["expert"], c0, n)
+    return _load_q(w["gu"], c0, n, "p2_w")
 
 
 def _p2_write(
