@@ -1579,7 +1579,7 @@ def _phase2(
     b: int,
     win: int,
     pre: dict[str, Any],
-    q: tuple[Any, Any],
+    q: Any,
 ) -> None:
     """R = bf16(mx([dG|dU], W_gu)) per 128-token tile, into the hidden-state grad (§6 P2), on
     the window's loads `pre` (`_phase2_loads`) and its quantized ``[dG|dU]`` `q`
