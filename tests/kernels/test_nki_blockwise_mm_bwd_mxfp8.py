@@ -16,6 +16,7 @@ rounding, MX quantization) under the tolerance model of `mxcli.verification.mxch
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from mxcli.kernels.blockwise_moe.config import AffinityOption
 from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
 from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
+from mxcli.nkisim import trace
 from mxcli.verification.compare import compare_tensors
 from mxcli.verification.policy import tolerance_for
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
@@ -371,6 +373,45 @@ def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyP
     out, ref = both(args, cfg, lnc=2)
     compare(out, ref)
     assert "wdq" in scratch and "wguq" not in scratch
+
+
+def _mx_matmuls(mod: Any, fns: tuple[str, ...], recorders: list[Any]) -> int:
+    """MX matmuls recorded at the source lines of the kernel functions `fns`."""
+    sites = set()
+    for fn in fns:
+        lines, first = inspect.getsourcelines(getattr(mod, fn))
+        sites |= {f"nki_kernel.py:{first + k}" for k in range(len(lines))}
+    return sum(
+        1 for r in recorders for i in r.instrs
+        if i.op == "nc_matmul_mx" and i.source.rsplit("/", 1)[-1] in sites
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["routed", "dense"])
+def test_phases34_row_by_row(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Without block overlap and with the moving operands on chip, phases 3/4 compute a whole
+    output row tile before one read-modify-write (`_phase34_rows`): routed top-2 with several
+    blocks per expert (the later ones read the old rows), and dense (block 0 writes, later
+    blocks read back); bit-exact to the reference, and every phase-3/4 matmul of the tile-by-
+    tile path ran in the row path instead."""
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    if mode == "dense":
+        args, cfg = case(512, 1024, 1, 256, 1, 256, dense=True), MXFP8MOEBwdConfig()
+    else:
+        args, cfg = case(512, 1024, 2, 256, 2, 384), MXFP8MOEBwdConfig.routed(top_k=2)
+    with trace.recording() as tiles_rec:  # default budgets: blocks overlap, tile by tile
+        run_sim(**args, config=cfg, lnc=2)
+    monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
+    monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
+    ref = blockwise_mm_bwd_mxfp8(**args, config=cfg)
+    with trace.recording() as rows_rec:
+        out = run_sim(**args, config=cfg, lnc=2)
+    compare(out, ref)
+    per_tile = _mx_matmuls(mod, ("_phase3", "_phase4"), tiles_rec)
+    assert per_tile > 0 and _mx_matmuls(mod, ("_phase34_rows",), rows_rec) == per_tile
+    assert _mx_matmuls(mod, ("_phase3", "_phase4"), rows_rec) == 0
 
 
 # -- validation -------------------------------------------------------------------------------

@@ -2029,6 +2029,9 @@ def _phase3(
     for g in range(2):
         for i0 in range(0, cfg.I, NMAX):
             groups.append((g * cfg.I + i0, min(NMAX, cfg.I - i0)))
+    if geo.res_moving and not geo.overlap:
+        _phase3_rows(cfg, geo, t, blk, first, x_op, groups)
+        return
     ng = len(groups)
     nxt = _p3_loads(cfg, geo, t, blk, first, groups[0][0], groups[0][1])
     nxt_s = _p3_s_loads(cfg, t, 0, ng)
@@ -2052,6 +2055,109 @@ def _phase3(
             _rmw(bf, _p3_dst(cfg, t, blk, col, n, ht), c_ps, olds[j], n, "p3")
         for win, ft in fts:
             _transposed_q(cfg, ft, cfg.I, win, t["sq"], "p4_s")
+
+
+def _rmw_row_olds(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], rows: Any,
+                  tile: tuple[int, int], dst: Any, first: bool, c0: int, n: int,
+                  name: str) -> tuple[Any, bool]:  # fmt: skip
+    """The current value of one whole output row tile (`_rmw_olds` / `_rmw_load`), as (tile
+    or None, whether to add +0 instead: routed block 0, whose zero tile is narrower)."""
+    if cfg.dense:
+        return _rmw_load(cfg.compute_dtype, dst, first, n, name), False
+    if blk["rmw_idx"] is None:
+        return None, True
+    return _rmw_olds(cfg, t, blk, rows, [tile], c0, n, name)[0], False
+
+
+def _phase34_rows(
+    cfg: BwdKernelConfig,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    first: bool,
+    tiles: list[Any],
+    groups: list[tuple[int, int]],
+    c_lo: int,
+    stat: Any,
+    mov: Any,
+    ks: tuple[Any, ...],
+    side: list[Any],
+    name: str,
+) -> None:
+    """Phases 3/4 with the moving operand `mov` on chip (`_geometry`'s ``res_moving``): per
+    output row tile all column groups into one SBUF row, then one read-modify-write of the
+    whole row (columns ``[c_lo, c_lo + sum n)``: long DMA runs, and one write-back instead of
+    one per 512 columns, each of which holds its hardware-DGE queue ~600 ns). `tiles`:
+    ``(stationary column, row view, (row tile, index column), dst)`` per row tile, the row's
+    current value loaded one tile ahead. `side`: ``(after row tile k, callable args)`` work
+    spread over the rows (phase 3: S's quantization)."""
+    bf = cfg.compute_dtype
+    F = 0
+    for _c0, n in groups:
+        F = F + n
+    t0 = tiles[0]
+    nxt = _rmw_row_olds(cfg, t, blk, t0[1], t0[2], t0[3], first, c_lo, F, name)
+    for k in range(len(tiles)):
+        s0, rows, _tile, dst = tiles[k]
+        old, add_zero = nxt
+        if k + 1 < len(tiles):
+            nt = tiles[k + 1]
+            nxt = _rmw_row_olds(cfg, t, blk, nt[1], nt[2], nt[3], first, c_lo, F, name)
+        sq, ssv = _load_q(stat, s0, P, f"{name}_st")
+        row = nl.ndarray((P, F), dtype=bf, buffer=nl.sbuf, name=f"{name}_row")
+        for gi in range(len(groups)):
+            c0, n = groups[gi]
+            mq, msv = _load_q(mov, c0, n, f"{name}_mv")
+            c_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name=f"{name}_c")
+            for ci in range(len(ks)):
+                v = ks[ci].v
+                nisa.nc_matmul_mx(
+                    dst=c_ps, stationary=sq[0:v, ci, :], moving=mq[0:v, ci, :],
+                    stationary_scale=ssv[ci], moving_scale=msv[ci], accumulate=ci > 0,
+                )  # fmt: skip
+            o = c0 - c_lo
+            # PSUM evictions alternate between ScalarE and VectorE (bit-exact on either: one
+            # fp32 -> bf16 rounding); on ScalarE alone they bound these phases
+            eng = nisa.engine.scalar
+            if (k + gi) % 2:
+                eng = nisa.engine.vector
+            nisa.tensor_copy(dst=row[:, o : o + n], src=c_ps, engine=eng)
+        if old is not None:
+            nisa.tensor_tensor(dst=row, data1=old, data2=row, op=nl.add)
+        if add_zero:
+            # bf16(+0 + bf16(C)) as `_rmw` computes it for a block-0 tile (-0 becomes +0)
+            for z0 in range(0, F, ZCOLS):
+                zn = min(ZCOLS, F - z0)
+                r = row[:, z0 : z0 + zn]
+                nisa.tensor_tensor(dst=r, data1=t["zero"][:, 0:zn], data2=r, op=nl.add)
+        _store(dst, row)
+        for after, job in side:
+            if after == k:
+                _transposed_q(*job)
+
+
+def _phase3_rows(
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    first: bool,
+    x_op: Any,
+    groups: list[tuple[int, int]],
+) -> None:
+    """Phase 3 row by row (`_phase34_rows`): dW_gu[e] rows of each H tile, all 2I columns;
+    S's windows quantized along the tokens spread over the rows (as in `_phase3`)."""
+    I2 = 2 * cfg.I
+    tiles = []
+    for j in range(geo.n_h):
+        ht = geo.h_lo + j
+        dst = _ap(t["dwgu"], [[I2, P], [1, I2]], ht * P * I2, blk["expert"])
+        tiles.append((ht * P, t["dwgu_rows"], (ht, ht), dst))
+    nwin = cfg.B // cfg.W
+    side = []
+    for win in range(nwin):
+        after = (win * len(tiles)) // nwin
+        side.append((after, (cfg, _s_loads(cfg, t, win), cfg.I, win, t["sq"], "p4_s")))
+    _phase34_rows(cfg, t, blk, first, tiles, groups, 0, x_op, t["gq"], geo.k3, side, "p3")
 
 
 def _p4_dst(cfg: BwdKernelConfig, t: dict[str, Any], blk: dict[str, Any], c0: int, n: int,
@@ -2089,6 +2195,14 @@ def _phase4(
     groups = []
     for c0 in range(geo.h0, geo.h0 + geo.Hc, NMAX):
         groups.append((c0, min(NMAX, geo.h0 + geo.Hc - c0)))
+    if geo.res_moving and not geo.overlap:
+        # row by row (`_phase34_rows`): dW_d[e] rows of each I tile, this core's H columns
+        tiles = []
+        for it in range(cfg.I // P):
+            dst = _ap(t["dwd"], [[cfg.H, P], [1, geo.Hc]], it * P * cfg.H + geo.h0, blk["expert"])
+            tiles.append((it * P, t["dwd_rows"], (it, cfg.H // P + it), dst))
+        _phase34_rows(cfg, t, blk, first, tiles, groups, geo.h0, s_op, t["yq"], geo.k4, [], "p4")
+        return
     nxt = _p4_loads(cfg, t, blk, first, groups[0][0], groups[0][1])
     for k in range(len(groups)):
         c0, n = groups[k]
