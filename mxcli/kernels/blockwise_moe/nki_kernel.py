@@ -324,7 +324,10 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     overlap4 = p4 + nxt <= OVERLAP4_BUDGET
     # a streamed W_gu's phase-2 column groups loaded one ahead where the resident X leaves room
     # for the second group (`W_AHEAD_X_BUDGET`)
-    w2_ahead = not res_gu and (x_bytes if res_x else 0) <= W_AHEAD_X_BUDGET
+    # (always for one quantized on chip per group, `_wgu_fly`: with packed scales a group takes
+    # 17 KB instead of 20, and the B=1024 DeepSeek-V3 shape fits)
+    fly = not cfg.dense and not cfg.pq_gu
+    w2_ahead = not res_gu and ((x_bytes if res_x else 0) <= W_AHEAD_X_BUDGET or fly)
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
         res_moving, overlap, overlap4, w2_ahead,
