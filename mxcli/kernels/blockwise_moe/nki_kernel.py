@@ -29,8 +29,10 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    (lane ``p``, column ``f``, byte ``j`` <- ``w[f, k0 + j*v + p]``) and quantized on chip, or
    taken pre-quantized (same layout, §5.5; packed scales of a chunk that does not start on a
    512 boundary are moved into their data's 32-partition quadrant while loading). They stay
-   resident in SBUF for the block when they fit `RESIDENT_BUDGET`, else they are spilled to an
-   HBM scratch (x4 data + e8m0 scales) and streamed per window. Dense mode quantizes them once.
+   resident in SBUF for the block when they fit `RESIDENT_BUDGET` (W_gu quantized a share per
+   phase-1 window, `_wgu_staged`), else W_d is spilled to an HBM scratch (x4 data + e8m0
+   scales) and streamed per window, and W_gu is quantized per phase-2 column group from its
+   transpose (`_wgu_fly`). Dense mode quantizes both once into the scratch.
 2. phase 1 per window: ``dY`` rows gathered (tokens on partitions), PE-transposed into the wrapX
    layout along H and ``quantize_mx``-ed; ``D^T [I, W] = mx(W_d, dY^T)`` per 128-row I tile
    (``nc_matmul_mx``, fp32 PSUM accumulation over the H chunks). SwiGLU backward on ``[i, tok]``
@@ -48,9 +50,11 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
    phase 3). The stationary ``X`` and ``S`` stay in SBUF when they fit `STATIONARY_BUDGET`
    (scales packed four chunks to a tile), the moving ``dGU`` / ``dY`` go through HBM scratch.
 5. phases 3/4: ``dW_gu[e] = bf16(dW_gu[e] + bf16(mx(X^T, dGU)))`` and
-   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile: the old value gathered per
-   row (``oob_mode.skip``) only where an earlier block had expert ``e`` (a per-expert flag,
-   `_rmw_index`), else taken as +0 without a read; written through a ``scalar_offset`` DMA.
+   ``dW_d[e] = bf16(dW_d[e] + bf16(mx(S^T, dY)))`` tile by tile, or a whole output row tile at
+   a time where the moving operands are on chip and blocks do not overlap (`_phase34_rows`):
+   the old value gathered per row (``oob_mode.skip``) only where an earlier block had expert
+   ``e`` (a per-expert flag, `_rmw_index`), else taken as +0 without a read; written through a
+   ``scalar_offset`` DMA.
    The weight grads of experts without any block are zeroed once the flags are final
    (`_zero_unused_experts`); dense block 0 writes instead.
 6. bias grads (routed only): per 128-token tile fp32 sums (ones-matmul / free-axis reduce),
@@ -58,7 +62,7 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
 
 Engine balance and overlap (cost model, `mxcli profile bwd`): the PSUM evictions of the
 phase-2 and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on
-VectorE: one fp32 -> bf16 rounding), the checkpoint-only SwiGLU products on GpSimd, the other
+VectorE: one fp32 -> bf16 rounding; alternating with VectorE in `_phase34_rows`), the checkpoint-only SwiGLU products on GpSimd, the other
 elementwise work on VectorE. Every phase is a software pipeline: the loads (and in phase 1 the
 operands) of window / column group k+1 are issued before the compute and write-backs of k,
 since DMA engines and queues start transfers in program order; loads, write-backs, gathers
