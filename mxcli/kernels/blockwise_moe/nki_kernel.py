@@ -1595,8 +1595,6 @@ def _phase2(
     if not geo.Hc:
         return
     bf = cfg.compute_dtype
-    ntk = len(geo.k2)
-    gq, gs = q
     hsg = t["hsg"]
     hold = pre["hsg_old"]
     if cfg.accumulate and blk["tok"] is not None and hold is None:
@@ -1612,15 +1610,7 @@ def _phase2(
         for tt in range(nTw):
             r = nl.ndarray((P, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p2_rb")
             for c0, n in groups:
-                wq, wsv = _load_q(w["gu"], c0, n, "p2_w")
-                r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
-                for ci in range(ntk):
-                    v = geo.k2[ci].v
-                    nisa.nc_matmul_mx(
-                        dst=r_ps, stationary=gq[0:v, ci, tt * P : (tt + 1) * P],
-                        moving=wq[0:v, ci, :], stationary_scale=gs[0:v, ci, tt * P : (tt + 1) * P],
-                        moving_scale=wsv[ci], accumulate=ci > 0,
-                    )  # fmt: skip
+                r_ps = _p2_tile(geo, q, _load_q(w["gu"], c0, n, "p2_w"), tt, n)
                 o = c0 - geo.h0
                 nisa.tensor_copy(dst=r[:, o : o + n], src=r_ps, engine=nisa.engine.scalar)
             _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, geo.h0, geo.Hc)
@@ -1632,21 +1622,30 @@ def _phase2(
         c0, n = groups[k]
         if k > 0 and not geo.w2_ahead:
             nxt_w = _p2_weights(cfg, geo, t, blk, w, c0, n, fly)
-        wq, wsv = nxt_w
+        wk = nxt_w
         if k + 1 < len(groups) and geo.w2_ahead:
             nxt_w = _p2_weights(cfg, geo, t, blk, w, groups[k + 1][0], groups[k + 1][1], fly)
         for tt in range(nTw):
-            r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
-            for ci in range(ntk):
-                v = geo.k2[ci].v
-                nisa.nc_matmul_mx(
-                    dst=r_ps, stationary=gq[0:v, ci, tt * P : (tt + 1) * P],
-                    moving=wq[0:v, ci, :], stationary_scale=gs[0:v, ci, tt * P : (tt + 1) * P],
-                    moving_scale=wsv[ci], accumulate=ci > 0,
-                )  # fmt: skip
+            r_ps = _p2_tile(geo, q, wk, tt, n)
             r = nl.ndarray((P, n), dtype=bf, buffer=nl.sbuf, name="p2_rb")
             nisa.tensor_copy(dst=r, src=r_ps, engine=nisa.engine.scalar)
             _p2_write(cfg, geo, blk, hsg, hold, b, win, tt, r, c0, n)
+
+
+def _p2_tile(geo: Geometry, q: Any, wk: tuple[Any, list[Any]], tt: int, n: int) -> Any:
+    """R of token tile `tt` against one W_gu column group `wk` (``n`` columns), fp32 in PSUM:
+    the MX matmuls accumulated over the 2I chunks of the quantized ``[dG|dU]`` `q`."""
+    gq, gs = q
+    wq, wsv = wk
+    r_ps = nl.ndarray((P, n), dtype=nl.float32, buffer=nl.psum, name="p2_r")
+    for ci in range(len(geo.k2)):
+        v = geo.k2[ci].v
+        nisa.nc_matmul_mx(
+            dst=r_ps, stationary=gq[0:v, ci, tt * P : (tt + 1) * P], moving=wq[0:v, ci, :],
+            stationary_scale=gs[0:v, ci, tt * P : (tt + 1) * P], moving_scale=wsv[ci],
+            accumulate=ci > 0,
+        )  # fmt: skip
+    return r_ps
 
 
 def _p2_weights(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any],
