@@ -635,6 +635,20 @@ def test_check_only_production_shape(lnc: int) -> None:
         assert prog.peak_sbuf_bytes <= 245752 and prog.peak_psum_bytes <= 16384
 
 
+@pytest.mark.slow
+def test_check_only_deepseek_width_full_block() -> None:
+    """Check-only at DeepSeek-V3's expert width with one full 4096-token block per expert (H=7168,
+    I=2048, B=4096, E=2, top-1, LNC 2): a streamed W_gu and X too large to stay on chip beside
+    it fit the Trn3 SBUF (this shape used to exceed it by 74 KB)."""
+    T, H, I, B, E, K = 4096, 7168, 2048, 4096, 2, 1  # noqa: E741
+    args = _zero_case(T, H, I, B, E, K)
+    res = launch_sim(**args, config=MXFP8MOEBwdConfig.routed(top_k=K), lnc=2, check_only=True)
+    N = args["block_to_expert"].shape[0]
+    assert res.report.counters.mx_matmul_flops == N * 2 * 6 * B * H * I
+    for prog in res.report.programs:
+        assert prog.peak_sbuf_bytes <= 245752 and prog.peak_psum_bytes <= 16384
+
+
 # -- wider numerics (slow) ---------------------------------------------------------------------
 
 

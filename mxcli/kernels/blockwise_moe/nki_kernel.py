@@ -129,6 +129,9 @@ OVERLAP4_BUDGET = 180 * 1024
 # column groups are loaded one ahead (the B=1024 DeepSeek-V3 shape, with X twice as large,
 # would exceed the SBUF by the second group).
 W_AHEAD_X_BUDGET = 24 * 1024
+# The same for a W_gu quantized on chip per phase-2 column group (`_wgu_fly`): DeepSeek-V3's
+# B=1024 and 2048 shapes fit (X 32 / 61 KB, peaks 195 / 215 KB), B=4096 (X 118 KB) does not.
+W_AHEAD_FLY_X_BUDGET = 64 * 1024
 # SBUF bytes per partition two windows' phase-2 X rows and hidden-grad rows may take for the
 # latter to be gathered a window ahead (`_hsg_old`).
 OLD_AHEAD_BUDGET = 32 * 1024
@@ -305,7 +308,9 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     # else spilled to HBM scratch and loaded back per output tile.
     x_bytes = _packed_bytes(len(cfg.k3), Hc)
     s_bytes = _packed_bytes(len(cfg.k4), cfg.I)
-    res_x = Hc > 0 and x_bytes <= STATIONARY_BUDGET
+    # (with a streamed W_gu, phase 2 also holds two windows' X rows and hidden-grad rows and a
+    # W_gu column group or two: X stays on chip up to `W_AHEAD_FLY_X_BUDGET` only)
+    res_x = Hc > 0 and x_bytes <= (STATIONARY_BUDGET if res_gu else W_AHEAD_FLY_X_BUDGET)
     res_s = Hc > 0 and s_bytes <= STATIONARY_BUDGET - (x_bytes if res_x else 0)
     # The moving operands dGU [tok lanes, 2I] and dY [tok lanes, Hc] likewise stay on chip
     # from the phase that quantizes them to phases 3/4 when they fit `MOVING_BUDGET` (short
@@ -327,11 +332,11 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     p4 = (s_bytes if res_s else 0) + (y_bytes if res_moving else 0) + 2 * (cfg.I // P) * NMAX * 2
     overlap4 = p4 + nxt <= OVERLAP4_BUDGET
     # a streamed W_gu's phase-2 column groups loaded one ahead where the resident X leaves room
-    # for the second group (`W_AHEAD_X_BUDGET`)
-    # (always for one quantized on chip per group, `_wgu_fly`: with packed scales a group takes
-    # 17 KB instead of 20, and the B=1024 DeepSeek-V3 shape fits)
+    # for the second group (`W_AHEAD_X_BUDGET`; `W_AHEAD_FLY_X_BUDGET` for one quantized on chip
+    # per group, `_wgu_fly`, whose packed scales make a group 17 KB instead of 20)
+    x_res = x_bytes if res_x else 0
     fly = not cfg.dense and not cfg.pq_gu
-    w2_ahead = not res_gu and ((x_bytes if res_x else 0) <= W_AHEAD_X_BUDGET or fly)
+    w2_ahead = not res_gu and (x_res <= W_AHEAD_X_BUDGET or (fly and x_res <= W_AHEAD_FLY_X_BUDGET))
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
         res_moving, overlap, overlap4, w2_ahead,
