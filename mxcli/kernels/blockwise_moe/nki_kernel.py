@@ -335,7 +335,7 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     # for the second group (`W_AHEAD_X_BUDGET`; `W_AHEAD_FLY_X_BUDGET` for one quantized on chip
     # per group, `_wgu_fly`, whose packed scales make a group 17 KB instead of 20)
     x_res = x_bytes if res_x else 0
-    fly = not cfg.dense and not cfg.pq_gu
+    fly = _streams_gu_on_chip(cfg, res_gu)
     w2_ahead = not res_gu and (x_res <= W_AHEAD_X_BUDGET or (fly and x_res <= W_AHEAD_FLY_X_BUDGET))
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
@@ -812,15 +812,7 @@ def _quantize_weight(
     for c0, n in cols:
         for i in range(nk):
             kt = tiles[i]
-            v = kt.v
-            src = _ap(w, [[v, 4], [K, n], [1, v]], c0 * K + kt.k0, expert)
-            ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
-            if w.dtype == bf:
-                nisa.dma_transpose(dst=ilv[0:v, :, :], src=src, axes=(2, 1, 0))
-            else:
-                raw = nl.ndarray((P, n, 4), dtype=w.dtype, buffer=nl.sbuf, name=f"{name}_raw")
-                nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
-                nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
+            ilv = _transpose_chunk(w, K, kt, expert, c0, n, bf, name)
             if spill is None:
                 _quantize_chunk_to(ilv, kt, n, name, res, c0, i)
             else:
@@ -828,6 +820,30 @@ def _quantize_weight(
     if spill is not None:
         return spill
     return res
+
+
+def _transpose_chunk(w: Any, K: int, kt: KTile, expert: Any, c0: int, n: int, bf: Any,
+                     name: str) -> Any:  # fmt: skip
+    """Rows ``[c0, c0+n)`` of the weight `w` (viewed ``[F, K]`` per expert) for wrapX chunk `kt`
+    in the interleaved layout (`_quantize_weight`), bf16: one 3-D ``dma_transpose``, in the
+    weight's own dtype and rounded on chip when it is not bf16 (the DMA does not cast)."""
+    v = kt.v
+    src = _ap(w, [[v, 4], [K, n], [1, v]], c0 * K + kt.k0, expert)
+    ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name=f"{name}_ilv")
+    if w.dtype == bf:
+        nisa.dma_transpose(dst=ilv[0:v, :, :], src=src, axes=(2, 1, 0))
+    else:
+        raw = nl.ndarray((P, n, 4), dtype=w.dtype, buffer=nl.sbuf, name=f"{name}_raw")
+        nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
+        nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
+    return ilv
+
+
+def _streams_gu_on_chip(cfg: BwdKernelConfig, res_gu: bool) -> bool:
+    """Whether a W_gu that is not resident is quantized per phase-2 column group on chip
+    (`_wgu_fly`): routed launches of on-the-fly quantization (dense ones quantize once for all
+    blocks into the scratch, pre-quantized weights are loaded as they are)."""
+    return not cfg.dense and not cfg.pq_gu and not res_gu
 
 
 def _wgu_staged(cfg: BwdKernelConfig, geo: Geometry) -> bool:
@@ -841,7 +857,7 @@ def _wgu_fly(cfg: BwdKernelConfig, geo: Geometry) -> bool:
     from its ``dma_transpose`` (`_wgu_group`) instead of once per block into an HBM scratch
     that phase 2 then reads back: the weights' x4 data and scales go through HBM twice less
     (dense launches quantize once for all blocks and keep the scratch)."""
-    return not cfg.dense and not cfg.pq_gu and geo.Hc > 0 and not geo.res_gu
+    return geo.Hc > 0 and _streams_gu_on_chip(cfg, geo.res_gu)
 
 
 def _wgu_group(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: Any, c0: int,
@@ -868,20 +884,8 @@ def _wgu_load(cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], expert: An
               step: tuple[int, int, int]) -> Any:  # fmt: skip
     """One W_gu step's ``dma_transpose`` into the wrapX layout (`_quantize_weight`), bf16."""
     c0, n, i = step
-    kt = geo.k2[i]
-    v = kt.v
     w = t["gate_up_proj_weight"]
-    K = 2 * cfg.I
-    bf = cfg.compute_dtype
-    src = _ap(w, [[v, 4], [K, n], [1, v]], c0 * K + kt.k0, expert)
-    ilv = nl.ndarray((P, n, 4), dtype=bf, buffer=nl.sbuf, name="wgu_ilv")
-    if w.dtype == bf:
-        nisa.dma_transpose(dst=ilv[0:v, :, :], src=src, axes=(2, 1, 0))
-    else:
-        raw = nl.ndarray((P, n, 4), dtype=w.dtype, buffer=nl.sbuf, name="wgu_raw")
-        nisa.dma_transpose(dst=raw[0:v, :, :], src=src, axes=(2, 1, 0))
-        nisa.tensor_copy(dst=ilv[0:v, :, :], src=raw[0:v, :, :])
-    return ilv
+    return _transpose_chunk(w, 2 * cfg.I, geo.k2[i], expert, c0, n, cfg.compute_dtype, "wgu")
 
 
 # --------------------------------------------------------------------------------------------
@@ -2143,7 +2147,7 @@ def _phase34_rows(
         _store(dst, row)
         for after, job in side:
             if after == k:
-                _transposed_q(*job)
+                _transposed_q(job[0], job[1], job[2], job[3], job[4], job[5])
 
 
 def _phase3_rows(
