@@ -62,7 +62,8 @@ Dataflow of one block ``b`` of ``B`` token positions, expert ``e = block_to_expe
 
 Engine balance and overlap (cost model, `mxcli profile bwd`): the PSUM evictions of the
 phase-2 and phase-3/4 results run on ScalarE (``tensor_copy(engine=scalar)``, bit-exact as on
-VectorE: one fp32 -> bf16 rounding; alternating with VectorE in `_phase34_rows`), the checkpoint-only SwiGLU products on GpSimd, the other
+VectorE: one fp32 -> bf16 rounding; alternating with VectorE in `_phase34_rows`), the
+checkpoint-only SwiGLU products on GpSimd, the other
 elementwise work on VectorE. Every phase is a software pipeline: the loads (and in phase 1 the
 operands) of window / column group k+1 are issued before the compute and write-backs of k,
 since DMA engines and queues start transfers in program order; loads, write-backs, gathers
