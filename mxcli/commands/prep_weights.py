@@ -42,7 +42,8 @@ def main(
     scale_rule: str = typer.Option(
         "auto",
         "--scale-rule",
-        help="E8M0 scale rule: neuron (Trn3) or ocp; auto = ocp for compressed-tensors, else neuron.",
+        help="E8M0 scale rule: neuron (Trn3), ocp, rceil (torchao) or ct (compressed-tensors' "
+        "own); auto = ct for compressed-tensors (ocp with --fp8-range 240), else neuron.",
     ),
     output_format: str = typer.Option(
         "mxcli",
@@ -113,9 +114,7 @@ def main(
         from mxcli.weightprep.summary import format_plan, format_result
 
         fmt = output_format.lower()
-        rule = scale_rule.lower()
-        if rule == "auto":
-            rule = "ocp" if fmt == "compressed-tensors" else "neuron"
+        rule = scale_rule.lower()  # "auto" is resolved by PrepOptions
         auto = {"mxcli": "bf16,mxfp8", "compressed-tensors": "mxfp8", "nxdi": "bf16"}
         if formats.strip().lower() == "auto":
             fmts = parse_formats(auto.get(fmt, "bf16,mxfp8"))

@@ -53,10 +53,45 @@ class ScaleRule(enum.Enum):
     NEURON = "neuron"
     OCP = "ocp"
     FLOOR = "ocp"  # the same rule, by its name in torchao
+    # Rounding rules (issue 30): the byte is OCP's or one more, by the group maximum's mantissa.
+    # RCEIL (torchao's ScaleCalculationMode.RCEIL, pytorch/ao@36027d82
+    # torchao/prototype/mx_formats/mx_tensor.py:185 and :111-127): ``d = fl32(amax * fl32(1 /
+    # max))``, byte = the exponent field of ``d``, plus one when ``d`` is not a power of two
+    # (for a subnormal ``d``: when above 2^-127); 255 for a non-finite ``amax``.
+    RCEIL = "rceil"
+    # CT (compressed-tensors' MX rule, what llm-compressor writes: compressed_tensors 0.20.1
+    # quantization/utils/mxfp_utils.py, generate_mx_scales and round_to_power_2): ``amax`` is
+    # rounded to one mantissa bit first, so byte = OCP's + 1 exactly when amax's mantissa is
+    # 1.75 or more (the group max then lands in [224, 256) instead of saturating at 448).
+    # The library's own arithmetic overflows for amax >= 1.75 * 2^127; the formula does not.
+    CT = "ct"
 
     def exponent_offset(self, elem: ElemFormat | str) -> int:
+        """What is subtracted from amax's exponent field; RCEIL and CT may add one on top
+        (`scale_bytes` gives the bytes of every rule)."""
         fmt = as_elem_format(elem)
         return fmt.emax - 1 if self is ScaleRule.NEURON else fmt.emax
+
+    def scale_bytes(self, amax: torch.Tensor, elem: ElemFormat | str) -> torch.Tensor:
+        """The E8M0 bytes (int32) of groups whose largest magnitudes are `amax` (float32)."""
+        fmt = as_elem_format(elem)
+        a = amax.to(torch.float32)
+        if self is ScaleRule.RCEIL:
+            inv_max = torch.tensor(1.0 / fmt.max_finite, dtype=torch.float32)  # fl32(1 / max)
+            d = (a * inv_max).view(torch.int32)
+            e, m = (d >> 23) & 0xFF, d & 0x7FFFFF
+            up = torch.where(e == 0, m > 0x400000, m != 0)
+            return torch.where(torch.isfinite(a), e + up.to(torch.int32), 255)
+        bits = a.view(torch.int32)
+        byte = ((bits >> 23) & 0xFF) - self.exponent_offset(fmt)
+        if self is ScaleRule.CT:
+            byte = byte + ((bits & 0x7FFFFF) >= 0x600000).to(torch.int32)
+        return byte.clamp_(0, 255)
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the byte depends on amax's mantissa (RCEIL, CT), not only its exponent."""
+        return self in (ScaleRule.RCEIL, ScaleRule.CT)
 
 
 class QuantScheme(str, enum.Enum):
@@ -89,7 +124,7 @@ def as_scheme(
 
 def as_rule(rule: Any) -> ScaleRule:
     """The enum from itself or its value or name (any case) (`coerce_enum`)."""
-    return coerce_enum(ScaleRule, rule, "rule", expected="'neuron' or 'ocp'")
+    return coerce_enum(ScaleRule, rule, "rule", expected="'neuron', 'ocp', 'rceil' or 'ct'")
 
 
 def wrapx_chunks(K: int, tile_k: int = 512) -> list[tuple[int, int]]:
@@ -242,6 +277,7 @@ def _quantize_block(
     xb: torch.Tensor,
     runs: list[tuple[int, int, int, bool]],
     offset: int,
+    rule: ScaleRule,
     fmt: ElemFormat,
     saturate: bool,
     codes_out: torch.Tensor | None,
@@ -277,12 +313,16 @@ def _quantize_block(
             amax = lane_max.view(r, count, ng, 8).amax(dim=3)  # [r, count, ng]
         else:
             amax = mag.view(r, ng, GROUP_SIZE).amax(dim=2)  # [r, ng]
-        emax = (amax.view(torch.int32) >> 23) & 0xFF
-        byte = (emax - offset).clamp_(0, 255)
+        if rule.rounds:
+            byte = rule.scale_bytes(amax, fmt)
+        else:
+            emax = (amax.view(torch.int32) >> 23) & 0xFF
+            byte = (emax - offset).clamp_(0, 255)
         scales_out[:, g0 : g0 + count * ng] = byte.view(r, count * ng)
         elems = (r, count, 4, c // 4) if wrapped else (r, ng, GROUP_SIZE)
-        # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253.
-        inv = ((254 - byte) << 23).view(torch.float32)
+        # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253
+        # (RCEIL's 255 marks a non-finite group, whose values stay non-finite).
+        inv = ((254 - byte.clamp(max=254)) << 23).view(torch.float32)
         xe = xf.view(elems)
         torch.mul(xe, _per_element(inv, wrapped, elems), out=xe)  # exact: a power of two
         if saturate:
@@ -347,7 +387,8 @@ def _run(
     want_deq: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None, int]:
     fmt = as_elem_format(elem)
-    offset = as_rule(rule).exponent_offset(fmt)
+    rule = as_rule(rule)
+    offset = rule.exponent_offset(fmt)
     t, ax = _prepare(x, axis)
     K = t.shape[-1]
     runs = _runs(_segments(K, scheme, tile_k, chunks))
@@ -358,7 +399,7 @@ def _run(
     codes = memory.empty((R, K), torch.uint8, t.device) if want_codes else None
     scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, t.device)
     deq = memory.empty((R, K), torch.float32, t.device) if want_deq else None
-    fused = _fused_kernels(t)
+    fused = None if rule.rounds else _fused_kernels(t)  # the numba kernels take an offset
     if fused is not None:
         segments = _segments(K, scheme, tile_k, chunks)
         fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
@@ -370,13 +411,14 @@ def _run(
     }
     # E4M3FN under NEURON keeps |x/X| < 256 for finite x; torch's cast saturates Inf
     # (tests/mx check it), so the clamp pass is needed only for the other combinations.
-    saturate = not (fmt is ElemFormat.E4M3FN and as_rule(rule) is ScaleRule.NEURON)
+    saturate = not (fmt is ElemFormat.E4M3FN and rule is ScaleRule.NEURON)
     for r0 in range(0, R, rows):
         r1 = min(R, r0 + rows)
         _quantize_block(
             x2[r0:r1],
             runs,
             offset,
+            rule,
             fmt,
             saturate,
             None if codes is None else codes[r0:r1],

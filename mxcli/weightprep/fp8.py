@@ -38,6 +38,16 @@ _CODE_NAN = 0x7F
 EXPORT_SIDECAR = "mxcli-export.json"
 
 
+_SCALE_EXPONENT = {
+    "ocp": "E8M0 byte = exponent(amax) - 8 (group max in [256, 512), saturating at 448)",
+    "neuron": "E8M0 byte = exponent(amax) - 7 (group max in [128, 256))",
+    "ct": "E8M0 byte = exponent(amax) - 8, + 1 when amax's mantissa >= 1.75 (compressed-tensors' "
+    "generate_mx_scales; group max in [224, 448])",
+    "rceil": "E8M0 byte = ceil(log2(fl32(amax * fl32(1/448)))) + 127 (torchao RCEIL; group max "
+    "in (224, 448])",
+}
+
+
 @dataclass(frozen=True)
 class Fp8Semantics:
     """How FP8 codes in an output are to be read: variant, range and the scale rule."""
@@ -56,15 +66,15 @@ class Fp8Semantics:
 
     @property
     def exponent_offset(self) -> int:
-        """``byte = exponent(amax) - offset``. OCP's algorithm subtracts the element format's
-        largest exponent: 8 for E4M3FN (+-448), 7 for a +-240 element, which is the NEURON
-        rule's offset; so a +-240 target scales with 7 under either rule."""
-        return 8 if self.scale_rule == "ocp" and self.fp8_range == 448 else 7
+        """``byte = exponent(amax) - offset`` (RCEIL and CT add one for some groups). OCP's
+        algorithm subtracts the element format's largest exponent: 8 for E4M3FN (+-448), 7 for
+        a +-240 element, which is the NEURON rule's offset; so a +-240 target scales with 7."""
+        return 7 if self.scale_rule == "neuron" or self.fp8_range == 240 else 8
 
     @property
     def rule_bytes(self) -> str:
         """The `mxcli.mx.ScaleRule` whose bytes these are."""
-        return "ocp" if self.exponent_offset == 8 else "neuron"
+        return "neuron" if self.fp8_range == 240 else self.scale_rule
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -78,12 +88,9 @@ class Fp8Semantics:
                 else "Neuron FP8 (+-240): E4M3FN codes saturated at +-240"
             ),
             "scale_rule": self.scale_rule,
-            "scale_exponent": (
-                "E8M0 byte = exponent(amax) - 8 (group max in [256, 512), saturating at 448)"
-                if self.exponent_offset == 8
-                else "E8M0 byte = exponent(amax) - 7 (group max in [128, 256)"
-                + (", saturating at 240)" if self.fp8_range == 240 else ")")
-            ),
+            "scale_exponent": _SCALE_EXPONENT.get(self.rule_bytes, "")
+            if self.fp8_range == 448
+            else "E8M0 byte = exponent(amax) - 7 (group max in [128, 256), saturating at 240)",
         }
 
     def metadata(self) -> dict[str, str]:

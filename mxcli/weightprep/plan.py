@@ -44,7 +44,9 @@ from mxcli.weightprep.writer import TensorSpec
 
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
-SCALE_RULES = ("neuron", "ocp")
+SCALE_RULES = ("neuron", "ocp", "rceil", "ct")
+# the rules only the compressed-tensors export takes (its consumers decode any E8M0 byte)
+EXPORT_ONLY_RULES = ("rceil", "ct")
 OUTPUT_FORMATS = ("mxcli", "compressed-tensors", "nxdi")
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
@@ -61,7 +63,7 @@ class PrepOptions:
     ep: int = 1
     formats: tuple[str, ...] = FORMATS
     scale_layout: str = "packed"
-    scale_rule: str = "neuron"
+    scale_rule: str = "auto"  # auto: ct for compressed-tensors at +-448, ocp at +-240, else neuron
     layers: str | None = None  # "3-10,12"; None or "all" = every MoE layer
     model_type: str | None = None  # None or "auto" = config.json's model_type
     workers: int = 1
@@ -87,8 +89,17 @@ class PrepOptions:
             raise InputError(
                 f"--scale-layout: expected packed or unpacked, got {self.scale_layout!r}"
             )
+        if self.scale_rule == "auto":
+            if self.output_format == "compressed-tensors":
+                # what compressed-tensors' own MXFP8 compressor writes (issue 30)
+                rule = "ct" if self.fp8_range == 448 else "ocp"
+            else:
+                rule = "neuron"
+            object.__setattr__(self, "scale_rule", rule)
         if self.scale_rule not in SCALE_RULES:
-            raise InputError(f"--scale-rule: expected neuron or ocp, got {self.scale_rule!r}")
+            raise InputError(
+                f"--scale-rule: expected neuron, ocp, rceil or ct, got {self.scale_rule!r}"
+            )
         if self.fp8_range not in FP8_RANGES:
             raise InputError(f"--fp8-range: expected 448 or 240, got {self.fp8_range}")
         if self.output_format not in OUTPUT_FORMATS:
@@ -105,12 +116,15 @@ class PrepOptions:
                 "--fp8-range 240 --scale-rule ocp: a +-240 target scales with byte = exponent - 7 "
                 "(OCP's algorithm for a +-240 element is the NEURON rule): use --scale-rule neuron"
             )
-        if self.output_format == "compressed-tensors" and self.scale_rule != "ocp":
-            # its quantization_config has no field for the rule (QuantizationArgs forbids extra
-            # keys) and its consumers decode any E8M0 byte; the bytes follow OCP
+        if self.scale_rule in EXPORT_ONLY_RULES and self.output_format != "compressed-tensors":
             raise InputError(
-                "--scale-rule neuron: compressed-tensors cannot record the scale rule and its "
-                "readers expect OCP scales (use --scale-rule ocp, the default for this format)"
+                f"--scale-rule {self.scale_rule}: for --output-format compressed-tensors only "
+                f"(got --output-format {self.output_format}; its outputs take neuron or ocp)"
+            )
+        if self.scale_rule in EXPORT_ONLY_RULES and self.fp8_range == 240:
+            raise InputError(
+                f"--scale-rule {self.scale_rule} --fp8-range 240: a +-240 target scales with "
+                "byte = exponent - 7 (use --scale-rule neuron or ocp)"
             )
 
     def fp8(self) -> Fp8Semantics:

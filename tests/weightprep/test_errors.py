@@ -179,7 +179,7 @@ def test_bad_flags(base: Path, tmp_path: Path) -> None:
     assert_user_error([base, tmp_path / "o", "--layers", "0-9"], r"--layers: layer 9 out of range")
     assert_user_error([base, tmp_path / "o", "--formats", "fp16"], r"--formats")
     assert_user_error([base, tmp_path / "o", "--scale-layout", "tiled"], r"--scale-layout")
-    assert_user_error([base, tmp_path / "o", "--scale-rule", "rceil"], r"--scale-rule")
+    assert_user_error([base, tmp_path / "o", "--scale-rule", "even"], r"--scale-rule")
     assert_user_error([base, tmp_path / "o", "--tp", "0"], r"--tp")
     assert_user_error([base], r"OUTPUT folder is required")
 

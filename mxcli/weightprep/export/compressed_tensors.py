@@ -7,17 +7,26 @@ reads for format ``mxfp8-quantized`` (`compressors/mxfp8/base.py`): per expert p
 (value = ``fp8 * 2^(byte - 127)``, groups of 32 along ``in``), and ``config.json``'s
 ``quantization_config`` with ``quant_method: compressed-tensors``, the MXFP8 preset scheme
 (8-bit float weights, group 32, uint8 scales; dynamic MXFP8 activations) targeting the expert
-modules. vLLM (Neuron: ``quantization: "mxfp8"``; GPU) loads it.
+modules.
 
-Scale rule: OCP (``byte = exponent(amax) - 8``). The format has no field for the rule
-(QuantizationArgs forbids extra keys; QuantizationConfig ignores them) and its readers decode any
-byte as ``2^(byte - 127)``, so NEURON scales would load but be mislabelled: `PrepOptions` refuses
-``--scale-rule neuron`` for this format. The rule and the FP8 range are recorded in the shard
-metadata and in ``mxcli-export.json``.
+Targets (issue 30): one ``re:`` target per family, matching the routed experts' module names in
+the checkpoint (``...experts.{e}.w1`` for Mixtral) and also the names vLLM's MoE probe asks
+about: vLLM picks a FusedMoE layer's scheme from ``<layer>.0.gate_proj``, ``.0.up_proj`` and
+``.0.down_proj`` whatever the checkpoint calls them, and leaves the experts unquantized when
+none matches (vllm-project/vllm@0043d6b5 ``compressed_tensors_moe/compressed_tensors_moe.py``
+:40-42 and :57-58). Nothing else matches (tests/weightprep/test_ct_targets.py checks it with
+compressed_tensors' own matcher on every PerExpert family's transformers skeleton).
 
-A compressed-tensors MXFP8 source is passed through byte for byte (its scales follow the
-library's own rule, `generate_mx_scales`: OCP's exponent, rounded up when the group maximum's
-mantissa is 1.75 or more, so those groups do not saturate; re-quantizing them under OCP would).
+Scale rule: by default (``ct``) the bytes compressed_tensors' own MXFP8 compressor writes for
+the same weights (`mxcli.mx.ScaleRule.CT`: OCP's exponent, one more when the group maximum's
+mantissa is 1.75 or more, so no group saturates). ``--scale-rule neuron|ocp|rceil`` writes
+another rule's bytes: the format stores plain E8M0 bytes and every reader decodes
+``code * 2^(byte - 127)`` whatever chose the byte, but it has no field for the rule
+(QuantizationArgs forbids extra keys), so the rule is recorded in the shard metadata and in
+``mxcli-export.json``.
+
+A compressed-tensors MXFP8 source is passed through byte for byte under the ``ct`` rule (its
+bytes already follow it); under another rule it is re-quantized from its exact values.
 
 ``--formats bf16`` writes the experts in bf16 (exactly the dequantized source) and no
 quantization_config: the escape hatch for stacks that cannot take MX.
@@ -65,14 +74,17 @@ def _mx_args(dynamic: bool) -> dict[str, Any]:
     }
 
 
+# vLLM's MoE probe names (see the module doc): the projections of expert 0 under these names
+VLLM_PROBE = ("gate_proj", "up_proj", "down_proj")
+
+
 def expert_targets(fam: Any) -> list[str]:
-    """``re:`` module-name targets matching exactly the family's per-expert Linear modules."""
+    """One ``re:`` target matching exactly the family's routed-expert Linear modules
+    (``<...>.experts.<e>.<proj>``) under their checkpoint names and vLLM's probe names."""
     ex = fam.experts
-    alts = []
-    for tmpl in (ex.gate, ex.up, ex.down):
-        module = tmpl.rsplit(".", 1)[0]  # drop ".weight"
-        alts.append(re.escape(module).replace(re.escape("{e}"), r"\d+"))
-    return [r"re:.*\.(" + "|".join(alts) + r")$"]
+    names = [tmpl.rsplit(".", 2)[1] for tmpl in (ex.gate, ex.up, ex.down)]  # drop ".weight"
+    alts = list(dict.fromkeys([*names, *VLLM_PROBE]))
+    return [r"re:.*\.experts\.\d+\.(" + "|".join(map(re.escape, alts)) + r")$"]
 
 
 def quantization_config(fam: Any) -> dict[str, Any]:
@@ -99,12 +111,14 @@ def quantization_config(fam: Any) -> dict[str, Any]:
     }
 
 
-def quantize_weight(w: torch.Tensor, fp8_range: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def quantize_weight(
+    w: torch.Tensor, fp8_range: int, rule: str = "ct"
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """A Linear weight ``[out, in]`` -> (float8_e4m3fn ``[out, in]``, uint8 E8M0 ``[out, in/32]``,
-    codes clipped for a +-240 target): `mxcli.mx.quantize_mx`, 32 along ``in``, OCP's algorithm
-    for the target's element (byte = exponent - 8 for +-448, - 7 for +-240: `Fp8Semantics`)."""
-    rule = Fp8Semantics(fp8_range, "ocp").rule_bytes
-    codes, scales = quantize_mx(w, axis=-1, rule=rule, scheme="1x32")
+    codes clipped for a +-240 target): `mxcli.mx.quantize_mx`, 32 along ``in``, with the bytes
+    of `rule` (``--scale-rule``; a +-240 target takes the NEURON bytes: `Fp8Semantics`)."""
+    bytes_rule = Fp8Semantics(fp8_range, rule).rule_bytes
+    codes, scales = quantize_mx(w, axis=-1, rule=bytes_rule, scheme="1x32")
     clipped = clip_codes(codes, fp8_range)
     return codes.view(torch.float8_e4m3fn), scales, clipped
 
@@ -184,9 +198,11 @@ def export_compressed_tensors(
     experts = _expert_names(plan)
     q = plan.model.fp8_block
     scale_of = _scale_companions(ckpt, experts)  # not copied
-    # a compressed-tensors MXFP8 source keeps its codes and scales (re-quantizing them under
-    # OCP would saturate the groups whose scale the library rounded up, see the module doc)
-    passthrough = isinstance(q, CtQuant) and q.scheme == "mxfp8" and fp8_range == 448
+    # a compressed-tensors MXFP8 source keeps its codes and scales under its own rule
+    rule = plan.options.scale_rule
+    passthrough = (
+        isinstance(q, CtQuant) and q.scheme == "mxfp8" and fp8_range == 448 and rule == "ct"
+    )
     stats: dict[str, Any] = {
         "passed_through": 0,
         "experts": 0,
@@ -244,7 +260,7 @@ def export_compressed_tensors(
                         if not mx:
                             w.write(n, src)
                             continue
-                        wq, sc, clipped = quantize_weight(src, fp8_range)
+                        wq, sc, clipped = quantize_weight(src, fp8_range, rule)
                         w.write(n, wq)
                         w.write(n + "_scale", sc)
                         _account(stats, clipped, dequantized(wq, sc), src)
@@ -269,6 +285,7 @@ def export_compressed_tensors(
             "quantization_config": config.get("quantization_config"),
             "expert_tensors": stats["experts"],
             "passed_through": stats["passed_through"],
+            "scale_rule": rule if mx else None,
             "fp8": plan.options.fp8().to_dict() if mx else None,
             "fp8_clipped": stats["clipped"],
             "changed_values": stats["changed_values"],
