@@ -139,6 +139,15 @@ def verify(
             "--against", help="The source checkpoint of --checkpoint.", show_default=False
         ),
     ] = None,
+    forward: Annotated[
+        bool,
+        typer.Option(
+            "--forward",
+            help="With --checkpoint (a compressed-tensors export): also run the exported model "
+            "beside the source through transformers and compressed-tensors on fixed tokens and "
+            "report the logit error (small models: both are held in memory in float32).",
+        ),
+    ] = False,
     junit: Annotated[
         Path | None,
         typer.Option(
@@ -168,7 +177,9 @@ def verify(
         from mxcli.fsutil import check_output_path, refuse_inputs
 
         if checkpoint is not None or against is not None:
-            return _checkpoint(checkpoint, against, json_out, quiet)
+            return _checkpoint(checkpoint, against, json_out, quiet, forward)
+        if forward:
+            raise InputError("verify: --forward needs --checkpoint OUT --against SRC")
         if junit is not None:  # before any work: the report must be writable
             check_output_path(junit, force)
             refuse_inputs(
@@ -204,18 +215,28 @@ def verify(
         raise typer.Exit(code)
 
 
-def _checkpoint(checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool) -> int:
-    """``verify --checkpoint OUT --against SRC`` (`mxcli.verification.checkpoints`)."""
+def _checkpoint(
+    checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool, forward: bool
+) -> int:
+    """``verify --checkpoint OUT --against SRC [--forward]`` (`mxcli.verification.checkpoints`,
+    `mxcli.verification.forward`)."""
     from mxcli.errors import InputError
     from mxcli.verification.checkpoints import format_report, verify_checkpoint
 
     if checkpoint is None or against is None:
         raise InputError("verify: --checkpoint OUT needs --against SRC (and the other way round)")
     rep = verify_checkpoint(checkpoint, against)
+    text = format_report(rep)
+    if forward:
+        from mxcli.verification.forward import format_forward, forward_check
+
+        rep["forward"] = forward_check(checkpoint, against)
+        rep["passed"] = bool(rep["passed"] and rep["forward"]["passed"])
+        text += "\n" + format_forward(rep["forward"])
     if json_out:
         print_json(rep)
     elif not quiet or not rep["passed"]:
-        typer.echo(format_report(rep))
+        typer.echo(text)
     return 0 if rep["passed"] else 1
 
 

@@ -1,0 +1,93 @@
+"""``verify --checkpoint OUT --against SRC --forward`` (issue 30): the exported model run through
+transformers and compressed_tensors beside its source, on fixed tokens.
+
+The tiny checkpoints are written by transformers 5.23 itself (`hf_tiny`); the export is
+mxcli's compressed-tensors MXFP8 export. transformers 5.23 cannot load it (its fused-experts FP8
+branch multiplies codes by raw uint8 scales), so the export is decompressed by the library.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mxcli.weightprep.plan import PrepOptions
+from mxcli.weightprep.runner import prepare_weights
+
+pytest.importorskip("compressed_tensors")
+pytest.importorskip("transformers")
+
+from tests.weightprep.hf_tiny import build_tiny  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("fwd")
+    out: dict[str, Path] = {}
+    for mt in ("qwen3_moe", "mixtral"):
+        src = build_tiny(mt, root / mt)
+        prepare_weights(src, root / f"{mt}-ct", PrepOptions(output_format="compressed-tensors"))
+        out[mt], out[f"{mt}-ct"] = src, root / f"{mt}-ct"
+    return out
+
+
+@pytest.mark.parametrize("mt", ["qwen3_moe", "mixtral"])
+def test_forward_reports_the_logit_error(pair: dict[str, Path], mt: str) -> None:
+    from mxcli.verification.forward import MIN_LOGIT_SQNR_DB, forward_check
+
+    res = forward_check(pair[f"{mt}-ct"], pair[mt])
+    assert res["passed"], res
+    # measured: qwen3_moe 42.3 dB, mixtral 38.4 dB (MXFP8 experts, 16 tokens)
+    assert MIN_LOGIT_SQNR_DB + 10 < res["logits_sqnr_db"] < 80
+    assert not res["logits_exact"] and res["top1_agreement"] >= 0.9
+    assert res["export_loaded_by"] == "compressed_tensors decompression"
+    assert res["source_loaded_by"] == "transformers from_pretrained"
+    assert any("integrations/compressed_tensors.py" in n for n in res["notes"])
+
+
+def test_forward_fails_on_a_corrupted_expert(pair: dict[str, Path], tmp_path: Path) -> None:
+    """One expert's scale bytes 4 too large (its weights x16): the logits fall apart."""
+    from mxcli.verification.forward import forward_check
+
+    bad = tmp_path / "bad"
+    shutil.copytree(pair["qwen3_moe-ct"], bad)
+    shard = next(bad.glob("*.safetensors"))
+    t = load_file(str(shard))
+    for p in ("gate", "up", "down"):
+        k = f"model.layers.1.mlp.experts.3.{p}_proj.weight_scale"
+        t[k] = t[k] + 4
+    save_file(t, str(shard), metadata={"format": "pt"})
+    res = forward_check(bad, pair["qwen3_moe"])
+    assert not res["passed"] and res["logits_sqnr_db"] < 20, res
+    assert "logits" in res["failures"][0]
+
+
+@pytest.mark.slow
+def test_forward_through_the_cli(pair: dict[str, Path], tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "mxcli", "verify", "--checkpoint", str(pair["mixtral-ct"]),
+         "--against", str(pair["mixtral"]), "--forward", "--json"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert rep["passed"] and rep["forward"]["passed"] and rep["forward"]["logits_sqnr_db"] > 30
+    r = subprocess.run(
+        [sys.executable, "-m", "mxcli", "verify", "--forward"], capture_output=True, text=True
+    )
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "--forward" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_fixed_tokens_are_fixed() -> None:
+    from mxcli.verification.forward import fixed_tokens
+
+    a, b = fixed_tokens(64), fixed_tokens(64)
+    assert torch.equal(a, b) and a.shape == (1, 16) and int(a.min()) >= 1
