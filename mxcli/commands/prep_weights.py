@@ -45,6 +45,13 @@ def main(
         help="E8M0 scale rule: neuron (Trn3), ocp, rceil (torchao) or ct (compressed-tensors' "
         "own); auto = ct for compressed-tensors (ocp with --fp8-range 240), else neuron.",
     ),
+    nxdi_base: Path | None = typer.Option(
+        None,
+        "--nxdi-base",
+        help="nxdi: NxD Inference's own sharded checkpoint of the same model (its compiled "
+        "path, or weights/): write complete rank files, its MoE tensors replaced, the rest copied.",
+        show_default=False,
+    ),
     output_format: str = typer.Option(
         "mxcli",
         "--output-format",
@@ -124,7 +131,7 @@ def main(
             tp=tp, ep=ep, formats=fmts, scale_layout=scale_layout.lower(),
             scale_rule=rule, layers=layers, model_type=model_type, workers=workers,
             threads=threads, check=check, allow_nonfinite=allow_nonfinite, fp8_range=fp8_range,
-            output_format=fmt,
+            output_format=fmt, nxdi_base=None if nxdi_base is None else str(nxdi_base),
         )  # fmt: skip
         import os
 

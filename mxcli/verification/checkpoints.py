@@ -335,11 +335,12 @@ def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
         ROUTER,
         expected_tensors,
         is_mx,
-        rank_file,
-        rank_slices,
+        rank_i_range,
+        rank_moe,
         router_tensor,
         world_ranks,
     )
+    from mxcli.weightprep.export.nxdi import plan_rank_file as _rank_file
 
     side = read_sidecar(out) or {}
     s = side.get("settings", {})
@@ -348,10 +349,14 @@ def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
         against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)),
         formats=tuple(s.get("formats", ("bf16",))), scale_rule=s.get("scale_rule", "neuron"),
         fp8_range=int(s.get("fp8_range", 448)), output_format="nxdi",
-        layers=",".join(map(str, layers)) if layers else None,
+        layers=",".join(map(str, layers)) if layers else None, nxdi_base=s.get("nxdi_base"),
     )  # fmt: skip
     if plan is None:
         return dict(report.finish())
+
+    def rank_file(r: int) -> str:
+        return str(_rank_file(plan, r))
+
     for L in plan.model.moe_layers():
         if L not in plan.layers:
             report.fail("missing", f"layer {L}: a MoE layer of the source with no output")
@@ -368,6 +373,11 @@ def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
                                    f"{rk.expert_range[1] - 1}, I {rk.i_range[0]}-{rk.i_range[1] - 1})")  # fmt: skip
             continue
         ok[r] = set(compare_keys(report, exp, _headers(path), f"{rank_file(r)}: "))
+    if plan.options.nxdi_base is not None and len(ok) == len(ranks):
+        from mxcli.weightprep.export.nxdi import base_untouched
+
+        for item in base_untouched(plan, out):  # complete files: the rest is the base's
+            report.fail("wrong", item)
     ckpt = Checkpoint(against)
     with ckpt.reader() as rd:
         for r, good in ok.items():
@@ -378,7 +388,7 @@ def _verify_nxdi(out: Path, against: Path, report: _Report) -> dict[str, Any]:
                     p = plan.layer_prefix(L)
                     e0, e1 = rk.expert_range
                     gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
-                    gu_r, dn_r = rank_slices(gu, dn, *rk.i_range)
+                    gu_r, dn_r = rank_moe(gu, dn, *rank_i_range(plan, rk))
                     exact = {ROUTER.format(l=L): router_tensor(plan, rd.get(p + fam.router_weight))}
                     if not mx:
                         exact.update({GATE_UP.format(l=L): gu_r, DOWN.format(l=L): dn_r})

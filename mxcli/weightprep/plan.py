@@ -73,6 +73,7 @@ class PrepOptions:
     allow_nonfinite: bool = False  # convert source weights holding NaN/Inf (else an error)
     fp8_range: int = 448  # 448: OCP E4M3FN; 240: codes saturated for Neuron FP8 (`fp8`)
     output_format: str = "mxcli"  # mxcli | compressed-tensors | nxdi (`mxcli.weightprep.export`)
+    nxdi_base: str | None = None  # nxdi: NxDI's own sharded checkpoint to complete (`export.nxdi`)
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.ep < 1 or self.workers < 1 or self.threads < 0:
@@ -116,6 +117,17 @@ class PrepOptions:
                 "--fp8-range 240 --scale-rule ocp: a +-240 target scales with byte = exponent - 7 "
                 "(OCP's algorithm for a +-240 element is the NEURON rule): use --scale-rule neuron"
             )
+        if self.nxdi_base is not None and self.output_format != "nxdi":
+            raise InputError(
+                f"--nxdi-base: for --output-format nxdi only (got {self.output_format})"
+            )
+        if self.nxdi_base is not None and "mxfp8" in self.formats:
+            # issue 30: NxDI's MX path serves gpt-oss only (models/gpt_oss/); no other model
+            # reads MX experts, so a complete rank checkpoint with them would not load
+            raise InputError(
+                "--nxdi-base with --formats mxfp8: no NxD Inference model reads MXFP8 experts "
+                "for these families (NxDI 4bcdc54: gpt-oss only); use --formats bf16"
+            )
         if self.scale_rule in EXPORT_ONLY_RULES and self.output_format != "compressed-tensors":
             raise InputError(
                 f"--scale-rule {self.scale_rule}: for --output-format compressed-tensors only "
@@ -158,6 +170,7 @@ class PrepOptions:
             "tile_k": 512,
             "fp8_range": self.fp8_range,
             "output_format": self.output_format,
+            **({"nxdi_base": self.nxdi_base} if self.nxdi_base is not None else {}),
         }
 
 

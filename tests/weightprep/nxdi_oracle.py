@@ -149,3 +149,35 @@ def mx_i_ok(i_tp: int) -> bool:
     if i_tp > MX_I_RULE["tile"]:
         return i_tp % MX_I_RULE["tile"] == 0
     return i_tp % MX_I_RULE["block"] == 0
+
+
+# -- Complete rank checkpoints and NxDI's shard-on-I padding (issue 30; same NxDI commit) ------
+# models/application_base.py:389-400: with save_sharded_checkpoint, load_weights reads each
+# rank's weights/tp{rank}_sharded_checkpoint.safetensors whole (load_file) and :415 hands that
+# list to nxd_model.initialize: the file is the rank's complete weights. :69-70 and :706-712
+# (get_state_dict): HF names lose their "model." prefix before the model's conversion.
+# models/qwen3_moe/modeling_qwen3_moe.py:131-133: "rank_util.rank" = arange(tp) int32;
+# :137-139: "layers.{l}.self_attn.rank_util.rank" likewise; :142-152: q_norm/k_norm renamed
+# q_layernorm/k_layernorm.
+RANK_UTIL_KEYS = ("rank_util.rank", "layers.{l}.self_attn.rank_util.rank")
+QK_NORM_KEYS = (
+    "layers.{l}.self_attn.q_layernorm.weight",
+    "layers.{l}.self_attn.k_layernorm.weight",
+)
+# models/config.py:40: SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP = 256.
+# models/qwen3_moe/modeling_qwen3_moe.py:273-282 (maybe_pad_intermediate): with
+# blockwise_matmul_config.use_shard_on_intermediate_dynamic_while and I_TP = I / moe_tp not a
+# multiple of 256, the model's I becomes ceil(I_TP / 256) * 256 * moe_tp and
+# moe_intermediate_pad_size the difference; :197-203: gate_up [E, H, 2I] is viewed
+# [E, H, 2, I], padded on the right of its last dim by that size and flattened back;
+# :224-227: down [E, I, H] padded at the bottom of I. NxD then shards the padded tensors
+# (stride 2 on gate_up's 2I, see local_slice).
+SHARD_ON_I = 256
+
+
+def padded_i(I: int, tp: int) -> int:  # noqa: E741
+    """NxDI's whole I under shard-on-I padding (maybe_pad_intermediate)."""
+    i_tp = I // tp
+    if i_tp % SHARD_ON_I == 0:
+        return I
+    return -(-i_tp // SHARD_ON_I) * SHARD_ON_I * tp

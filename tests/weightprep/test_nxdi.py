@@ -15,7 +15,7 @@ from mxcli.cli import app
 from mxcli.errors import InputError
 from mxcli.weightprep.checkpoint import Checkpoint
 from mxcli.weightprep.export import check_export
-from mxcli.weightprep.export.nxdi import mx_path_problems, shuffle_hidden
+from mxcli.weightprep.export.nxdi import mx_path_problems, rank_file, shuffle_hidden
 from mxcli.weightprep.families import load_weight
 from mxcli.weightprep.plan import PrepOptions, build_plan
 from mxcli.weightprep.runner import prepare_weights
@@ -32,7 +32,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _rank_tensors(out: Path, r: int) -> dict[str, torch.Tensor]:
-    with safe_open(str(out / NX.RANK_FILE.format(rank=r)), framework="pt") as f:
+    with safe_open(str(out / rank_file(r)), framework="pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
@@ -105,10 +105,10 @@ def test_tp_slices_follow_nxd_strided_partitioning(src: Path, tmp_path: Path) ->
 def test_verify_names_a_missing_rank_file(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "nx"
     prepare_weights(src, out, PrepOptions(output_format="nxdi", formats=("bf16",), ep=2))
-    (out / NX.RANK_FILE.format(rank=1)).unlink()
+    (out / rank_file(1)).unlink()
     r = CliRunner().invoke(app, ["verify", "--checkpoint", str(out), "--against", str(src)])
     assert r.exit_code == 1
-    assert f"missing: {NX.RANK_FILE.format(rank=1)} (experts 4-7, I 0-{I - 1})" in r.stdout
+    assert f"missing: {rank_file(1)} (experts 4-7, I 0-{I - 1})" in r.stdout
 
 
 def test_shuffle_matches_the_oracle() -> None:

@@ -17,7 +17,13 @@ from typer.testing import CliRunner
 from mxcli.cli import app
 from mxcli.mx import dequantize_mx, quantize_mx
 from mxcli.weightprep.checkpoint import Checkpoint
-from mxcli.weightprep.export.nxdi import mx_down, mx_down_codes, mx_gate_up, mx_gate_up_codes
+from mxcli.weightprep.export.nxdi import (
+    mx_down,
+    mx_down_codes,
+    mx_gate_up,
+    mx_gate_up_codes,
+    rank_file,
+)
 from mxcli.weightprep.families import load_weight
 from mxcli.weightprep.plan import PrepOptions
 from mxcli.weightprep.runner import prepare_weights
@@ -92,11 +98,11 @@ def test_mx_layout_matches_the_oracle(
     it, et = I // tp, E // ep
     tile = NX.mx_i_tile(it)
     files = sorted(p.relative_to(out).as_posix() for p in (out / "weights").iterdir())
-    assert files == sorted(NX.RANK_FILE.format(rank=r) for r in range(tp * ep))
+    assert files == sorted(rank_file(r) for r in range(tp * ep))
     with Checkpoint(src).reader() as rd:
         for ep_rank in range(ep):
             for tp_rank in range(tp):
-                t = _tensors(out / NX.RANK_FILE.format(rank=NX.world_rank(ep_rank, tp_rank, tp)))
+                t = _tensors(out / rank_file(NX.world_rank(ep_rank, tp_rank, tp)))
                 i0 = tp_rank * it
                 for L in (0, 1):
                     pre = f"model.layers.{L}.mlp."
@@ -195,15 +201,15 @@ def test_mx_divisibility_refused_by_the_cli(tmp_path: Path) -> None:
 def test_verify_catches_a_missing_scale_key_and_a_wrong_scale(src: Path, tmp_path: Path) -> None:
     out = tmp_path / "nx"
     prepare_weights(src, out, PrepOptions(output_format="nxdi", formats=("mxfp8",), tp=2))
-    f = out / NX.RANK_FILE.format(rank=1)
+    f = out / rank_file(1)
     t = _tensors(f)
     key = NX.MX_SCALE_KEY.format(l=1, proj="down_proj")
     del t[key]
     save_file(t, str(f))
     r = CliRunner().invoke(app, ["verify", "--checkpoint", str(out), "--against", str(src)])
     assert r.exit_code == 1
-    assert f"missing: {NX.RANK_FILE.format(rank=1)}: {key}" in r.stdout
-    f0 = out / NX.RANK_FILE.format(rank=0)
+    assert f"missing: {rank_file(1)}: {key}" in r.stdout
+    f0 = out / rank_file(0)
     t = _tensors(f0)
     skey = NX.MX_SCALE_KEY.format(l=0, proj="gate_up_proj")
     t[skey][0, 0, 0, 0, 0] += 1  # one group's values doubled
@@ -211,7 +217,7 @@ def test_verify_catches_a_missing_scale_key_and_a_wrong_scale(src: Path, tmp_pat
     r = CliRunner().invoke(app, ["verify", "--checkpoint", str(out), "--against", str(src)])
     assert r.exit_code == 1
     gu = NX.GATE_UP_KEY.format(l=0)
-    assert f"wrong: {NX.RANK_FILE.format(rank=0)}: {gu}: codes or scales differ" in r.stdout
+    assert f"wrong: {rank_file(0)}: {gu}: codes or scales differ" in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -37,7 +37,7 @@ def dry_run_view(plan: Any) -> dict[str, Any]:
     L = plan.layers[0]
     fmt = plan.options.output_format
     if fmt == "nxdi":
-        from mxcli.weightprep.export.nxdi import expected_tensors, rank_file
+        from mxcli.weightprep.export.nxdi import expected_tensors, plan_rank_file
 
         per_rank = expected_tensors(plan)
         mark = f"layers.{L}."
@@ -46,7 +46,8 @@ def dry_run_view(plan: Any) -> dict[str, Any]:
         total = sum(
             TensorSpec(n, d, s).nbytes for t in per_rank.values() for n, (d, s) in t.items()
         )
-        note = f"{len(per_rank)} rank file(s) {rank_file(r0)}, ...; MoE tensors only"
+        what = "complete" if plan.options.nxdi_base else "MoE tensors only"
+        note = f"{len(per_rank)} rank file(s) {plan_rank_file(plan, r0)}, ...; {what}"
         return {"outputs_per_layer": {f"rank {r0}": rows},
                 "write_per_layer": total // len(plan.layers), "write_total": total, "note": note}  # fmt: skip
     from mxcli.weightprep.export.compressed_tensors import MX_GROUP

@@ -69,10 +69,10 @@ from typing import Any
 import torch
 
 from mxcli import __version__
-from mxcli.errors import InputError
+from mxcli.errors import InputError, MxcliError
 from mxcli.fsutil import default_mode
 from mxcli.mx import quantize_mx
-from mxcli.weightprep.checkpoint import Checkpoint, torch_dtype
+from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, torch_dtype
 from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
 from mxcli.weightprep.families import Fused
 from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
@@ -92,8 +92,155 @@ MX_PACK = 4  # codes per F8E4M3FN_X4 word, consecutive along the contraction axi
 RANK_MAPPING = "r = ep_rank * tp + tp_rank (NxD: TP contiguous in world ranks)"
 
 
-def rank_file(rank: int) -> str:
-    return f"{WEIGHTS_DIR}/tp{rank}_sharded_checkpoint.safetensors"
+# NxDI reads weights/tp{rank}_sharded_checkpoint.safetensors as a rank's complete weights
+# (application_base.py:389-400, handed whole to nxd_model.initialize at :415): mxcli writes that
+# name only for complete files (--nxdi-base), else a name NxDI does not read (issue 30).
+COMPLETE_FILE = "tp{rank}_sharded_checkpoint.safetensors"
+MOE_ONLY_FILE = "tp{rank}_moe_only.safetensors"
+# NxDI's shard-on-I padding unit (models/config.py:40 SHARD_ON_INTERMEDIATE_DIMENSION_PER_TP):
+# with blockwise_matmul_config.use_shard_on_intermediate_dynamic_while, a per-rank I that is not
+# a multiple of 256 is padded up to one, the zeros appended to the end of the whole I before
+# sharding (models/qwen3_moe/modeling_qwen3_moe.py:273-282, and :197-203 / :224-227 for
+# gate_up [E, H, 2, I] and down [E, I, H]).
+SHARD_ON_I = 256
+
+
+def rank_file(rank: int, complete: bool = False) -> str:
+    return f"{WEIGHTS_DIR}/{(COMPLETE_FILE if complete else MOE_ONLY_FILE).format(rank=rank)}"
+
+
+def plan_rank_file(plan: Any, rank: int) -> str:
+    """The file of world rank `rank`: complete (NxDI's name) with ``--nxdi-base``, else MoE-only."""
+    return rank_file(rank, plan.options.nxdi_base is not None)
+
+
+def base_file(base: Path | str, rank: int) -> Path:
+    """World rank `rank`'s file in NxDI's sharded checkpoint `base` (its compiled path or the
+    ``weights`` folder in it)."""
+    b = Path(base)
+    d = b / WEIGHTS_DIR if (b / WEIGHTS_DIR).is_dir() else b
+    return d / COMPLETE_FILE.format(rank=rank)
+
+
+def base_headers(plan: Any) -> dict[int, dict[str, tuple[str, tuple[int, ...]]]]:
+    """Each world rank's tensors (name -> (dtype, shape)) in ``--nxdi-base``."""
+    from mxcli.weightprep.checkpoint import read_safetensors_header
+
+    o = plan.options
+    world = o.tp * o.ep
+    out: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for r in range(world):
+        f = base_file(o.nxdi_base, r)
+        if not f.is_file():
+            raise InputError(
+                f"--nxdi-base {o.nxdi_base}: no {f.name} for world rank {r} "
+                f"(--tp {o.tp} x --ep {o.ep} = {world} ranks)"
+            )
+        header, _ = read_safetensors_header(f)
+        out[r] = {n: (e["dtype"], tuple(int(d) for d in e["shape"]))
+                  for n, e in header.items() if n != "__metadata__"}  # fmt: skip
+    extra = base_file(o.nxdi_base, world)
+    if extra.is_file():
+        raise InputError(
+            f"--nxdi-base {o.nxdi_base}: has {extra.name}, more ranks than --tp {o.tp} x "
+            f"--ep {o.ep} = {world}"
+        )
+    return out
+
+
+def i_per_rank(plan: Any) -> int:
+    """A rank's I: ``I / tp``, or NxDI's padded one where ``--nxdi-base`` holds it."""
+    m, o = plan.model, plan.options
+    if o.nxdi_base is None:
+        return int(m.I // o.tp)
+    hdr = base_headers(plan)[0]
+    shape = hdr.get(GATE_UP.format(l=plan.layers[0]), (None, (0, 0, 0)))[1]
+    return int(shape[2] // 2) if len(shape) == 3 else 0
+
+
+def rank_i_range(plan: Any, rk: Any) -> tuple[int, int]:
+    """A rank's ``[i0, i1)`` of the (padded) I."""
+    ip = i_per_rank(plan)
+    return rk.tp_rank * ip, (rk.tp_rank + 1) * ip
+
+
+def rank_moe(
+    gate_up: torch.Tensor, down: torch.Tensor, i0: int, i1: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rank_slices` of the experts with NxDI's shard-on-I padding: zeros appended to the end
+    of I (gate_up ``[c, H, 2, I]`` on its last dim, down ``[c, I, H]`` below) up to `i1`."""
+    I = gate_up.shape[-1]  # noqa: E741
+    if i1 > I:
+        gate_up = torch.nn.functional.pad(gate_up, (0, i1 - I))
+        down = torch.nn.functional.pad(down, (0, 0, 0, i1 - I))
+    return rank_slices(gate_up, down, i0, i1)
+
+
+def _moe_keys(plan: Any) -> set[str]:
+    return {k.format(l=L) for L in plan.layers for k in (ROUTER, GATE_UP, DOWN)}
+
+
+def check_base(plan: Any) -> None:
+    """``--nxdi-base``: every rank file present, holding the MoE tensors mxcli replaces with
+    the shapes and dtypes it writes (I per rank: I/tp, or NxDI's shard-on-I padding of it)."""
+    m, o = plan.model, plan.options
+    I_tp = m.I // o.tp
+    padded = -(-I_tp // SHARD_ON_I) * SHARD_ON_I
+    ip = i_per_rank(plan)
+    if ip not in (I_tp, padded):
+        raise InputError(
+            f"--nxdi-base {o.nxdi_base}: {GATE_UP.format(l=plan.layers[0])} holds a per-rank I "
+            f"of {ip}; expected {I_tp} (I {m.I} / --tp {o.tp}) or NxDI's shard-on-I padding "
+            f"{padded}"
+        )
+    for r, hdr in base_headers(plan).items():
+        c = m.E // o.ep
+        for L in plan.layers:
+            want = {
+                ROUTER.format(l=L): (plan.router_dtype, (m.E, m.H)),
+                GATE_UP.format(l=L): ("BF16", (c, m.H, 2 * ip)),
+                DOWN.format(l=L): ("BF16", (c, ip, m.H)),
+            }
+            for n, (dt, sh) in want.items():
+                got = hdr.get(n)
+                if got != (dt, sh):
+                    raise InputError(
+                        f"--nxdi-base {base_file(o.nxdi_base, r)}: {n}: expected {dt} "
+                        f"{list(sh)}, got {'no such tensor' if got is None else f'{got[0]} {list(got[1])}'}"
+                    )
+
+
+def base_untouched(plan: Any, out: Path) -> list[str]:
+    """The tensors other than the replaced MoE ones that differ from ``--nxdi-base`` (name,
+    dtype, shape or bytes), per rank file of `out`; empty when all are untouched."""
+    from mxcli.weightprep.checkpoint import open_safetensors
+
+    bad: list[str] = []
+    moe = _moe_keys(plan)
+    for r, hdr in base_headers(plan).items():
+        path = out / plan_rank_file(plan, r)
+        with (
+            open_safetensors(base_file(plan.options.nxdi_base, r)) as fb,
+            open_safetensors(path) as fo,
+        ):
+            names = set(fo.keys())
+            for n in hdr:
+                if n in moe:
+                    continue
+                if n not in names:
+                    bad.append(f"{plan_rank_file(plan, r)}: {n} missing")
+                    continue
+                a, b = fb.get_tensor(n), fo.get_tensor(n)
+                if (
+                    a.dtype != b.dtype
+                    or a.shape != b.shape
+                    or not torch.equal(
+                        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+                    )
+                ):
+                    bad.append(f"{plan_rank_file(plan, r)}: {n} differs from --nxdi-base")
+            bad += [f"{plan_rank_file(plan, r)}: {n} not in --nxdi-base" for n in names - set(hdr)]
+    return bad
 
 
 def world_rank(ep_rank: int, tp_rank: int, tp: int) -> int:
@@ -221,6 +368,8 @@ def check_plan(plan: Any) -> None:
         raise InputError(
             f"--output-format nxdi: {fam.name}'s router has a bias ({fam.router_bias}; not written)"
         )
+    if o.nxdi_base is not None:
+        check_base(plan)
     if "mxfp8" in o.formats:
         probs = mx_path_problems(m.H, m.I // o.tp)
         if probs:
@@ -245,6 +394,8 @@ def expected_tensors(plan: Any) -> dict[int, dict[str, tuple[str, tuple[int, ...
     """Per NxD world rank: tensor name -> (safetensors dtype, shape)."""
     m = plan.model
     mx = is_mx(plan)
+    if plan.options.nxdi_base is not None:  # complete files: exactly the base's tensors
+        return {r: dict(h) for r, h in sorted(base_headers(plan).items())}
     out: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}
     for r, rk in sorted(world_ranks(plan).items()):
         e0, e1 = rk.expert_range
@@ -334,7 +485,7 @@ def export_nxdi(
         with ExitStack() as stack, ckpt.reader() as rd:
             writers: dict[int, StreamingWriter] = {}
             for r, tensors in expected.items():
-                fd = os.open(tmp / rank_file(r), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                fd = os.open(tmp / plan_rank_file(plan, r), os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
                              default_mode())  # fmt: skip
                 stack.callback(os.close, fd)
                 specs = [TensorSpec(n, dt, sh) for n, (dt, sh) in tensors.items()]
@@ -343,6 +494,13 @@ def export_nxdi(
             step = plan.chunk_experts()
             fp8 = plan.options.fp8()
             clipped = 0
+            if plan.options.nxdi_base is not None:  # everything but the MoE tensors, as is
+                moe = _moe_keys(plan)
+                for r, tensors in expected.items():
+                    with open_safetensors(base_file(plan.options.nxdi_base, r)) as fb:
+                        for name in tensors:
+                            if name not in moe:
+                                writers[r].write(name, fb.get_tensor(name))
             for L in plan.layers:
                 p = plan.layer_prefix(L)
                 router = router_tensor(plan, rd.get(p + fam.router_weight))
@@ -350,11 +508,11 @@ def export_nxdi(
                     w.write(ROUTER.format(l=L), router)
                 for r, rk in world_ranks(plan).items():
                     e_lo, e_hi = rk.expert_range
-                    i0, i1 = rk.i_range
+                    i0, i1 = rank_i_range(plan, rk)
                     for e0 in range(e_lo, e_hi, step):
                         e1 = min(e_hi, e0 + step)
                         gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
-                        gu_r, dn_r = rank_slices(gu, dn, i0, i1)
+                        gu_r, dn_r = rank_moe(gu, dn, i0, i1)
                         if mx:
                             gc, gs, dc, ds, n = quantize_rank(gu_r, dn_r, fp8)
                             clipped += n
@@ -371,6 +529,11 @@ def export_nxdi(
                             progress((e1 - e0) * 3 * m.H * (i1 - i0) * 2)
             for w in writers.values():
                 w.finish()
+        base = plan.options.nxdi_base
+        if base is not None:
+            bad = base_untouched(plan, tmp)
+            if bad:
+                raise MxcliError(f"internal: --nxdi-base tensors changed: {bad[0]}")
         per_rank = 4 if mx else 2
         result = {
             "output": str(out),
@@ -380,13 +543,23 @@ def export_nxdi(
             "experts_format": "mxfp8" if mx else "bf16",
             "expert_tensors": per_rank * len(plan.layers) * len(plan.ranks),
             "ranks": len(plan.ranks),
-            "files": [rank_file(r) for r in expected],
+            "files": [plan_rank_file(plan, r) for r in expected],
+            "complete": base is not None,
+            "nxdi_base": base,
+            "i_per_rank": i_per_rank(plan),
             "layers": plan.layers,
             "fp8": fp8.to_dict() if mx else None,
             "fp8_clipped": clipped,
             "nxdi": nxdi_facts(plan),
             "notes": [
-                "MoE tensors only; NxDI converts attention, embeddings and norms itself",
+                (
+                    f"complete rank files: --nxdi-base's tensors with the MoE ones replaced "
+                    f"(the others checked byte for byte); per-rank I {i_per_rank(plan)}"
+                    if base is not None
+                    else "MoE tensors only, under a name NxDI does not read "
+                    f"({MOE_ONLY_FILE}); pass --nxdi-base (NxDI's own sharded checkpoint) for "
+                    "complete rank files"
+                ),
                 f"world rank {RANK_MAPPING}, tp {plan.options.tp}",
             ]
             + (
