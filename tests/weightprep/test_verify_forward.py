@@ -91,3 +91,17 @@ def test_fixed_tokens_are_fixed() -> None:
 
     a, b = fixed_tokens(64), fixed_tokens(64)
     assert torch.equal(a, b) and a.shape == (1, 16) and int(a.min()) >= 1
+
+
+def test_bf16_export_loads_in_transformers_itself(pair: dict[str, Path], tmp_path: Path) -> None:
+    """``--formats bf16``: a plain HF folder transformers 5.23 loads directly; the logits equal
+    the source's exactly (the experts are the source's bf16 bytes)."""
+    from mxcli.verification.forward import forward_check
+
+    out = tmp_path / "bf16"
+    prepare_weights(
+        pair["mixtral"], out, PrepOptions(output_format="compressed-tensors", formats=("bf16",))
+    )
+    res = forward_check(out, pair["mixtral"])
+    assert res["passed"] and res["logits_exact"] and res["notes"] == []
+    assert res["export_loaded_by"] == "transformers from_pretrained"

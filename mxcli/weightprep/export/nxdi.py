@@ -11,7 +11,12 @@ aws-neuron/neuronx-distributed (NxD, commit fbac349b); the tests hold them, with
   router ``layers.{l}.mlp.router.linear_router.weight [E, H]`` (the HF gate weight, unchanged)
   (NxDI models/qwen3_moe/modeling_qwen3_moe.py);
 - pre-sharded checkpoints are ``weights/tp{rank}_sharded_checkpoint.safetensors``
-  (NxDI models/application_base.py), ``rank`` the world rank;
+  (NxDI models/application_base.py), ``rank`` the world rank, each read as the rank's complete
+  weights: mxcli writes that name only with ``--nxdi-base`` (NxDI's own sharded checkpoint of
+  the model, whose MoE tensors are replaced and whose others are copied and checked byte for
+  byte); without it, ``weights/tp{rank}_moe_only.safetensors``, which NxDI does not read;
+- with a base, a rank's I is the base's: NxDI pads it to a multiple of 256 when it shards on I
+  (zeros appended to the whole I before sharding; `SHARD_ON_I`);
 - ranks: NxD builds the MoE groups from ``arange(world).reshape(PP, DP_exp, EP, TP)`` (TP
   contiguous; parallel_state.py, through moe_process_group.py), shards a rank's TP piece by
   ``rank % tp`` and its experts by its place in its EP group, contiguous ``E/ep`` each
@@ -47,6 +52,11 @@ whichever rule chose the byte: the scale rule and FP8 range are recorded in the 
 per-rank I must be a multiple of 512 above 512, else of 32, and H of 512; checked before any
 byte is written. Only the MoE tensors are written: attention, embeddings and norms stay with
 NxDI's own conversion of the HF checkpoint.
+
+No NxDI model reads these MX experts yet (issue 30): at 4bcdc54 the MX layout transform serves
+gpt-oss only (models/gpt_oss/modeling_gpt_oss.py, under ``feed_forward.moe.expert_mlps.*`` keys
+with biases), and qwen3_moe has no MX path and no o_proj shuffle. The MX layout is a tested
+building block; ``--nxdi-base`` refuses it.
 
 Not written (refused with one line): families with shared experts, expert biases or a router
 selection bias (their NxDI key names are not established here).
@@ -459,6 +469,9 @@ def nxdi_facts(plan: Any) -> dict[str, Any]:
             "intermediate_dim_shuffled": True,
             "source": "NxDI models/gpt_oss/mx_layout_transform.py (the MXFP4 layout, with "
             "F8E4M3FN_X4 words); NxD quantization/quantization_layers.py",
+            "consumer": "none yet: at NxDI 4bcdc54 only gpt-oss reads the MX layout "
+            "(feed_forward.moe.expert_mlps.* keys); qwen3_moe and the other MoE models have no "
+            "MX path",
             "caveat": "NxD's fused token-generation MX wrapper (moe_fused_tkg_mx.py) "
             "reinterprets expert weights as float4_e2m1fn_x4 only; the blockwise MX kernel "
             "(bwmm_shard_on_block_mx) takes float8_e4m3fn_x4",
