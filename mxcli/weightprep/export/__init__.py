@@ -1,8 +1,11 @@
 """Exports for other serving stacks (``prep-weights --output-format``), beside mxcli's own layout.
 
 - `compressed_tensors`: a Hugging Face checkpoint folder whose routed experts are MXFP8 in
-  compressed-tensors form (vLLM Neuron, GPU vLLM, transformers), or bf16 with ``--formats bf16``;
-- `nxdi`: NxD Inference's MoE key names and layouts, one file per rank;
+  compressed-tensors form (compressed-tensors decompresses it; GPU vLLM's MoE probe matches its
+  targets; transformers 5.23 cannot load it: README "Weights for other serving stacks"), or
+  bf16 with ``--formats bf16`` (transformers loads it);
+- `nxdi`: NxD Inference's MoE key names and layouts, one file per rank: complete rank files
+  with ``--nxdi-base``, else MoE-only files under a name NxDI does not read;
 - `folder`: publishing an export folder atomically, and its ``mxcli-export.json`` sidecar.
 """
 
