@@ -222,6 +222,25 @@ def _expert_label(name: str) -> str:
     return f"layer {mt.group(1)}, expert {mt.group(2)}" if mt else ""
 
 
+def vllm_probe_misses(experts: set[str], pats: list[re.Pattern[str]]) -> list[str]:
+    """vLLM picks a FusedMoE layer's scheme from ``<experts>.0.gate_proj``, ``.0.up_proj`` and
+    ``.0.down_proj`` whatever the checkpoint calls them, and serves the experts unquantized
+    when the probe matches no target (vllm-project/vllm@0043d6b5 compressed_tensors/
+    compressed_tensors_moe/compressed_tensors_moe.py:40-42, :57-58): each probe name no target
+    matches, once per experts module."""
+    blocks = sorted({n.split(".experts.")[0] + ".experts" for n in experts if ".experts." in n})
+    out = []
+    for b in blocks:
+        missed = [b + p for p in (".0.gate_proj", ".0.up_proj", ".0.down_proj")
+                  if not any(pt.match(b + p) for pt in pats)]  # fmt: skip
+        if missed:
+            out.append(
+                f"{', '.join(missed)}: vLLM's MoE probe name(s) match no quantization target; "
+                "vLLM would serve these experts unquantized"
+            )
+    return out
+
+
 def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
     import json
 
@@ -289,6 +308,8 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
                     and any(p.match(module) for p in pats)
                 ):
                     rep.fail("wrong", f"{n}: matched by a quantization target but not quantized")
+            for probe in vllm_probe_misses(experts, pats):
+                rep.fail("unquantized", probe)
     with src.reader() as rs, dst.reader() as rd:
         for n in sorted(ok):
             if n.endswith("_scale") and n[: -len("_scale")] in experts:

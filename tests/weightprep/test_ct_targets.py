@@ -100,3 +100,31 @@ def test_mixtral_targets_name_both_spellings() -> None:
         assert match_name(f"model.layers.3.block_sparse_moe.experts.7.{p}", t)
     assert not match_name("model.layers.3.block_sparse_moe.gate", t)
     assert not match_name("model.layers.3.block_sparse_moe.experts.7.w4", t)
+
+
+def test_verify_flags_targets_vllm_would_miss(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An export whose targets name only the checkpoint's w1/w3/w2 (what mxcli wrote before
+    issue 30): ``verify --checkpoint`` fails and names vLLM's probe."""
+    import json
+
+    from mxcli.verification.checkpoints import verify_checkpoint
+    from mxcli.weightprep.plan import PrepOptions
+    from mxcli.weightprep.runner import prepare_weights
+    from tests.weightprep.hf_tiny import build_tiny
+
+    src = build_tiny("mixtral", tmp_path / "src")
+    out = tmp_path / "ct"
+    prepare_weights(src, out, PrepOptions(output_format="compressed-tensors"))
+    assert verify_checkpoint(out, src)["passed"]
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"]["config_groups"]["group_0"]["targets"] = [
+        r"re:.*\.(block_sparse_moe\.experts\.\d+\.w1|block_sparse_moe\.experts\.\d+\.w3|"
+        r"block_sparse_moe\.experts\.\d+\.w2)$"
+    ]
+    (out / "config.json").write_text(json.dumps(cfg))
+    rep = verify_checkpoint(out, src)
+    assert not rep["passed"]
+    assert any(
+        "model.layers.1.block_sparse_moe.experts.0.gate_proj" in u and "vLLM" in u
+        for u in rep["unquantized"]
+    ), rep["unquantized"]
