@@ -128,3 +128,45 @@ def test_verify_flags_targets_vllm_would_miss(tmp_path) -> None:  # type: ignore
         "model.layers.1.block_sparse_moe.experts.0.gate_proj" in u and "vLLM" in u
         for u in rep["unquantized"]
     ), rep["unquantized"]
+
+
+def _exported_set(model_type: str, root) -> tuple[set[str], set[str], set[str]]:  # type: ignore[no-untyped-def]
+    """(modules the export stores as FP8, modules the library decompresses, the routed experts)."""
+    from compressed_tensors.entrypoints.convert.converters.ct_dequantizer import (
+        CompressedTensorsDequantizer,
+    )
+    from safetensors.torch import load_file
+
+    from mxcli.weightprep.plan import PrepOptions
+    from mxcli.weightprep.runner import prepare_weights
+    from tests.weightprep.hf_tiny import build_tiny
+
+    src = build_tiny(model_type, root / "src")
+    out = root / "ct"
+    prepare_weights(src, out, PrepOptions(output_format="compressed-tensors"))
+    raw: dict[str, torch.Tensor] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        raw.update(load_file(str(f)))
+    fp8 = {n[: -len(".weight")] for n, t in raw.items() if t.dtype == torch.float8_e4m3fn}
+    deq = CompressedTensorsDequantizer(str(out), dtype=torch.float32).validate(dict(raw))
+    decompressed = {
+        n[: -len(".weight")]
+        for n, t in deq.items()
+        if raw[n].dtype == torch.float8_e4m3fn and t.dtype == torch.float32
+    }
+    assert not any(n.endswith("_scale") for n in deq)  # every scale consumed
+    _, routed = _skeleton_names(model_type)
+    return fp8, decompressed, routed
+
+
+@pytest.mark.parametrize(
+    "model_type",
+    ["mixtral", pytest.param("deepseek_v3", marks=pytest.mark.slow),
+     pytest.param("qwen2_moe", marks=pytest.mark.slow)],
+)  # fmt: skip
+def test_the_export_quantizes_exactly_the_routed_experts(model_type: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The written export itself: its FP8 tensors, and what compressed_tensors' decompressor
+    decompresses, are exactly the skeleton's routed experts (shared experts, routers and
+    attention stay as they were)."""
+    fp8, decompressed, routed = _exported_set(model_type, tmp_path)
+    assert fp8 == decompressed == routed

@@ -105,3 +105,21 @@ def test_bf16_export_loads_in_transformers_itself(pair: dict[str, Path], tmp_pat
     res = forward_check(out, pair["mixtral"])
     assert res["passed"] and res["logits_exact"] and res["notes"] == []
     assert res["export_loaded_by"] == "transformers from_pretrained"
+
+
+def test_library_written_mxfp8_fails_in_transformers_too(
+    pair: dict[str, Path], tmp_path: Path
+) -> None:
+    """The transformers limitation is not mxcli's: a checkpoint written by compressed_tensors'
+    own MXFP8 compressor (`ct_tiny`) does not load either; its passthrough export is then
+    bit-exact against it through the library's decompression."""
+    from mxcli.verification.forward import forward_check
+    from tests.weightprep.ct_tiny import compress_experts
+
+    lib = compress_experts(pair["qwen3_moe"], tmp_path / "lib", "MXFP8")
+    out = tmp_path / "ct"
+    prepare_weights(lib, out, PrepOptions(output_format="compressed-tensors"))
+    res = forward_check(out, lib)
+    assert res["passed"] and res["logits_exact"]
+    assert res["source_loaded_by"] == res["export_loaded_by"] == "compressed_tensors decompression"
+    assert [n.split(":")[0] for n in res["notes"]] == ["the source", "the export"]
