@@ -10,7 +10,6 @@ mxcli's (with NxDI's shard-on-I padding where the base has it) and the rest are 
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -137,23 +136,18 @@ def test_complete_rank_files_as_nxdi_reads_them(
                 assert bool((gu[..., real:256] == 0).all()) and bool(
                     (gu[..., 256 + real :] == 0).all()
                 )
-    r = subprocess.run(
-        [sys.executable, "-m", "mxcli", "verify", "--checkpoint", str(out), "--against", str(src),
-         "--json"], capture_output=True, text=True,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert json.loads(r.stdout)["passed"]
+    from mxcli.verification.checkpoints import verify_checkpoint
+
+    rep = verify_checkpoint(out, src)
+    assert rep["passed"], rep
     if pad:  # a base tensor changed in the output: verify names it
         f = out / COMPLETE.format(rank=1)
         t = _tensors(f)
         t["norm.weight"] = t["norm.weight"] + 1
         save_file(t, str(f))
-        r = subprocess.run(
-            [sys.executable, "-m", "mxcli", "verify", "--checkpoint", str(out), "--against",
-             str(src)], capture_output=True, text=True,
-        )  # fmt: skip
-        assert r.returncode == 1
-        assert f"wrong: {COMPLETE.format(rank=1)}: norm.weight differs from --nxdi-base" in r.stdout
+        rep = verify_checkpoint(out, src)
+        assert not rep["passed"]
+        assert f"{COMPLETE.format(rank=1)}: norm.weight differs from --nxdi-base" in rep["wrong"]
 
 
 def test_without_base_nxdi_does_not_read_the_files(src: Path, tmp_path: Path) -> None:
@@ -167,17 +161,36 @@ def test_without_base_nxdi_does_not_read_the_files(src: Path, tmp_path: Path) ->
     ]
 
 
-def _cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "mxcli", *map(str, args)], capture_output=True, text=True
-    )
+def _cli(*args: object) -> tuple[int, str]:
+    """The CLI in this process (CliRunner): exit code and stderr."""
+    from typer.testing import CliRunner
+
+    from mxcli.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    return r.exit_code, r.stderr
+
+
+WRONG = [("--tp", "4"), ("--tp", "2", "--formats", "mxfp8"), ("--tp", "1")]
 
 
 def test_a_wrong_base_is_refused(src: Path, tmp_path: Path) -> None:
     base = _base(tmp_path / "base", src, 2, 1, True)
-    for extra in (("--tp", "4"), ("--tp", "2", "--formats", "mxfp8"), ("--tp", "1")):
-        r = _cli("prep-weights", src, tmp_path / "o", "--output-format", "nxdi", "--nxdi-base",
-                 base, *extra)  # fmt: skip
-        assert r.returncode == 2, r.stderr
-        assert len(r.stderr.strip().splitlines()) == 1 and "--nxdi-base" in r.stderr, r.stderr
+    for extra in WRONG:
+        code, err = _cli("prep-weights", src, tmp_path / "o", "--output-format", "nxdi",
+                         "--nxdi-base", base, *extra)  # fmt: skip
+        assert code == 2, err
+        assert len(err.strip().splitlines()) == 1 and "--nxdi-base" in err, err
         assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_a_wrong_base_is_refused_as_a_fresh_process(src: Path, tmp_path: Path) -> None:
+    base = _base(tmp_path / "base", src, 2, 1, True)
+    r = subprocess.run(
+        [sys.executable, "-m", "mxcli", "prep-weights", str(src), str(tmp_path / "o"),
+         "--output-format", "nxdi", "--nxdi-base", str(base), *WRONG[0]],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "o").exists()

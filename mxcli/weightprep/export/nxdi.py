@@ -168,9 +168,9 @@ def i_per_rank(plan: Any) -> int:
     return int(shape[2] // 2) if len(shape) == 3 else 0
 
 
-def rank_i_range(plan: Any, rk: Any) -> tuple[int, int]:
-    """A rank's ``[i0, i1)`` of the (padded) I."""
-    ip = i_per_rank(plan)
+def rank_i_range(plan: Any, rk: Any, ip: int | None = None) -> tuple[int, int]:
+    """A rank's ``[i0, i1)`` of the (padded) I; `ip` = `i_per_rank` when known."""
+    ip = i_per_rank(plan) if ip is None else ip
     return rk.tp_rank * ip, (rk.tp_rank + 1) * ip
 
 
@@ -505,6 +505,7 @@ def export_nxdi(
                 writers[r] = StreamingWriter(fd, specs, {**md, "rank": str(r)})
                 stack.callback(os.ftruncate, fd, writers[r].total_bytes)
             step = plan.chunk_experts()
+            ip = i_per_rank(plan)
             fp8 = plan.options.fp8()
             clipped = 0
             if plan.options.nxdi_base is not None:  # everything but the MoE tensors, as is
@@ -521,7 +522,7 @@ def export_nxdi(
                     w.write(ROUTER.format(l=L), router)
                 for r, rk in world_ranks(plan).items():
                     e_lo, e_hi = rk.expert_range
-                    i0, i1 = rank_i_range(plan, rk)
+                    i0, i1 = rank_i_range(plan, rk, ip)
                     for e0 in range(e_lo, e_hi, step):
                         e1 = min(e_hi, e0 + step)
                         gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
@@ -559,7 +560,7 @@ def export_nxdi(
             "files": [plan_rank_file(plan, r) for r in expected],
             "complete": base is not None,
             "nxdi_base": base,
-            "i_per_rank": i_per_rank(plan),
+            "i_per_rank": ip,
             "layers": plan.layers,
             "fp8": fp8.to_dict() if mx else None,
             "fp8_clipped": clipped,
@@ -567,7 +568,7 @@ def export_nxdi(
             "notes": [
                 (
                     f"complete rank files: --nxdi-base's tensors with the MoE ones replaced "
-                    f"(the others checked byte for byte); per-rank I {i_per_rank(plan)}"
+                    f"(the others checked byte for byte); per-rank I {ip}"
                     if base is not None
                     else "MoE tensors only, under a name NxDI does not read "
                     f"({MOE_ONLY_FILE}); pass --nxdi-base (NxDI's own sharded checkpoint) for "
