@@ -32,7 +32,8 @@ import torch
 
 from mxcli.errors import InputError
 
-# MXFP8 experts keep a tiny model's logits above ~30 dB (measured: tests/verification);
+# MXFP8 experts keep a tiny model's logits near 40 dB (measured: 42.3 qwen3_moe, 38.4 mixtral,
+# tests/weightprep/test_verify_forward.py);
 # a wrong expert (one scale byte off by 4 multiplies its weights by 16) falls far below.
 MIN_LOGIT_SQNR_DB = 20.0
 TOKENS = 16
