@@ -2,7 +2,8 @@
 
 `run_kernel` is the engine: it wraps array arguments as HBM tensors (sharing memory with the
 caller's arrays, so in-place writes are visible), runs the body once per LNC program (two
-threads under LNC=2, each with its own ``program_id``), checks capacity per program, and
+threads under LNC=2, each with its own ``program_id`` and its own copy of the kernel's module
+state, `mxcli.nkisim.cores`), checks capacity per program, and
 converts the returned HBM tensors back to NumPy arrays or torch tensors.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from mxcli.nkisim import machine
+from mxcli.nkisim.cores import program_entry
 from mxcli.nkisim.dtypes import DType, dtype_of_numpy
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.frontend import assert_frontend
@@ -252,6 +254,8 @@ def run_kernel(
     tkwargs = {key: wrap(v, key) for key, v in kwargs.items()}
     like_torch = any(a.is_torch for a in wrapped)
     programs = [Program(run, i) for i in range(n)]
+    # each logical core its own module state (cores.py): built here, before the threads start
+    entries = [program_entry(k.fn, i, targs, tkwargs) for i in range(n)]
     results: list[Any] = [None] * n
     errors: list[tuple[int, BaseException]] = []
     err_lock = threading.Lock()
@@ -259,8 +263,9 @@ def run_kernel(
     def body(i: int) -> None:
         prog = programs[i]
         try:
+            fn, a, kw = entries[i]
             with machine.bind(prog):
-                results[i] = k.fn(*targs, **tkwargs)
+                results[i] = fn(*a, **kw)
                 prog.finish_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             with err_lock:

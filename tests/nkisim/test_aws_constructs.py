@@ -50,3 +50,81 @@ def test_nki_object_constructor_refuses_what_a_dataclass_would() -> None:
         Dims(B=1)
     with pytest.raises(TypeError, match="takes 3 positional"):
         Dims(1, 2, 3, 4)
+
+
+# A package with AWS's module-global state pattern (mxfp_utils/mxfp8_utils/common_utils.py:
+# ``_state = {"sbm": None}``, set once per kernel, asserting none is active), written at test
+# time: the kernel's own package, as a third-party kernel's would be.
+_STATE_PKG = {
+    "__init__.py": "",
+    "state.py": """_state = {"active": None}
+
+
+def set_active(value):
+    assert _state["active"] == None, "already set. Only one kernel should be active at a time."
+    _state["active"] = value
+
+
+def get_active():
+    return _state["active"]
+
+
+def clear_active():
+    _state["active"] = None
+""",
+    "kern.py": """from enum import Enum
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+from .state import clear_active, get_active, set_active
+
+
+class Mode(Enum):
+    A = 0
+    B = 1
+
+
+class Cfg(nl.NKIObject):
+    mode: Mode = Mode.A
+    scale: float = 1.0
+
+
+@nki.jit
+def kernel(x, cfg):
+    set_active(10.0 * (nl.program_id(0) + 1))
+    out = nl.ndarray((2, 2), dtype=nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=t[0:1, 0:1], value=get_active())
+    nisa.memset(dst=t[0:1, 1:2], value=cfg.scale if cfg.mode == Mode.B else -1.0)
+    pid = nl.program_id(0)
+    nisa.dma_copy(dst=out[pid : pid + 1, 0:2], src=t)
+    nisa.core_barrier(data=out, cores=(0, 1))  # both cores have set it before either clears it
+    clear_active()
+    return out
+""",
+}
+
+
+def test_each_logical_core_has_its_own_module_state(tmp_path, monkeypatch) -> None:
+    """Two LNC programs each set a module-global state once (AWS's SBUF manager pattern): on
+    the device each core's program has its own; the interpreter's two threads used to share one
+    (the second core's assert failed). An argument object is rebuilt for each core as its own
+    class (python subset spec, "Classes"), so its enum compares equal there."""
+    import importlib
+
+    from mxcli import nkisim
+
+    pkg = tmp_path / "mxprobe_state"
+    pkg.mkdir()
+    for name, text in _STATE_PKG.items():
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    nkisim.activate()
+    kern = importlib.import_module("mxprobe_state.kern")
+    cfg = kern.Cfg(mode=kern.Mode.B, scale=0.5)
+    out = nkisim.simulate(kern.kernel[2])(np.zeros((1, 1), np.float32), cfg)
+    assert np.asarray(out).tolist() == [[10.0, 0.5], [20.0, 0.5]]
+    # program 0 ran the caller's own modules: their state is cleared again
+    assert importlib.import_module("mxprobe_state.state")._state == {"active": None}
