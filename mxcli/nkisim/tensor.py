@@ -912,13 +912,16 @@ class Access:
     def _mask_dtype(self) -> Any:
         return {1: np.uint8, 2: np.uint16, 4: np.uint32}[self.dtype.itemsize]
 
-    def _track(self, write: bool, mask: np.ndarray | None = None) -> None:
-        """LNC=2: report this access of a shared_hbm tensor to the race detector."""
+    def _track(
+        self, write: bool, mask: np.ndarray | None = None, values: np.ndarray | None = None
+    ) -> None:
+        """LNC=2: report this access of a shared_hbm tensor to the race detector (a write with
+        its raw values: a store of the bytes already there is told apart, races.py)."""
         if self.st.buffer is not MemoryRegion.shared_hbm:
             return
         prog = machine.current_or_none()
         if prog is not None and prog.run.race is not None:
-            prog.run.race.record(self, prog.program_id, write, mask)
+            prog.run.race.record(self, prog.program_id, write, mask, values)
 
     def read(self, check_init: bool = True) -> np.ndarray:
         """Raw elements (a copy) in the storage dtype; vector rows that are skipped read as 0."""
@@ -986,7 +989,7 @@ class Access:
         if vals.dtype != np_dt:
             vals = vals.astype(np_dt)
         vals = vals.reshape(self.shape) if vals.shape != self.shape else vals
-        self._track(write=True, mask=mask)
+        self._track(write=True, mask=mask, values=vals)
         mdt = self._mask_dtype()
         full = np.iinfo(mdt).max
         if self.rows is None:

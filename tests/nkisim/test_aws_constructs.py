@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mxcli import nkisim
 from mxcli.nkisim import isa as nisa
 from mxcli.nkisim import language as nl
 from tests.nkisim.conftest import run
@@ -128,3 +129,54 @@ def test_each_logical_core_has_its_own_module_state(tmp_path, monkeypatch) -> No
     assert np.asarray(out).tolist() == [[10.0, 0.5], [20.0, 0.5]]
     # program 0 ran the caller's own modules: their state is cleared again
     assert importlib.import_module("mxprobe_state.state")._state == {"active": None}
+
+
+def _sync(pid):
+    """A sendrecv handshake: orders the two programs in time; it is no barrier on any tensor."""
+    token = nl.ndarray((1, 1), nl.float32)
+    nisa.memset(token, 1.0)
+    got = nl.ndarray((1, 1), nl.float32)
+    nisa.sendrecv(src=token, dst=got, send_to_rank=1 - pid, recv_from_rank=1 - pid, pipe_id=0)
+
+
+def _both_gather(x, mode):
+    """Both cores stage the same block of x into one shared buffer and read it back, with no
+    core_barrier on it (AWS's bwmm_bwd_dropless_mxfp8.py gathers a block per core this way).
+    Core 0 stores first, then core 1; ``differ``: core 1 stores other bytes; ``read_first``:
+    core 1 reads the buffer before storing it itself (a hand-over from core 0)."""
+    pid = nl.program_id(0)
+    stage = nl.ndarray((4, 4), nl.float32, buffer=nl.shared_hbm)
+    t = nl.ndarray((4, 4), nl.float32)
+    nisa.dma_copy(dst=t, src=x)
+    if mode == "differ" and pid == 1:
+        nisa.memset(t, 7.0)
+    back = nl.ndarray((4, 4), nl.float32)
+    if pid == 0:
+        nisa.dma_copy(dst=stage, src=t)
+    _sync(pid)
+    if pid == 1:
+        if mode == "read_first":
+            nisa.dma_copy(dst=back, src=stage)
+        nisa.dma_copy(dst=stage, src=t)
+    _sync(pid)
+    nisa.dma_copy(dst=back, src=stage)
+    out = nl.ndarray((2, 4, 4), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out[pid], src=back)
+    return out
+
+
+def test_both_cores_storing_identical_bytes_then_reading_them_is_no_race() -> None:
+    """Issue 29: every order of the two stores of one value gives each reader that value (it
+    reads its own product, no hand-over); races.py's docstring gives the reasoning."""
+    from mxcli.nkisim import NkiRuleError
+    from mxcli.nkisim.kernel import jit
+
+    x = np.arange(16, dtype=np.float32).reshape(4, 4)
+    out = nkisim.simulate(jit(_both_gather)[2])(x, "same")
+    np.testing.assert_array_equal(np.asarray(out), np.stack([x, x]))
+    # other bytes: which store lands last decides what core 0 reads, a race
+    with pytest.raises(NkiRuleError, match=r"core 0 reads bytes the other core wrote.*lnc-race"):
+        nkisim.simulate(jit(_both_gather)[2])(x, "differ")
+    # core 1 reading core 0's store before storing it itself is a hand-over, a race
+    with pytest.raises(NkiRuleError, match=r"core 1 reads bytes the other core wrote.*lnc-race"):
+        nkisim.simulate(jit(_both_gather)[2])(x, "read_first")
