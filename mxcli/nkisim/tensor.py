@@ -322,12 +322,14 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
 class _Vec:
     """Per-row vector indirection of a view's dim 0 (api spec §4.5)."""
 
-    __slots__ = ("index", "mult", "limit")
+    __slots__ = ("index", "mult", "limit", "grid")
 
-    def __init__(self, index: NkiTensor, mult: int, limit: int) -> None:
+    def __init__(self, index: NkiTensor, mult: int, limit: int, grid: bool = False) -> None:
         self.index = index
         self.mult = mult  # elements (view dtype) per index step
         self.limit = limit  # base.shape[0]: indices must be < limit
+        # a [128, n] index grid read column-major (gather-transpose only, api spec §6.3)
+        self.grid = grid
 
 
 class NkiTensor:
@@ -704,16 +706,30 @@ class NkiTensor:
                 raise self._err(
                     "ap", f"vector_offset dtype must be int32/uint32, got {vector_offset.dtype}"
                 )
-            if vector_offset.shape[0] != shape[0] or vector_offset.size != vector_offset.shape[0]:
+            # (P, 1): one index per row (api spec §4.5). A [128, n] grid (n > 1) whose
+            # column-major elements cover the rows is the gather-transpose form (api spec §6.3:
+            # "indices.shape[1] > 1 requires indices.shape[0] == 128", "shape[0]*shape[1] >=
+            # src.shape[0]", flat = indices.T.flatten()[:src.shape[0]]; AWS's DGT loader,
+            # load_apis.py load_tile_dgt); dma_transpose alone takes it (isa/dma.py).
+            vshape = tuple(vector_offset.shape)
+            grid = len(vshape) == 2 and vshape[1] > 1
+            if grid:
+                if vshape[0] != 128 or vector_offset.size < shape[0]:
+                    raise self._err(
+                        "ap",
+                        f"vector_offset index grid must be [128, n] covering the pattern's "
+                        f"{shape[0]} rows (got {vshape})",
+                    )
+            elif vshape[0] != shape[0] or vector_offset.size != vshape[0]:
                 raise self._err(
                     "ap",
                     f"vector_offset must have one element per row of the pattern "
-                    f"(got {vector_offset.shape}, expected ({shape[0]}, 1))",
+                    f"(got {vshape}, expected ({shape[0]}, 1)) or be a [128, n] index grid",
                 )
             mult_bytes = _prod(self.shape[1:]) * ratio_num
             if mult_bytes % ratio_den:
                 raise self._err("ap", "indirect row stride is not a whole number of elements")
-            vec = _Vec(vector_offset, mult_bytes // ratio_den, self.shape[0])
+            vec = _Vec(vector_offset, mult_bytes // ratio_den, self.shape[0], grid)
         return NkiTensor(self._st, shape, strides, off, dt, self.name, tuple(dyn), vec)
 
     def indirect(self, index: NkiTensor, num_elem: int | None = None) -> NkiTensor:
@@ -1080,7 +1096,10 @@ def resolve(
     # vector indirection (api spec §4.5): row p starts at offset + idx[p] * mult
     vec = t._vec
     idx_acc = resolve(vec.index, op, f"{name}.vector_offset", buffers=(MemoryRegion.sbuf,))
-    raw = idx_acc.read().reshape(-1).astype(np.int64)  # int32 signed, uint32 unsigned
+    raw = idx_acc.read()
+    if vec.grid:  # column-major over the [128, n] grid (api spec §6.3)
+        raw = raw.reshape(raw.shape[0], -1).T.reshape(-1)[: t.shape[0]]
+    raw = raw.reshape(-1).astype(np.int64)  # int32 signed, uint32 unsigned
     rest_ext = ext - (t.shape[0] - 1) * t.strides[0]
     rows = offset + raw * vec.mult
     if oob_skip:

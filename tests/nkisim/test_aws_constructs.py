@@ -180,3 +180,42 @@ def test_both_cores_storing_identical_bytes_then_reading_them_is_no_race() -> No
     # core 1 reading core 0's store before storing it itself is a hand-over, a race
     with pytest.raises(NkiRuleError, match=r"core 1 reads bytes the other core wrote.*lnc-race"):
         nkisim.simulate(jit(_both_gather)[2])(x, "read_first")
+
+
+def _gather_transpose(table, idx):
+    """AWS's DGT loader (load_apis.py load_tile_dgt, legacy path): a gather-transpose of 512
+    rows whose indices are a [128, 4] grid, read column-major."""
+    it = nl.ndarray((128, 4), nl.uint32)
+    nisa.dma_copy(dst=it, src=idx)
+    rows = table.reshape((table.shape[0], 1, 1, 16))
+    src = rows.ap(pattern=[[16, 512], [1, 1], [1, 1], [1, 16]], vector_offset=it)
+    d = nl.ndarray((16, 1, 1, 512), nl.bfloat16)
+    nisa.dma_transpose(dst=d, src=src, axes=(3, 1, 2, 0))
+    out = nl.ndarray((16, 512), nl.bfloat16, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=d.reshape((16, 512)))
+    return out
+
+
+def _grid_in_dma_copy(table, idx):
+    it = nl.ndarray((128, 4), nl.uint32)
+    nisa.dma_copy(dst=it, src=idx)
+    t = nl.ndarray((128, 16), nl.bfloat16)
+    nisa.dma_copy(dst=t, src=table.ap(pattern=[[16, 128], [1, 16]], vector_offset=it))
+    return t
+
+
+def test_gather_transpose_takes_a_column_major_index_grid() -> None:
+    """api spec §6.3: indices [128, n] (n > 1), flat = indices.T.flatten()[:rows]; the
+    interpreter used to demand one index per row, (512, 1). dma_copy still takes (P, 1)."""
+    import torch
+
+    from mxcli.nkisim import NkiValidationError
+
+    gen = torch.Generator().manual_seed(5)
+    table = torch.randn((600, 16), generator=gen).to(torch.bfloat16)
+    idx = torch.randint(0, 600, (128, 4), generator=gen, dtype=torch.int64).to(torch.uint32)
+    out = run(_gather_transpose, table, idx)
+    flat = idx.to(torch.int64).T.reshape(-1)[:512]
+    assert torch.equal(out, table[flat].T)
+    with pytest.raises(NkiValidationError, match=r"vector_offset must be \(P, 1\).*dma_transpose"):
+        run(_grid_in_dma_copy, table, idx)
