@@ -683,6 +683,17 @@ def _rebuild(value: Any, cls: type, where: str) -> Any:
                 f"(set to {v!r}; only its default can be dropped)"
             )
         kwargs[f.name] = _convert_field(v, targets[f.name], cls, f"{where}.{f.name}")
+    for name, tf in targets.items():
+        # a field of the module's class without a default that mxcli's config has no value
+        # for (AWS's MatmulMxfp8KernelConfig M/K/N, which its entry point fills from the
+        # shapes before use): None, never a guessed value
+        if (
+            name not in kwargs
+            and tf.init
+            and tf.default is dataclasses.MISSING
+            and tf.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        ):
+            kwargs[name] = None
     try:
         return cls(**kwargs)
     except Exception as exc:
@@ -724,6 +735,12 @@ def _convert_field(v: Any, f: dataclasses.Field[Any], owner: type, where: str) -
             raise KernelUnsupportedError(f"{where}: nki has no dtype {name}")
         return getattr(nl, name)
     if isinstance(v, enum.Enum):
+        # the module's own enum of the same name, when its field holds one (AWS's phase
+        # config types quant_scheme as Union[str, QuantScheme] with a str default, and its
+        # kernel config requires the enum)
+        twin = getattr(sys.modules.get(owner.__module__), type(v).__name__, None)
+        if isinstance(twin, type) and issubclass(twin, enum.Enum) and v.name in twin.__members__:
+            return twin[v.name]
         if isinstance(target, type) and not issubclass(target, enum.Enum):
             raw = v.value if isinstance(v.value, str) else v.name
             return raw if target is str else v

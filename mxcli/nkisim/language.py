@@ -174,8 +174,8 @@ class NKIObject:
     spec, "Classes": "`@dataclass` is optional and compiled the same way"): its annotated class
     attributes are its fields, in order, and it is built with them as positional or keyword
     arguments, a class-level value being the field's default (AWS's
-    ``DimensionSizes(NKIObject)`` is built as ``DimensionSizes(B=..., H=..., ...)``). A class with
-    its own ``__init__`` (or a dataclass's) keeps it.
+    ``DimensionSizes(NKIObject)`` is built as ``DimensionSizes(B=..., H=..., ...)``, some fields
+    left for a method to set). A class with its own ``__init__`` (or a dataclass's) keeps it.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -199,13 +199,15 @@ class NKIObject:
             if name in values:
                 raise TypeError(f"{cls.__qualname__}() got multiple values for argument {name!r}")
             values[name] = value
-        missing = [n for n in names if n not in values and not hasattr(cls, n)]
-        if missing:
-            raise TypeError(
-                f"{cls.__qualname__}() missing required argument(s): {', '.join(missing)}"
-            )
+        # a field given no value and no class-level default stays unset: AWS builds
+        # DimensionSizes(T=.., H=.., B=.., E=.., N=.., I_TP=..) and its derive_all_dims() sets
+        # I_TP_sharded / GUP_N_TILES afterwards (bwmm_bwd_dropless_mxfp8.py, compiled by the
+        # NKI front end); reading one before it is set is an AttributeError naming it
         for name in names:
-            setattr(self, name, values[name] if name in values else getattr(cls, name))
+            if name in values:
+                setattr(self, name, values[name])
+            elif hasattr(cls, name):
+                setattr(self, name, getattr(cls, name))
 
 
 # -- loops (api spec §4.7) ----------------------------------------------------------------------

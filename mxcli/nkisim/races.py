@@ -140,6 +140,7 @@ class RaceTracker:
                 return eq if sel is None else eq[sel]
 
         else:
+
             def elements() -> np.ndarray:
                 assert acc.valid is not None
                 m = np.broadcast_to(
