@@ -103,10 +103,16 @@ class RaceTracker:
         write: bool,
         mask: np.ndarray | None,
         values: np.ndarray | None = None,
+        commit: Any = None,
     ) -> None:
         """One access of a shared tensor by `program`; `values` (a write's raw elements, in the
-        view's shape) tell a store of the bytes already there from one that changes them."""
+        view's shape) tell a store of the bytes already there from one that changes them.
+        `commit` (the store) runs under the lock right after the bytes are compared, so the
+        other core's store cannot land between the comparison and this one."""
         if not self.enabled or acc.skip:
+            if commit is not None:
+                with self.lock:
+                    commit()
             return
         st = acc.st
         s = acc.dtype.itemsize
@@ -161,6 +167,9 @@ class RaceTracker:
 
             idx = footprint()
             if idx.size == 0:
+                if commit is not None:
+                    with self.lock:
+                        commit()
                 return
             lo, hi = int(idx.min()), int(idx.max()) + 1
 
@@ -191,6 +200,8 @@ class RaceTracker:
             win.records.append(
                 _Record(program, write, kernel_site(), acc.op, acc.name, lo, hi, footprint)
             )
+            if commit is not None:
+                commit()
 
     @staticmethod
     def _raise(

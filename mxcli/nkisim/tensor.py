@@ -929,15 +929,23 @@ class Access:
         return {1: np.uint8, 2: np.uint16, 4: np.uint32}[self.dtype.itemsize]
 
     def _track(
-        self, write: bool, mask: np.ndarray | None = None, values: np.ndarray | None = None
+        self,
+        write: bool,
+        mask: np.ndarray | None = None,
+        values: np.ndarray | None = None,
+        commit: Any = None,
     ) -> None:
         """LNC=2: report this access of a shared_hbm tensor to the race detector (a write with
-        its raw values: a store of the bytes already there is told apart, races.py)."""
-        if self.st.buffer is not MemoryRegion.shared_hbm:
-            return
+        its raw values: a store of the bytes already there is told apart, races.py); `commit`
+        (the store itself) runs after it, under the detector's lock for a tracked write."""
         prog = machine.current_or_none()
-        if prog is not None and prog.run.race is not None:
-            prog.run.race.record(self, prog.program_id, write, mask, values)
+        race = None if prog is None else prog.run.race
+        if self.st.buffer is not MemoryRegion.shared_hbm or race is None:
+            if commit is not None:
+                commit()
+            return
+        assert prog is not None
+        race.record(self, prog.program_id, write, mask, values, commit)
 
     def read(self, check_init: bool = True) -> np.ndarray:
         """Raw elements (a copy) in the storage dtype; vector rows that are skipped read as 0."""
@@ -1005,7 +1013,12 @@ class Access:
         if vals.dtype != np_dt:
             vals = vals.astype(np_dt)
         vals = vals.reshape(self.shape) if vals.shape != self.shape else vals
-        self._track(write=True, mask=mask, values=vals)
+        # the race detector compares the stored bytes with these under its lock, and the store
+        # happens under the same lock: the other core's write cannot land in between (races.py)
+        self._track(write=True, mask=mask, values=vals, commit=lambda: self._store(vals, mask))
+
+    def _store(self, vals: np.ndarray, mask: np.ndarray | None) -> None:
+        np_dt = self.dtype.np_dtype
         mdt = self._mask_dtype()
         full = np.iinfo(mdt).max
         if self.rows is None:
