@@ -810,6 +810,29 @@ def _as_nki_tensor(name: str, value: Any) -> Any:
     return value
 
 
+def _x4_weights(choice: KernelChoice, args: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Pre-quantized bwd weights (uint32 x4 words, their scales given) declared as the
+    interpreter's x4 dtype: AWS's kernel tells x4 MX data by its nki dtype (``'x4' in
+    str(dtype)``, common_dataclasses.TensorDescriptor); as plain uint32 it reads them as
+    unpacked fp8 and its matmuls cover a quarter of the columns (NaN outputs)."""
+    import torch
+
+    from mxcli.nkisim.kernel import TypedArg
+
+    if choice.kernel != BWD:
+        return
+    fmt = getattr(getattr(args.get("config"), "fp8_x4_dtype", None), "name", "E4M3FN")
+    nl = importlib.import_module("nki.language")
+    x4 = getattr(nl, {"E5M2": "float8_e5m2_x4"}.get(str(fmt), "float8_e4m3fn_x4"))
+    for weight, scales in (
+        ("gate_up_proj_weight", "gate_up_weight_scales"),
+        ("down_proj_weight", "down_weight_scales"),
+    ):
+        w = kw.get(weight)
+        if kw.get(scales) is not None and isinstance(w, torch.Tensor) and w.dtype == torch.uint32:
+            kw[weight] = TypedArg(w, x4)
+
+
 def _jit(kern: Any) -> Any:
     """A plain traced function (AWS's bwd entry is one) wrapped as the active nki's jit kernel."""
     if hasattr(kern, "__getitem__"):
@@ -838,6 +861,8 @@ def launch_sim(
     kw = {k: _as_nki_tensor(k, v) for k, v in api_arguments(choice, args).items()}
     kern = _jit(load(choice))
     real = nkisim.real_nki_available()
+    if not real:
+        _x4_weights(choice, args, kw)
     if real and check_only:
         raise InputError(
             f"kernel: {choice.spec} was imported with the Neuron SDK's nki; check-only mode needs "

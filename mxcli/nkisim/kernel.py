@@ -28,7 +28,7 @@ from mxcli.nkisim.machine import Program, Run, RunConfig, RunReport, UninitPolic
 from mxcli.nkisim.target import Target, nc_version, resolve_target
 from mxcli.nkisim.tensor import MemoryRegion, NkiTensor, resolve, wrap_array
 
-__all__ = ["Kernel", "jit", "simulate", "run_kernel", "SimulatedKernel"]
+__all__ = ["Kernel", "jit", "simulate", "run_kernel", "SimulatedKernel", "TypedArg"]
 
 
 class Kernel:
@@ -123,6 +123,9 @@ class _Arg:
     """One array argument: the HBM tensor and how to give results back to the caller."""
 
     def __init__(self, value: Any, name: str, buffer: MemoryRegion) -> None:
+        declared: DType | None = None
+        if isinstance(value, TypedArg):
+            value, declared = value.value, value.dtype
         self.value = value
         self.is_torch = isinstance(value, torch.Tensor)
         self.copy_back: Callable[[], None] | None = None
@@ -161,12 +164,29 @@ class _Arg:
                 f"argument {name}: dtype {arr.dtype} has no NKI equivalent (64-bit types are not "
                 "supported; pass int32 / float32)"
             )
+        if declared is not None:
+            if declared.np_dtype != arr.dtype:
+                raise TypeError(
+                    f"argument {name}: declared {declared} needs {np.dtype(declared.np_dtype)} "
+                    f"storage, got {arr.dtype}"
+                )
+            dt = declared
         self.array = arr
         self.tensor = wrap_array(arr, buffer, name, dt)
 
 
+class TypedArg:
+    """An array argument the launcher declares as an NKI dtype of the same storage (x4 MX data
+    arrives as uint32 words: AWS's kernels tell MXFP8 x4 weights by their nki dtype, api spec
+    §7.2 / dtypes.py), e.g. ``TypedArg(weights_u32, nl.float8_e4m3fn_x4)``."""
+
+    def __init__(self, value: Any, dtype: DType) -> None:
+        self.value = value
+        self.dtype = dtype
+
+
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, torch.Tensor))
+    return isinstance(x, (np.ndarray, torch.Tensor, TypedArg))
 
 
 def _to_output(t: NkiTensor, like_torch: bool) -> Any:

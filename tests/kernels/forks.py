@@ -203,7 +203,8 @@ def blockwise_mm_bwd_mxfp8(
     assert config.compute_dtype == nl.bfloat16, "only bf16"
     assert not config.skip_grad_initialization, "no skipped init"
     T, H = hidden_states.shape
-    E, _, _, I = gate_up_proj_weight.shape
+    E = down_proj_weight.shape[0]
+    I = gate_up_proj_act_checkpoint_T.shape[2]
     dx = nl.ndarray((T, H), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
     da = nl.ndarray((T * E, 1), dtype=nl.float32, buffer=nl.shared_hbm)
     dgu = nl.ndarray((E, H, 2, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
@@ -212,11 +213,14 @@ def blockwise_mm_bwd_mxfp8(
     _zeros(da)
     _zeros(dgu.reshape((E * H, 2 * I)))
     _zeros(dd.reshape((E * I, H)))
-    mark = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
+    mark = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
     nisa.memset(dst=mark, value=float(block_size))
     if num_valid_tokens != None:
         nisa.dma_copy(dst=mark[0:1, 1:2], src=num_valid_tokens.reshape((1, 1)))
-    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:2], src=mark)
+    # AWS's kernel tells pre-quantized x4 weights by their dtype ('x4' in str(dtype))
+    x4 = gate_up_weight_scales != None and "x4" in str(gate_up_proj_weight.dtype)
+    nisa.memset(dst=mark[0:1, 2:3], value=1.0 if x4 else 0.0)
+    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:3], src=mark)
     return dx, da, dgu, dd
 '''
 

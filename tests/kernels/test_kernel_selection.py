@@ -318,7 +318,8 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
             **ki.tensors, **kw, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
         )
     assert [tuple(o.shape) for o in out] == [(128, 256), (128, 1), (1, 256, 2, 128), (1, 128, 256)]
-    assert out[1][:2, 0].tolist() == [128.0, 100.0]  # block_size and num_valid_tokens arrived
+    # block_size and num_valid_tokens arrived; no pre-quantized weights here
+    assert out[1][:3, 0].tolist() == [128.0, 100.0, 0.0]
     assert launches and launches[0].kernel["module"] == "mxbwd_third.bwd"
     # a field the module lacks, set away from mxcli's default, is an error naming it
     with pytest.raises(KernelUnsupportedError, match=r"config\.fast_dma_transpose: .*no field"):
@@ -400,3 +401,30 @@ def test_entry_without_config_or_its_knobs_refuses_the_config(tmp_path: Path) ->
         r"parameter config",
     ):
         blockwise_mm_bwd_mxfp8(**tensors, **kw, config=cfg, backend="sim", kernel=spec)
+
+
+def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Path) -> None:
+    """Issue 29: pre-quantized weights are uint32 x4 words; a third-party kernel (AWS's reads
+    'x4' in str(dtype)) must see the interpreter's x4 dtype, else it treats them as unpacked fp8
+    (AWS's backward then returned NaN gradients)."""
+    import mxcli.inputs as inputs
+    from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.spec import get_spec
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_x4"), BWD, tmp_path)
+    ki = inputs.make_bwd_inputs(
+        tokens=128,
+        hidden=256,
+        intermediate=128,
+        experts=1,
+        top_k=1,
+        block_size=128,
+        dense=True,
+        prequantize=True,
+        seed=2,
+    )
+    assert ki.tensors["gate_up_proj_weight"].dtype == torch.uint32
+    kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
+    out = blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, backend="sim", kernel=spec)
+    assert out[1][2, 0].item() == 1.0
