@@ -26,10 +26,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("case", ["bwd/routed-e2-k1"])
+@pytest.mark.parametrize("case", ["bwd/routed-e2-k1", "bwd/routed-e2-k2-clamp-prequant"])
 def test_real_nkilib_bwd_passes_verify_checks(case: str) -> None:
     """The routed default load path (DGT gather-transpose with [128, n] index grids, E > 1),
-    two LNC cores each with its own SBUF manager: every output passes verify's checks."""
+    two LNC cores each with its own SBUF manager, pre-quantized x4 weights: every output is
+    bit-exact against mxcli's golden."""
     from mxcli.runs import run_case
     from mxcli.verification import cases
 
@@ -39,6 +40,8 @@ def test_real_nkilib_bwd_passes_verify_checks(case: str) -> None:
     assert not result.skipped, result.skipped
     failed = [str(r) for r in result.reports if not r.passed]
     assert not failed, failed
+    vs_ref = [r for r in result.reports if "vs reference" in str(getattr(r, "check", ""))]
+    assert vs_ref and all(getattr(r, "bit_exact", False) for r in vs_ref)
     assert result.info.get("nki_kernel") == "nkilib"
 
 
