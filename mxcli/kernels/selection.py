@@ -11,7 +11,10 @@ metadata and the verify report.
 Third-party kernels are launched with the API reference's argument names (``api/*.txt``):
 tensors by name, ``router_act_fn`` as the module's own enum, ``qmx_output_dtype`` as an ``nki``
 dtype, the bwd ``config`` rebuilt as the module's own ``MXFP8MOEBwdConfig`` (`module_config`). An
-mxcli argument the module lacks is an error naming it (unless it has its default value). A
+mxcli argument the module lacks is an error naming it and the entry point (unless it is None or
+has its default value), never dropped: the kernel would run on its own default instead. An entry
+without ``config`` that takes the config's knobs as keyword arguments (an older nkilib entry)
+gets each field as its keyword (`_config_keywords`); one it cannot take is refused. A
 combination a kernel refuses is a `KernelUnsupportedError`: known refusals are reported before
 the launch (`refusal`), a ``kernel_assert`` raised by the kernel itself is reported the same way.
 
@@ -484,6 +487,15 @@ def api_arguments(choice: KernelChoice, args: Mapping[str, Any]) -> dict[str, An
     out: dict[str, Any] = {}
     for name, value in args.items():
         if name not in params:
+            if name == "config" and value is not None:
+                out.update(_config_keywords(choice, value, params))
+            elif value is not None and name not in _MXCLI_DEFAULTS.get(choice.kernel, {}):
+                # nothing to pass is fine (None); a value the kernel cannot take is refused,
+                # never dropped: it would run on its own default instead (issue 29)
+                raise KernelUnsupportedError(
+                    f"kernel: {describe_name(choice)}: {name} is set but the entry point "
+                    f"{_entry_name(choice)} has no parameter {name}"
+                )
             continue
         p = params[name]
         if name == "qmx_output_dtype":
@@ -494,6 +506,86 @@ def api_arguments(choice: KernelChoice, args: Mapping[str, Any]) -> dict[str, An
             value = _enum_for(p, value)
         out[name] = value
     return out
+
+
+def _entry_name(choice: KernelChoice) -> str:
+    fn = _entry(load(choice))
+    return (
+        f"{getattr(fn, '__module__', choice.module)}.{getattr(fn, '__qualname__', choice.function)}"
+    )
+
+
+def _config_keywords(
+    choice: KernelChoice, config: Any, params: Mapping[str, inspect.Parameter]
+) -> dict[str, Any]:
+    """mxcli's config for an entry point without a ``config`` parameter that takes the config's
+    knobs as its own keyword arguments (an older nkilib entry: ``phase1_config=``,
+    ``shard_option=``, ``skip_dma=``...): each field the entry takes, converted as in
+    `module_config` (its enum by member name, a nested dataclass as the class of the same name
+    in the entry's module). A field it does not take is refused naming it and the entry, unless
+    it holds mxcli's default; an entry that takes none of them is refused outright."""
+    if not dataclasses.is_dataclass(config):
+        raise KernelUnsupportedError(
+            f"kernel: {describe_name(choice)}: config is set but the entry point "
+            f"{_entry_name(choice)} has no parameter config"
+        )
+    fields = dataclasses.fields(config)
+    if not any(f.name in params for f in fields):
+        raise KernelUnsupportedError(
+            f"kernel: {describe_name(choice)}: config is set but the entry point "
+            f"{_entry_name(choice)} has no parameter config nor any of its fields as a keyword"
+        )
+    try:
+        built_default: Any = type(config)()  # type: ignore[misc]
+    except Exception:
+        built_default = None
+    glb = getattr(_entry(load(choice)), "__globals__", {})
+    out: dict[str, Any] = {}
+    for f in fields:
+        v = getattr(config, f.name)
+        if f.name not in params:
+            if built_default is not None and _same(v, getattr(built_default, f.name)):
+                continue
+            raise KernelUnsupportedError(
+                f"kernel: {describe_name(choice)}: config.{f.name}={v!r} has no keyword in the "
+                f"entry point {_entry_name(choice)} (it takes no config; only mxcli's default "
+                f"can be dropped)"
+            )
+        out[f.name] = _keyword_value(params[f.name], v, glb, f"config.{f.name}")
+    return out
+
+
+def _keyword_value(p: inspect.Parameter, v: Any, glb: Mapping[str, Any], where: str) -> Any:
+    """A config field's value as the keyword argument `p` of an entry point takes it."""
+    if v is None:
+        return None
+    if isinstance(v, enum.Enum) and type(v).__name__ == "ElemFormat":
+        if isinstance(p.default, str):
+            return {"E4M3FN": "float8_e4m3fn", "E5M2": "float8_e5m2"}.get(v.name, v.name.lower())
+        nl = importlib.import_module("nki.language")
+        text = {"E4M3FN": "float8_e4m3fn", "E5M2": "float8_e5m2"}.get(v.name, v.name.lower())
+        name = text + "_x4" if "x4" in str(p.default) or p.default is None else text
+        if not hasattr(nl, name):
+            raise KernelUnsupportedError(f"{where}: nki has no dtype {name}")
+        return getattr(nl, name)
+    if isinstance(v, enum.Enum):
+        target = type(p.default) if isinstance(p.default, enum.Enum) else glb.get(type(v).__name__)
+        if isinstance(target, type) and issubclass(target, enum.Enum):
+            try:
+                return target[v.name]
+            except KeyError:
+                raise KernelUnsupportedError(
+                    f"{where}: {target.__qualname__} has no member {v.name}"
+                ) from None
+        return v
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        cls = glb.get(type(v).__name__)  # the entry module's class of the same name
+        if not (isinstance(cls, type) and dataclasses.is_dataclass(cls)):
+            raise KernelUnsupportedError(
+                f"{where}: the entry point's module has no class {type(v).__name__} to build it as"
+            )
+        return _rebuild(v, cls, where)
+    return _nki_dtype(v)
 
 
 def describe_name(choice: KernelChoice) -> str:
@@ -591,6 +683,17 @@ def _rebuild(value: Any, cls: type, where: str) -> Any:
                 f"(set to {v!r}; only its default can be dropped)"
             )
         kwargs[f.name] = _convert_field(v, targets[f.name], cls, f"{where}.{f.name}")
+    for name, tf in targets.items():
+        # a field of the module's class without a default that mxcli's config has no value
+        # for (AWS's MatmulMxfp8KernelConfig M/K/N, which its entry point fills from the
+        # shapes before use): None, never a guessed value
+        if (
+            name not in kwargs
+            and tf.init
+            and tf.default is dataclasses.MISSING
+            and tf.default_factory is dataclasses.MISSING  # type: ignore[misc]
+        ):
+            kwargs[name] = None
     try:
         return cls(**kwargs)
     except Exception as exc:
@@ -632,6 +735,12 @@ def _convert_field(v: Any, f: dataclasses.Field[Any], owner: type, where: str) -
             raise KernelUnsupportedError(f"{where}: nki has no dtype {name}")
         return getattr(nl, name)
     if isinstance(v, enum.Enum):
+        # the module's own enum of the same name, when its field holds one (AWS's phase
+        # config types quant_scheme as Union[str, QuantScheme] with a str default, and its
+        # kernel config requires the enum)
+        twin = getattr(sys.modules.get(owner.__module__), type(v).__name__, None)
+        if isinstance(twin, type) and issubclass(twin, enum.Enum) and v.name in twin.__members__:
+            return twin[v.name]
         if isinstance(target, type) and not issubclass(target, enum.Enum):
             raw = v.value if isinstance(v.value, str) else v.name
             return raw if target is str else v
@@ -701,6 +810,29 @@ def _as_nki_tensor(name: str, value: Any) -> Any:
     return value
 
 
+def _x4_weights(choice: KernelChoice, args: Mapping[str, Any], kw: dict[str, Any]) -> None:
+    """Pre-quantized bwd weights (uint32 x4 words, their scales given) declared as the
+    interpreter's x4 dtype: AWS's kernel tells x4 MX data by its nki dtype (``'x4' in
+    str(dtype)``, common_dataclasses.TensorDescriptor); as plain uint32 it reads them as
+    unpacked fp8 and its matmuls cover a quarter of the columns (NaN outputs)."""
+    import torch
+
+    from mxcli.nkisim.kernel import TypedArg
+
+    if choice.kernel != BWD:
+        return
+    fmt = getattr(getattr(args.get("config"), "fp8_x4_dtype", None), "name", "E4M3FN")
+    nl = importlib.import_module("nki.language")
+    x4 = getattr(nl, {"E5M2": "float8_e5m2_x4"}.get(str(fmt), "float8_e4m3fn_x4"))
+    for weight, scales in (
+        ("gate_up_proj_weight", "gate_up_weight_scales"),
+        ("down_proj_weight", "down_weight_scales"),
+    ):
+        w = kw.get(weight)
+        if kw.get(scales) is not None and isinstance(w, torch.Tensor) and w.dtype == torch.uint32:
+            kw[weight] = TypedArg(w, x4)
+
+
 def _jit(kern: Any) -> Any:
     """A plain traced function (AWS's bwd entry is one) wrapped as the active nki's jit kernel."""
     if hasattr(kern, "__getitem__"):
@@ -729,6 +861,8 @@ def launch_sim(
     kw = {k: _as_nki_tensor(k, v) for k, v in api_arguments(choice, args).items()}
     kern = _jit(load(choice))
     real = nkisim.real_nki_available()
+    if not real:
+        _x4_weights(choice, args, kw)
     if real and check_only:
         raise InputError(
             f"kernel: {choice.spec} was imported with the Neuron SDK's nki; check-only mode needs "

@@ -2,7 +2,8 @@
 
 `run_kernel` is the engine: it wraps array arguments as HBM tensors (sharing memory with the
 caller's arrays, so in-place writes are visible), runs the body once per LNC program (two
-threads under LNC=2, each with its own ``program_id``), checks capacity per program, and
+threads under LNC=2, each with its own ``program_id`` and its own copy of the kernel's module
+state, `mxcli.nkisim.cores`), checks capacity per program, and
 converts the returned HBM tensors back to NumPy arrays or torch tensors.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from mxcli.nkisim import machine
+from mxcli.nkisim.cores import program_entry
 from mxcli.nkisim.dtypes import DType, dtype_of_numpy
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.frontend import assert_frontend
@@ -26,7 +28,7 @@ from mxcli.nkisim.machine import Program, Run, RunConfig, RunReport, UninitPolic
 from mxcli.nkisim.target import Target, nc_version, resolve_target
 from mxcli.nkisim.tensor import MemoryRegion, NkiTensor, resolve, wrap_array
 
-__all__ = ["Kernel", "jit", "simulate", "run_kernel", "SimulatedKernel"]
+__all__ = ["Kernel", "jit", "simulate", "run_kernel", "SimulatedKernel", "TypedArg"]
 
 
 class Kernel:
@@ -121,6 +123,9 @@ class _Arg:
     """One array argument: the HBM tensor and how to give results back to the caller."""
 
     def __init__(self, value: Any, name: str, buffer: MemoryRegion) -> None:
+        declared: DType | None = None
+        if isinstance(value, TypedArg):
+            value, declared = value.value, value.dtype
         self.value = value
         self.is_torch = isinstance(value, torch.Tensor)
         self.copy_back: Callable[[], None] | None = None
@@ -159,12 +164,29 @@ class _Arg:
                 f"argument {name}: dtype {arr.dtype} has no NKI equivalent (64-bit types are not "
                 "supported; pass int32 / float32)"
             )
+        if declared is not None:
+            if declared.np_dtype != arr.dtype:
+                raise TypeError(
+                    f"argument {name}: declared {declared} needs {np.dtype(declared.np_dtype)} "
+                    f"storage, got {arr.dtype}"
+                )
+            dt = declared
         self.array = arr
         self.tensor = wrap_array(arr, buffer, name, dt)
 
 
+class TypedArg:
+    """An array argument the launcher declares as an NKI dtype of the same storage (x4 MX data
+    arrives as uint32 words: AWS's kernels tell MXFP8 x4 weights by their nki dtype, api spec
+    §7.2 / dtypes.py), e.g. ``TypedArg(weights_u32, nl.float8_e4m3fn_x4)``."""
+
+    def __init__(self, value: Any, dtype: DType) -> None:
+        self.value = value
+        self.dtype = dtype
+
+
 def _is_array(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, torch.Tensor))
+    return isinstance(x, (np.ndarray, torch.Tensor, TypedArg))
 
 
 def _to_output(t: NkiTensor, like_torch: bool) -> Any:
@@ -252,6 +274,8 @@ def run_kernel(
     tkwargs = {key: wrap(v, key) for key, v in kwargs.items()}
     like_torch = any(a.is_torch for a in wrapped)
     programs = [Program(run, i) for i in range(n)]
+    # each logical core its own module state (cores.py): built here, before the threads start
+    entries = [program_entry(k.fn, i, targs, tkwargs) for i in range(n)]
     results: list[Any] = [None] * n
     errors: list[tuple[int, BaseException]] = []
     err_lock = threading.Lock()
@@ -259,8 +283,9 @@ def run_kernel(
     def body(i: int) -> None:
         prog = programs[i]
         try:
+            fn, a, kw = entries[i]
             with machine.bind(prog):
-                results[i] = k.fn(*targs, **tkwargs)
+                results[i] = fn(*a, **kw)
                 prog.finish_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
             with err_lock:

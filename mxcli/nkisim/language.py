@@ -168,7 +168,46 @@ def shared_constant(constant: Any) -> NkiTensor:
 
 
 class NKIObject:
-    """Base class for kernel-side configuration objects (dataclasses allowed)."""
+    """Base class for kernel-side configuration objects (dataclasses allowed).
+
+    A subclass without ``@dataclass`` is compiled the same way as one with it (python subset
+    spec, "Classes": "`@dataclass` is optional and compiled the same way"): its annotated class
+    attributes are its fields, in order, and it is built with them as positional or keyword
+    arguments, a class-level value being the field's default (AWS's
+    ``DimensionSizes(NKIObject)`` is built as ``DimensionSizes(B=..., H=..., ...)``, some fields
+    left for a method to set). A class with its own ``__init__`` (or a dataclass's) keeps it.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        names: list[str] = []
+        for klass in reversed(cls.__mro__):
+            if klass is object or klass is NKIObject:
+                continue
+            for name in klass.__dict__.get("__annotations__", {}):
+                if name not in names:
+                    names.append(name)
+        if len(args) > len(names):
+            raise TypeError(
+                f"{cls.__qualname__}() takes {len(names)} positional arguments but "
+                f"{len(args)} were given"
+            )
+        values = dict(zip(names, args, strict=False))
+        for name, value in kwargs.items():
+            if name not in names:
+                raise TypeError(f"{cls.__qualname__}() got an unexpected keyword argument {name!r}")
+            if name in values:
+                raise TypeError(f"{cls.__qualname__}() got multiple values for argument {name!r}")
+            values[name] = value
+        # a field given no value and no class-level default stays unset: AWS builds
+        # DimensionSizes(T=.., H=.., B=.., E=.., N=.., I_TP=..) and its derive_all_dims() sets
+        # I_TP_sharded / GUP_N_TILES afterwards (bwmm_bwd_dropless_mxfp8.py, compiled by the
+        # NKI front end); reading one before it is set is an AttributeError naming it
+        for name in names:
+            if name in values:
+                setattr(self, name, values[name])
+            elif hasattr(cls, name):
+                setattr(self, name, getattr(cls, name))
 
 
 # -- loops (api spec §4.7) ----------------------------------------------------------------------

@@ -11,6 +11,18 @@ core p), plus the access sites. A read of bytes the other core wrote in the same
 over bytes the other core read in that window, raises naming both sites. Barriers on other tensors
 do not clear it. Write/write overlaps (both cores storing the same region) are not reported: the
 rule covers hand-overs (a value produced by one core and consumed by the other).
+
+Identical bytes are no hand-over (issue 29; AWS's MXFP8 backward has both cores gather the same
+block into one shared buffer and each read it back, with no barrier). When a core reads bytes it
+wrote itself in the window, and the other core's writes of them stored the very same bytes, every
+order of the three accesses gives the reader the same value: the read is of its own product, not
+a hand-over, and is not reported. The same holds for a write of the bytes a byte already holds
+over bytes the other core read after writing them itself. core_barrier orders accesses; nothing
+in the execution spec (nki_execution.md §3.3, api §6.5) orders or tears two DMA stores of one value,
+so only a value that could differ between orders is a race. A read of bytes the other core wrote
+before the reader wrote them itself, and any write that changes bytes the other core read, stay
+races. Bits per byte: ``2p`` read by core p before writing it, ``2p + 1`` written by core p,
+``4`` the two cores' writes agree, ``5 + p`` read by core p after writing it itself.
 """
 
 from __future__ import annotations
@@ -84,11 +96,27 @@ class RaceTracker:
         with self.lock:
             self._windows.pop(id(st), None)
 
-    def record(self, acc: Access, program: int, write: bool, mask: np.ndarray | None) -> None:
+    def record(
+        self,
+        acc: Access,
+        program: int,
+        write: bool,
+        mask: np.ndarray | None,
+        values: np.ndarray | None = None,
+        commit: Any = None,
+    ) -> None:
+        """One access of a shared tensor by `program`; `values` (a write's raw elements, in the
+        view's shape) tell a store of the bytes already there from one that changes them.
+        `commit` (the store) runs under the lock right after the bytes are compared, so the
+        other core's store cannot land between the comparison and this one."""
         if not self.enabled or acc.skip:
+            if commit is not None:
+                with self.lock:
+                    commit()
             return
         st = acc.st
         s = acc.dtype.itemsize
+        udt = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(s)
         if acc.rows is None:
             base = acc.offset * s
             shape = tuple(acc.shape) + (s,)
@@ -109,49 +137,71 @@ class RaceTracker:
                 )
                 return (v if sel is None else v[sel]).reshape(-1)
 
+            def same_bytes() -> np.ndarray | None:
+                if values is None or udt is None:
+                    return None
+                now = acc._strided(st.buf, udt)
+                new = np.ascontiguousarray(values).view(udt).reshape(now.shape)
+                eq = np.broadcast_to((now == new)[..., None], shape)
+                return eq if sel is None else eq[sel]
+
         else:
 
-            def footprint() -> np.ndarray:
+            def elements() -> np.ndarray:
                 assert acc.valid is not None
-                em = np.broadcast_to(
+                m = np.broadcast_to(
                     acc.valid.reshape((-1,) + (1,) * (len(acc.shape) - 1)), tuple(acc.shape)
                 )
-                if mask is not None:
-                    em = em & np.asarray(mask, dtype=bool)
-                return (acc._grid()[em].reshape(-1, 1) * s + np.arange(s)).reshape(-1)
+                return m & np.asarray(mask, dtype=bool) if mask is not None else m
+
+            def footprint() -> np.ndarray:
+                return (acc._grid()[elements()].reshape(-1, 1) * s + np.arange(s)).reshape(-1)
+
+            def same_bytes() -> np.ndarray | None:
+                if values is None or udt is None:
+                    return None
+                sel_e = elements()
+                now = acc._flat(st.buf, udt)[acc._grid()[sel_e]]
+                new = np.ascontiguousarray(values).view(udt).reshape(tuple(acc.shape))[sel_e]
+                return np.repeat((now == new).reshape(-1), s)
 
             idx = footprint()
             if idx.size == 0:
+                if commit is not None:
+                    with self.lock:
+                        commit()
                 return
             lo, hi = int(idx.min()), int(idx.max()) + 1
 
-        me = 1 << (2 * program + (1 if write else 0))
-        other = 1 - program
-        conflict = np.uint8(1 << (2 * other + (0 if write else 1)))
         with self.lock:
             win = self._windows.get(id(st))
             if win is None:
                 win = self._windows[id(st)] = _Window(st.nbytes)
                 self._keep[id(st)] = st
+            same = same_bytes() if write else None
             if acc.rows is None:
                 v = view(win.bits)
                 touched = v if sel is None else v[sel]
-                hit = np.flatnonzero(touched & conflict)
+                hit = np.flatnonzero(_conflicts(touched, program, write, same))
                 if hit.size:
                     first = int(footprint()[hit[0]])
                     self._raise(acc, program, write, first, win, st)
                 if sel is None:
-                    v |= np.uint8(me)
+                    v[...] = _after(touched, program, write, same)
                 else:
-                    v[sel] |= np.uint8(me)
+                    v[sel] = _after(touched, program, write, same)
             else:
-                hits = idx[(win.bits[idx] & conflict) != 0]
+                cur = win.bits[idx]
+                hits = idx[_conflicts(cur, program, write, same)]
                 if hits.size:
                     self._raise(acc, program, write, int(hits[0]), win, st)
-                win.bits[idx] |= np.uint8(me)
+                # a byte twice in one access (duplicate rows): the last state wins, as the data
+                win.bits[idx] = _after(cur, program, write, same)
             win.records.append(
                 _Record(program, write, kernel_site(), acc.op, acc.name, lo, hi, footprint)
             )
+            if commit is not None:
+                commit()
 
     @staticmethod
     def _raise(
@@ -173,3 +223,35 @@ class RaceTracker:
             f"{program} {what} with no core_barrier on this tensor by both cores in between; "
             f"{mine}; {theirs}",
         )
+
+
+_AGREE = np.uint8(1 << 4)
+
+
+def _bit(n: int) -> np.uint8:
+    return np.uint8(1 << n)
+
+
+def _conflicts(bits: np.ndarray, program: int, write: bool, same: np.ndarray | None) -> np.ndarray:
+    """Per byte: this access races with the other core's accesses in the window."""
+    other = 1 - program
+    if write:
+        read_first = (bits & _bit(2 * other)) != 0
+        read_own = (bits & _bit(5 + other)) != 0
+        unchanged = np.zeros(bits.shape, dtype=bool) if same is None else same
+        return read_first | (read_own & ~unchanged)
+    theirs = (bits & _bit(2 * other + 1)) != 0
+    agreed = ((bits & _bit(2 * program + 1)) != 0) & ((bits & _AGREE) != 0)
+    return theirs & ~agreed
+
+
+def _after(bits: np.ndarray, program: int, write: bool, same: np.ndarray | None) -> np.ndarray:
+    """The bytes' state after this access."""
+    other = 1 - program
+    if write:
+        theirs = (bits & _bit(2 * other + 1)) != 0
+        agree = theirs & (np.zeros(bits.shape, dtype=bool) if same is None else same)
+        out = (bits & ~_AGREE) | _bit(2 * program + 1)
+        return np.where(agree, out | _AGREE, out).astype(np.uint8)
+    own = (bits & _bit(2 * program + 1)) != 0
+    return np.where(own, bits | _bit(5 + program), bits | _bit(2 * program)).astype(np.uint8)

@@ -322,12 +322,14 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
 class _Vec:
     """Per-row vector indirection of a view's dim 0 (api spec §4.5)."""
 
-    __slots__ = ("index", "mult", "limit")
+    __slots__ = ("index", "mult", "limit", "grid")
 
-    def __init__(self, index: NkiTensor, mult: int, limit: int) -> None:
+    def __init__(self, index: NkiTensor, mult: int, limit: int, grid: bool = False) -> None:
         self.index = index
         self.mult = mult  # elements (view dtype) per index step
         self.limit = limit  # base.shape[0]: indices must be < limit
+        # a [128, n] index grid read column-major (gather-transpose only, api spec §6.3)
+        self.grid = grid
 
 
 class NkiTensor:
@@ -704,16 +706,30 @@ class NkiTensor:
                 raise self._err(
                     "ap", f"vector_offset dtype must be int32/uint32, got {vector_offset.dtype}"
                 )
-            if vector_offset.shape[0] != shape[0] or vector_offset.size != vector_offset.shape[0]:
+            # (P, 1): one index per row (api spec §4.5). A [128, n] grid (n > 1) whose
+            # column-major elements cover the rows is the gather-transpose form (api spec §6.3:
+            # "indices.shape[1] > 1 requires indices.shape[0] == 128", "shape[0]*shape[1] >=
+            # src.shape[0]", flat = indices.T.flatten()[:src.shape[0]]; AWS's DGT loader,
+            # load_apis.py load_tile_dgt); dma_transpose alone takes it (isa/dma.py).
+            vshape = tuple(vector_offset.shape)
+            grid = len(vshape) == 2 and vshape[1] > 1
+            if grid:
+                if vshape[0] != 128 or vector_offset.size < shape[0]:
+                    raise self._err(
+                        "ap",
+                        f"vector_offset index grid must be [128, n] covering the pattern's "
+                        f"{shape[0]} rows (got {vshape})",
+                    )
+            elif vshape[0] != shape[0] or vector_offset.size != vshape[0]:
                 raise self._err(
                     "ap",
                     f"vector_offset must have one element per row of the pattern "
-                    f"(got {vector_offset.shape}, expected ({shape[0]}, 1))",
+                    f"(got {vshape}, expected ({shape[0]}, 1)) or be a [128, n] index grid",
                 )
             mult_bytes = _prod(self.shape[1:]) * ratio_num
             if mult_bytes % ratio_den:
                 raise self._err("ap", "indirect row stride is not a whole number of elements")
-            vec = _Vec(vector_offset, mult_bytes // ratio_den, self.shape[0])
+            vec = _Vec(vector_offset, mult_bytes // ratio_den, self.shape[0], grid)
         return NkiTensor(self._st, shape, strides, off, dt, self.name, tuple(dyn), vec)
 
     def indirect(self, index: NkiTensor, num_elem: int | None = None) -> NkiTensor:
@@ -912,13 +928,24 @@ class Access:
     def _mask_dtype(self) -> Any:
         return {1: np.uint8, 2: np.uint16, 4: np.uint32}[self.dtype.itemsize]
 
-    def _track(self, write: bool, mask: np.ndarray | None = None) -> None:
-        """LNC=2: report this access of a shared_hbm tensor to the race detector."""
-        if self.st.buffer is not MemoryRegion.shared_hbm:
-            return
+    def _track(
+        self,
+        write: bool,
+        mask: np.ndarray | None = None,
+        values: np.ndarray | None = None,
+        commit: Any = None,
+    ) -> None:
+        """LNC=2: report this access of a shared_hbm tensor to the race detector (a write with
+        its raw values: a store of the bytes already there is told apart, races.py); `commit`
+        (the store itself) runs after it, under the detector's lock for a tracked write."""
         prog = machine.current_or_none()
-        if prog is not None and prog.run.race is not None:
-            prog.run.race.record(self, prog.program_id, write, mask)
+        race = None if prog is None else prog.run.race
+        if self.st.buffer is not MemoryRegion.shared_hbm or race is None:
+            if commit is not None:
+                commit()
+            return
+        assert prog is not None
+        race.record(self, prog.program_id, write, mask, values, commit)
 
     def read(self, check_init: bool = True) -> np.ndarray:
         """Raw elements (a copy) in the storage dtype; vector rows that are skipped read as 0."""
@@ -986,7 +1013,12 @@ class Access:
         if vals.dtype != np_dt:
             vals = vals.astype(np_dt)
         vals = vals.reshape(self.shape) if vals.shape != self.shape else vals
-        self._track(write=True, mask=mask)
+        # the race detector compares the stored bytes with these under its lock, and the store
+        # happens under the same lock: the other core's write cannot land in between (races.py)
+        self._track(write=True, mask=mask, values=vals, commit=lambda: self._store(vals, mask))
+
+    def _store(self, vals: np.ndarray, mask: np.ndarray | None) -> None:
+        np_dt = self.dtype.np_dtype
         mdt = self._mask_dtype()
         full = np.iinfo(mdt).max
         if self.rows is None:
@@ -1077,7 +1109,10 @@ def resolve(
     # vector indirection (api spec §4.5): row p starts at offset + idx[p] * mult
     vec = t._vec
     idx_acc = resolve(vec.index, op, f"{name}.vector_offset", buffers=(MemoryRegion.sbuf,))
-    raw = idx_acc.read().reshape(-1).astype(np.int64)  # int32 signed, uint32 unsigned
+    raw = idx_acc.read()
+    if vec.grid:  # column-major over the [128, n] grid (api spec §6.3)
+        raw = raw.reshape(raw.shape[0], -1).T.reshape(-1)[: t.shape[0]]
+    raw = raw.reshape(-1).astype(np.int64)  # int32 signed, uint32 unsigned
     rest_ext = ext - (t.shape[0] - 1) * t.strides[0]
     rows = offset + raw * vec.mult
     if oob_skip:

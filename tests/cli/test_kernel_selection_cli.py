@@ -117,6 +117,40 @@ def test_cli_kernel_errors_are_one_line(tmp_path: Path, cli) -> None:
     assert ref.exit_code == 2 and "backend 'reference' runs mxcli's torch reference" in ref.stderr
 
 
+def test_run_bwd_refuses_a_config_the_entry_point_cannot_take(tmp_path: Path) -> None:
+    """Issue 29: an entry point without ``config`` (nor its knobs as keywords) used to run on its
+    own defaults, mxcli's config dropped without a word; now exit 2, one line naming it."""
+    from mxcli.inputs import make_bwd_inputs, write_inputs
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = write_bwd_kernel(tmp_path / "src", "mxbwd_cli_bare", "bare")
+    write_inputs(
+        make_bwd_inputs(tokens=128, hidden=256, intermediate=128, experts=1, dense=True, seed=1),
+        tmp_path / "in.safetensors",
+    )
+    out = tmp_path / "o.safetensors"
+    proc = _mxcli(
+        "run-bwd",
+        "in.safetensors",
+        "-o",
+        out,
+        "--backend",
+        "sim",
+        "--kernel",
+        spec,
+        "--kernel-path",
+        tmp_path / "src",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert (
+        "config is set but the entry point mxbwd_cli_bare.bwd.blockwise_mm_bwd_mxfp8 has no "
+        "parameter config" in proc.stderr
+    )
+    assert not out.exists()
+
+
 @pytest.mark.slow
 def test_verify_suite_with_the_forks_through_the_cli(tmp_path: Path) -> None:
     good = write_prefill_fork(tmp_path / "src", "mxfork_suite_good")

@@ -203,6 +203,128 @@ def blockwise_mm_bwd_mxfp8(
     assert config.compute_dtype == nl.bfloat16, "only bf16"
     assert not config.skip_grad_initialization, "no skipped init"
     T, H = hidden_states.shape
+    E = down_proj_weight.shape[0]
+    I = gate_up_proj_act_checkpoint_T.shape[2]
+    dx = nl.ndarray((T, H), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
+    da = nl.ndarray((T * E, 1), dtype=nl.float32, buffer=nl.shared_hbm)
+    dgu = nl.ndarray((E, H, 2, I), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    dd = nl.ndarray((E, I, H), dtype=nl.bfloat16, buffer=nl.shared_hbm)
+    _zeros(dx)
+    _zeros(da)
+    _zeros(dgu.reshape((E * H, 2 * I)))
+    _zeros(dd.reshape((E * I, H)))
+    mark = nl.ndarray((1, 3), dtype=nl.float32, buffer=nl.sbuf)
+    nisa.memset(dst=mark, value=float(block_size))
+    if num_valid_tokens != None:
+        nisa.dma_copy(dst=mark[0:1, 1:2], src=num_valid_tokens.reshape((1, 1)))
+    # AWS's kernel tells pre-quantized x4 weights by their dtype ('x4' in str(dtype))
+    x4 = gate_up_weight_scales != None and "x4" in str(gate_up_proj_weight.dtype)
+    nisa.memset(dst=mark[0:1, 2:3], value=1.0 if x4 else 0.0)
+    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:3], src=mark)
+    return dx, da, dgu, dd
+'''
+
+
+# An entry point without ``config`` that takes the config's knobs as its own keyword arguments,
+# as an older nkilib entry does (blockwise_mm_backward_mxfp8.py: phase1_config=..., shard_option=,
+# compute_dtype=, skip_dma=, skip_grad_initialization=, ...) and without num_valid_tokens. What
+# arrived is written into the affinity gradient: [block_size, skip_token, accumulating,
+# phase1 tile_k, shard_option value, compute dtype is bf16, single_expert_dense, output-grad
+# swizzle (DGT 0, PE 1)].
+_BWD_KWARGS = '''"""A third-party blockwise_mm_bwd_mxfp8 whose entry point takes no config: its knobs are
+keyword arguments (written by mxcli's tests)."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+import nki
+import nki.isa as nisa
+import nki.language as nl
+
+
+class ShardOption(Enum):
+    SHARD_ON_FREE = 0
+    SHARD_ON_HIDDEN = 1
+
+
+class SwizzleMode(Enum):
+    DGT = 0
+    PE = 1
+
+
+@dataclass
+class SkipMode(nl.NKIObject):
+    skip_token: bool = False
+    skip_weight: bool = False
+
+
+@dataclass
+class MatmulMxfp8KernelConfig(nl.NKIObject):
+    tile_m: int = None
+    tile_k: int = None
+    tile_n: int = None
+    TILES_IN_BLOCK_M: int = None
+    TILES_IN_BLOCK_N: int = None
+    TILES_IN_BLOCK_K: int = None
+    TILES_IN_LOAD_M: int = None
+    TILES_IN_LOAD_N: int = None
+    TILES_IN_LOAD_K: int = None
+    block_loop_order: object = None
+    tile_loop_order: object = None
+    float8_dtype: object = None
+    enable_scale_packing: bool = False
+    spill_reload: bool = False
+    enable_psum_copy_in: bool = False
+    quant_scheme: object = None
+    output_dtype: object = None
+
+
+def _zeros(t):
+    rows, cols = t.shape[0], t.shape[1]
+    z = nl.ndarray((128, cols), dtype=t.dtype, buffer=nl.sbuf)
+    nisa.memset(dst=z, value=0.0)
+    for r0 in range(0, rows, 128):
+        n = min(128, rows - r0)
+        nisa.dma_copy(dst=t[r0 : r0 + n, 0:cols], src=z[0:n, 0:cols])
+
+
+@nki.jit
+def blockwise_mm_bwd_mxfp8(
+    hidden_states,
+    expert_affinities_masked,
+    gate_up_proj_weight,
+    down_proj_weight,
+    token_position_to_id,
+    block_to_expert,
+    output_hidden_states_grad,
+    block_size,
+    gate_up_proj_act_checkpoint_T=None,
+    gate_act_checkpoint_T=None,
+    intermediate_checkpoint_T=None,
+    scaled_intermediate_checkpoint_T=None,
+    down_proj_act_checkpoint=None,
+    gate_up_weight_scales=None,
+    down_weight_scales=None,
+    phase1_config=None,
+    phase2_config=None,
+    phase3_config=None,
+    phase4_config=None,
+    shard_option=ShardOption.SHARD_ON_FREE,
+    compute_dtype=nl.float32,
+    skip_dma=None,
+    skip_grad_initialization=False,
+    accumulate_hidden_states_grad=True,
+    single_expert_dense=False,
+    output_grad_swizzle_mode=SwizzleMode.DGT,
+    down_weight_swizzle_mode=SwizzleMode.DGT,
+    d_gate_up_swizzle_mode=SwizzleMode.DGT,
+    gate_up_weight_swizzle_mode=SwizzleMode.DGT,
+    d_gate_up_t_swizzle_mode=SwizzleMode.DGT,
+    hidden_states_t_swizzle_mode=SwizzleMode.DGT,
+    output_grad_t_swizzle_mode=SwizzleMode.DGT,
+    scaled_intermediate_t_swizzle_mode=SwizzleMode.DGT,
+):
+    T, H = hidden_states.shape
     E, _, _, I = gate_up_proj_weight.shape
     dx = nl.ndarray((T, H), dtype=hidden_states.dtype, buffer=nl.shared_hbm)
     da = nl.ndarray((T * E, 1), dtype=nl.float32, buffer=nl.shared_hbm)
@@ -212,19 +334,36 @@ def blockwise_mm_bwd_mxfp8(
     _zeros(da)
     _zeros(dgu.reshape((E * H, 2 * I)))
     _zeros(dd.reshape((E * I, H)))
-    mark = nl.ndarray((1, 2), dtype=nl.float32, buffer=nl.sbuf)
-    nisa.memset(dst=mark, value=float(block_size))
-    if num_valid_tokens != None:
-        nisa.dma_copy(dst=mark[0:1, 1:2], src=num_valid_tokens.reshape((1, 1)))
-    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:2], src=mark)
+    seen = [
+        float(block_size),
+        1.0 if skip_dma != None and skip_dma.skip_token else 0.0,
+        1.0 if accumulate_hidden_states_grad else 0.0,
+        -1.0 if phase1_config == None or phase1_config.tile_k == None else float(phase1_config.tile_k),
+        float(shard_option.value),
+        1.0 if compute_dtype == nl.bfloat16 else 0.0,
+        1.0 if single_expert_dense else 0.0,
+        float(output_grad_swizzle_mode.value),
+    ]
+    mark = nl.ndarray((1, 8), dtype=nl.float32, buffer=nl.sbuf)
+    for i in range(8):
+        nisa.memset(dst=mark[0:1, i : i + 1], value=seen[i])
+    nisa.dma_copy(dst=da.reshape((1, T * E))[0:1, 0:8], src=mark)
     return dx, da, dgu, dd
 '''
 
+# An entry point with neither ``config`` nor any of its knobs: a config can only be refused.
+_BWD_BARE = _BWD_KWARGS.split("    phase1_config=None,")[0] + (
+    "):\n    assert False, 'never launched'\n"
+)
 
-def write_bwd_kernel(root: Path, package: str) -> str:
-    """Write a third-party bwd kernel package under `root`; returns its kernel spec."""
+
+def write_bwd_kernel(root: Path, package: str, style: str = "config") -> str:
+    """Write a third-party bwd kernel package under `root`; returns its kernel spec. `style`:
+    ``config`` (takes the API's ``config``), ``kwargs`` (no ``config``: its knobs as keyword
+    arguments) or ``bare`` (no ``config`` and none of its knobs)."""
     pkg = root / package
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text('"""A third-party MXFP8 MoE backward (test data)."""\n')
-    (pkg / "bwd.py").write_text(_BWD)
+    text = {"config": _BWD, "kwargs": _BWD_KWARGS, "bare": _BWD_BARE}[style]
+    (pkg / "bwd.py").write_text(text)
     return f"{package}.bwd:blockwise_mm_bwd_mxfp8"

@@ -318,7 +318,8 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
             **ki.tensors, **kw, config=cfg, num_valid_tokens=100, backend="sim", kernel=spec
         )
     assert [tuple(o.shape) for o in out] == [(128, 256), (128, 1), (1, 256, 2, 128), (1, 128, 256)]
-    assert out[1][:2, 0].tolist() == [128.0, 100.0]  # block_size and num_valid_tokens arrived
+    # block_size and num_valid_tokens arrived; no pre-quantized weights here
+    assert out[1][:3, 0].tolist() == [128.0, 100.0, 0.0]
     assert launches and launches[0].kernel["module"] == "mxbwd_third.bwd"
     # a field the module lacks, set away from mxcli's default, is an error naming it
     with pytest.raises(KernelUnsupportedError, match=r"config\.fast_dma_transpose: .*no field"):
@@ -328,3 +329,102 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
     with pytest.raises(KernelUnsupportedError, match="refused this launch: no skipped init"):
         skip = dataclasses.replace(cfg, skip_grad_initialization=True)
         blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, config=skip, backend="sim", kernel=spec)
+
+
+def _bwd_case(dense: bool = False):
+    import mxcli.inputs as inputs
+    from mxcli.kernels.spec import get_spec
+
+    ki = inputs.make_bwd_inputs(
+        tokens=128,
+        hidden=256,
+        intermediate=128,
+        experts=1,
+        top_k=1,
+        block_size=128,
+        dense=dense,
+        seed=2,
+    )
+    kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
+    return ki.tensors, kw, kw.pop("config")
+
+
+def test_entry_without_config_gets_the_config_as_its_own_keywords(tmp_path: Path) -> None:
+    """Issue 29: an entry point with no ``config`` parameter (an older nkilib entry takes the
+    knobs as keyword arguments) used to run on its own defaults, mxcli's config dropped without
+    a word. The config is now mapped onto its keywords; what it cannot take is refused."""
+    from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig, SkipMode
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_kw", "kwargs"), BWD, tmp_path)
+    tensors, kw, cfg = _bwd_case()
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1, phase1_config=MatmulMxfp8KernelConfig(tile_k=256))
+    assert cfg.skip_dma == SkipMode(skip_token=True) and not cfg.accumulate_hidden_states_grad
+    out = blockwise_mm_bwd_mxfp8(**tensors, **kw, config=cfg, backend="sim", kernel=spec)
+    # [block_size, skip_token, accumulate, phase-1 tile_k, shard_option, compute bf16, dense,
+    # output-grad swizzle]: mxcli's values, not the entry's defaults (skip_dma None, accumulate
+    # True, float32)
+    assert out[1][:8, 0].tolist() == [128.0, 1.0, 0.0, 256.0, 0.0, 1.0, 0.0, 0.0]
+    dense = MXFP8MOEBwdConfig()  # mxcli's default: single-expert dense, PE swizzles
+    tensors_d, kw_d, _ = _bwd_case(dense=True)
+    out = blockwise_mm_bwd_mxfp8(**tensors_d, **kw_d, config=dense, backend="sim", kernel=spec)
+    assert out[1][:8, 0].tolist()[5:] == [1.0, 1.0, 1.0]
+    # a config field the entry has no keyword for, away from mxcli's default: refused by name
+    with pytest.raises(
+        KernelUnsupportedError,
+        match=r"config\.fast_dma_transpose=True has no keyword in the entry point "
+        r"mxbwd_kw\.bwd\.blockwise_mm_bwd_mxfp8",
+    ):
+        fast = dataclasses.replace(cfg, fast_dma_transpose=True)
+        blockwise_mm_bwd_mxfp8(**tensors, **kw, config=fast, backend="sim", kernel=spec)
+    # an API argument the entry has no parameter for, set: refused, not dropped
+    with pytest.raises(
+        KernelUnsupportedError,
+        match=r"num_valid_tokens is set but the entry point mxbwd_kw\.bwd\.blockwise_mm_bwd_mxfp8 "
+        r"has no parameter num_valid_tokens",
+    ):
+        blockwise_mm_bwd_mxfp8(
+            **tensors_d, **kw_d, config=dense, num_valid_tokens=100, backend="sim", kernel=spec
+        )
+
+
+def test_entry_without_config_or_its_knobs_refuses_the_config(tmp_path: Path) -> None:
+    from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_bare", "bare"), BWD, tmp_path)
+    tensors, kw, cfg = _bwd_case()
+    with pytest.raises(
+        KernelUnsupportedError,
+        match=r"config is set but the entry point mxbwd_bare\.bwd\.blockwise_mm_bwd_mxfp8 has no "
+        r"parameter config",
+    ):
+        blockwise_mm_bwd_mxfp8(**tensors, **kw, config=cfg, backend="sim", kernel=spec)
+
+
+def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Path) -> None:
+    """Issue 29: pre-quantized weights are uint32 x4 words; a third-party kernel (AWS's reads
+    'x4' in str(dtype)) must see the interpreter's x4 dtype, else it treats them as unpacked fp8
+    (AWS's backward then returned NaN gradients)."""
+    import mxcli.inputs as inputs
+    from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.spec import get_spec
+    from tests.kernels.forks import write_bwd_kernel
+
+    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_x4"), BWD, tmp_path)
+    ki = inputs.make_bwd_inputs(
+        tokens=128,
+        hidden=256,
+        intermediate=128,
+        experts=1,
+        top_k=1,
+        block_size=128,
+        dense=True,
+        prequantize=True,
+        seed=2,
+    )
+    assert ki.tensors["gate_up_proj_weight"].dtype == torch.uint32
+    kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
+    out = blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, backend="sim", kernel=spec)
+    assert out[1][2, 0].item() == 1.0

@@ -30,6 +30,18 @@ from mxcli.nkisim.tensor import Access, MemoryRegion, NkiTensor
 __all__ = ["dma_copy", "dma_compute", "dma_transpose", "sendrecv", "core_barrier"]
 
 
+def _no_index_grid(op: str, *views: Any) -> None:
+    """A [128, n] vector_offset grid is the gather-transpose form (api spec §6.3): dma_copy
+    and dma_compute take one index per row, (P, 1) (api spec §4.5)."""
+    for v in views:
+        vec = getattr(v, "_vec", None)
+        if vec is not None and vec.grid:
+            raise NkiValidationError(
+                f"{op}: vector_offset must be (P, 1), one index per row (got an index grid of "
+                f"shape {tuple(vec.index.shape)}: only dma_transpose takes one)"
+            )
+
+
 def _indirect(t: Any) -> tuple[bool, bool]:
     """(has vector offset, has scalar/dynamic offsets) of a view."""
     if not isinstance(t, NkiTensor):
@@ -101,6 +113,7 @@ def dma_copy(
     skip = om is _OOB.skip
     vs, ds_ = _indirect(src)
     vd, dd = _indirect(dst)
+    _no_index_grid(op, src, dst)
     if skip and not (vs or ds_ or vd or dd):
         raise NkiValidationError(f"{op}: oob_mode.skip needs indirect (dynamic) addressing")
     if vs and vd:
@@ -184,6 +197,7 @@ def dma_compute(
             raise NkiValidationError(f"{op}: scales must be None or all 1.0, got {list(scales)}")
     skip = om is _OOB.skip
     views = [dst, *srcs]
+    _no_index_grid(op, *views)
     vec = [_indirect(v)[0] for v in views]
     if any(_indirect(v)[1] for v in views):
         raise NkiValidationError(f"{op}: operands must use static addresses or vector_offset")
