@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError, MxcliError
+from mxcli.io.jsonfile import read_json
 
 # MXFP8 (E4M3, 32-element groups) of any weight keeps ~30 dB; far below means wrong data.
 MIN_MXFP8_SQNR_DB = 20.0
@@ -223,7 +224,6 @@ def _expert_label(name: str) -> str:
 
 
 def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
-    import json
 
     from mxcli.mx import dequantize_mx
     from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
@@ -267,7 +267,7 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
     dst = Checkpoint(out)
     actual = {n: (dst.info(n).dtype, dst.info(n).shape) for n in dst.names() if dst.in_header(n)}
     ok = set(compare_keys(rep, expected, actual, "", _expert_label))
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = read_json(out / "config.json")
     q = cfg.get("quantization_config")
     if mx:
         if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
