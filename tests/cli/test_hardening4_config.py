@@ -363,3 +363,47 @@ def test_f32_experts_report_their_bf16_rounding(qwen, tmp_path) -> None:
     assert got == pytest.approx(worst, rel=0, abs=0)  # the same max over the same numbers
     assert "changed_values" not in check["gate_up_proj_weight"]  # an MXFP8 figure only
     assert check["gate_up_proj_weight_mxfp8"]["sqnr_db"] is not None
+
+
+# ---- 16. messages name the offending field or flag ---------------------------------------------
+
+
+def _ct_config(**weights: Any) -> dict[str, Any]:
+    w = {"type": "float", "num_bits": 8, "strategy": "group", "group_size": 32}
+    w["scale_dtype"] = "torch.uint8"
+    w.update(weights)
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mxfp8-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": w}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("weights", "named", "not_named"),
+    [
+        ({"strategy": "channel"}, "strategy='channel'", "group_size="),
+        ({"scale_dtype": "torch.float32"}, "scale_dtype='torch.float32'", "group_size="),
+        ({"group_size": 16}, "group_size=16", "strategy="),
+    ],
+)
+def test_compressed_tensors_mxfp8_names_the_wrong_field(
+    qwen, tmp_path, weights, named, not_named
+) -> None:
+    """Before: "needs group_size 32 and uint8 scales, got group_size=32" for a channel
+    strategy or F32 scales (the field that was right)."""
+    ck = _edited(
+        qwen, tmp_path / "ck", lambda c: c.update(quantization_config=_ct_config(**weights))
+    )
+    line = _one_error_line(_mxcli("prep-weights", ck, "--dry-run"))
+    assert "mxfp8-quantized needs" in line and named in line and not_named not in line, line
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--intermediate", 100), ("--hidden", 200)])
+def test_make_inputs_bwd_size_names_the_flag(tmp_path, flag, value) -> None:
+    """Before: "K: wrapX needs a positive multiple of 128, got 100" (no flag)."""
+    out = tmp_path / "in.safetensors"
+    line = _one_error_line(_mxcli("make-inputs", "bwd", "-o", out, flag, value, "-q"))
+    assert f"({flag}): expected a positive multiple of 128" in line and f"got {value}" in line
+    assert "wrapX" not in line
+    assert not out.exists()
