@@ -129,7 +129,8 @@ def verify(
         typer.Option(
             "--checkpoint",
             help="A prep-weights or exported weight folder to check against --against SRC: key "
-            "coverage per family, shapes, TP/EP divisibility, SQNR / exactness.",
+            "coverage per family, shapes, TP/EP divisibility, SQNR / exactness, the manifest's "
+            "sha256 of every tensor, and every MXFP8 code and scale byte re-derived from SRC.",
             show_default=False,
         ),
     ] = None,
@@ -139,6 +140,15 @@ def verify(
             "--against", help="The source checkpoint of --checkpoint.", show_default=False
         ),
     ] = None,
+    hashes_only: Annotated[
+        bool,
+        typer.Option(
+            "--hashes-only",
+            help="With --checkpoint, for huge models: skip re-deriving the weights from SRC "
+            "(no source tensor is read); check keys, shapes and the manifest's sha256 of every "
+            "tensor only. A prep-weights folder only (exports record no hashes).",
+        ),
+    ] = False,
     junit: Annotated[
         Path | None,
         typer.Option(
@@ -168,7 +178,9 @@ def verify(
         from mxcli.fsutil import check_output_path, refuse_inputs
 
         if checkpoint is not None or against is not None:
-            return _checkpoint(checkpoint, against, json_out, quiet)
+            return _checkpoint(checkpoint, against, json_out, quiet, hashes_only)
+        if hashes_only:
+            raise InputError("verify: --hashes-only goes with --checkpoint OUT --against SRC")
         if junit is not None:  # before any work: the report must be writable
             check_output_path(junit, force)
             refuse_inputs(
@@ -204,14 +216,16 @@ def verify(
         raise typer.Exit(code)
 
 
-def _checkpoint(checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool) -> int:
+def _checkpoint(
+    checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool, hashes_only: bool
+) -> int:
     """``verify --checkpoint OUT --against SRC`` (`mxcli.verification.checkpoints`)."""
     from mxcli.errors import InputError
     from mxcli.verification.checkpoints import format_report, verify_checkpoint
 
     if checkpoint is None or against is None:
         raise InputError("verify: --checkpoint OUT needs --against SRC (and the other way round)")
-    rep = verify_checkpoint(checkpoint, against)
+    rep = verify_checkpoint(checkpoint, against, hashes_only=hashes_only)
     if json_out:
         print_json(rep)
     elif not quiet or not rep["passed"]:

@@ -407,3 +407,137 @@ def test_make_inputs_bwd_size_names_the_flag(tmp_path, flag, value) -> None:
     assert f"({flag}): expected a positive multiple of 128" in line and f"got {value}" in line
     assert "wrapX" not in line
     assert not out.exists()
+
+
+# ---- 3. verify --checkpoint: any byte the source does not give fails the gate ----------------
+
+
+def _flip(path: Path, name: str, n: int, stride: int = 7) -> tuple[int, str]:
+    """XOR bit 0 of `n` bytes (every `stride`-th) of tensor `name` in a safetensors file: `n`
+    bytes differ afterwards. Returns (n, the tensor's new sha256)."""
+    import hashlib
+    import struct
+
+    raw = bytearray(path.read_bytes())
+    hlen = struct.unpack("<Q", raw[:8])[0]
+    a, b = json.loads(raw[8 : 8 + hlen])[name]["data_offsets"]
+    start = 8 + hlen + a
+    assert n * stride <= b - a
+    for i in range(n):
+        raw[start + i * stride] ^= 0x01
+    path.write_bytes(bytes(raw))
+    return n, hashlib.sha256(bytes(raw[start : 8 + hlen + b])).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def prepared(qwen, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """qwen prepared with the defaults (bf16 + mxfp8, packed, neuron); never modified."""
+    from mxcli.weightprep.plan import PrepOptions
+    from mxcli.weightprep.runner import prepare_weights
+
+    out = tmp_path_factory.mktemp("prep") / "p"
+    prepare_weights(qwen, out, PrepOptions())
+    return out
+
+
+_MX = "layers.1.gate_up_proj_weight_mxfp8"
+
+
+def _verify(out: Path, src: Path, *extra: object) -> Any:
+    return _mxcli("verify", "--checkpoint", out, "--against", src, "--json", *extra)
+
+
+def test_verify_checkpoint_fails_on_flipped_mxfp8_codes(qwen, prepared, tmp_path) -> None:
+    """1,052 MXFP8 codes flipped in a layer passed ``verify --checkpoint`` (SQNR stays above
+    the floor). Now both the recorded sha256 and the re-derived bytes catch it."""
+    out = tmp_path / "p"
+    shutil.copytree(prepared, out)
+    n, _ = _flip(out / "rank0" / "layer_001.safetensors", _MX, 1052)
+    r = _verify(out, qwen)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    rep = json.loads(r.stdout)
+    assert not rep["passed"] and rep["rederived"] is True
+    wrong = "\n".join(rep["wrong"])
+    assert "gate_up_proj_weight_mxfp8: sha256 differs from the manifest's" in wrong
+    assert f"{_MX} rank 0: {n} bytes differ from the MXFP8 of the source" in wrong
+    # --hashes-only reads no source tensor and still fails on the recorded hash
+    r = _verify(out, qwen, "--hashes-only")
+    assert r.returncode == 1 and json.loads(r.stdout)["rederived"] is False, r.stdout
+    assert "sha256 differs" in "\n".join(json.loads(r.stdout)["wrong"])
+
+
+def test_verify_checkpoint_rederives_past_a_rewritten_manifest(qwen, prepared, tmp_path) -> None:
+    """Flipped codes whose sha256 was rewritten in the manifest: the hashes agree, the bytes
+    re-derived from the source do not. --hashes-only trusts the manifest (its documented
+    limit) and passes."""
+    out = tmp_path / "p"
+    shutil.copytree(prepared, out)
+    n, sha = _flip(out / "rank0" / "layer_001.safetensors", "layers.1.down_weight_scales", 33)
+    mpath = out / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["layers"]["1"]["ranks"]["0"]["tensors"]["down_weight_scales"]["sha256"] = sha
+    mpath.write_text(json.dumps(m))
+    r = _verify(out, qwen)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    wrong = json.loads(r.stdout)["wrong"]
+    assert wrong == [
+        f"layers.1.down_weight_scales rank 0: {n} bytes differ from the MXFP8 of the source "
+        "(scale rule neuron, +-448)"
+    ]
+    assert _verify(out, qwen, "--hashes-only").returncode == 0
+
+
+@pytest.mark.parametrize("opts", [{}, {"tp": 2, "fp8_range": 240, "scale_layout": "unpacked"}])
+def test_verify_checkpoint_passes_what_the_conversion_wrote(qwen, tmp_path, opts) -> None:
+    """The re-derivation agrees byte for byte with the conversion (clipped +-240 codes, TP
+    slices and unpacked scales included)."""
+    from mxcli.verification.checkpoints import verify_checkpoint
+    from mxcli.weightprep.plan import PrepOptions
+    from mxcli.weightprep.runner import prepare_weights
+
+    out = tmp_path / "p"
+    prepare_weights(qwen, out, PrepOptions(**opts))
+    rep = verify_checkpoint(out, qwen)
+    assert rep["passed"], rep
+    assert rep["rederived"] and not rep["wrong"]
+
+
+@pytest.fixture(scope="module")
+def ct_export(qwen, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("ct") / "ct"
+    r = _mxcli("prep-weights", qwen, out, "--output-format", "compressed-tensors", "-q")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_verify_compressed_tensors_fails_on_flipped_codes(qwen, ct_export, tmp_path) -> None:
+    from mxcli.verification.checkpoints import verify_checkpoint
+
+    assert verify_checkpoint(ct_export, qwen)["passed"]
+    out = tmp_path / "ct"
+    shutil.copytree(ct_export, out)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    shard = next(p for p in out.glob("*.safetensors") if name in json.loads(_header_bytes(p)))
+    n, _ = _flip(shard, name, 40)
+    r = _verify(out, qwen)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    wrong = json.loads(r.stdout)["wrong"]
+    assert f"{name}: {n} code or scale bytes differ from the MXFP8 of the source " in "\n".join(
+        wrong
+    )
+    line = _one_error_line(_verify(out, qwen, "--hashes-only"))
+    assert "--hashes-only" in line and "records no hashes" in line
+
+
+def _header_bytes(path: Path) -> bytes:
+    import struct
+
+    raw = path.read_bytes()
+    return raw[8 : 8 + struct.unpack("<Q", raw[:8])[0]]
+
+
+def test_verify_help_documents_hashes_only() -> None:
+    r = _mxcli("verify", "--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "--hashes-only" in text and "skip re-deriving the weights" in text
