@@ -388,7 +388,7 @@ def _read_config(path: Path) -> dict[str, Any]:
 
     if not path.exists():
         raise InputError(f"config: {path}: no such file")
-    data = read_json(path)  # one line for malformed or too deeply nested JSON
+    data = read_json(path, label=f"config: {path}")  # one line for malformed or too deep JSON
     if not isinstance(data, dict):
         raise InputError(f"config: {path}: expected a JSON object of MXFP8MOEBwdConfig fields")
     return data

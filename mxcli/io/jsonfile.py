@@ -26,13 +26,17 @@ def loads(text: str | bytes, source: str, error: type[Exception] | None = None) 
         raise err(f"{source}: not valid JSON ({exc})") from None
 
 
-def read_json(path: str | Path, error: type[Exception] | None = None) -> Any:
-    """The JSON file at `path`, parsed (`loads`); an unreadable file is `error` too."""
+def read_json(
+    path: str | Path, error: type[Exception] | None = None, label: str | None = None
+) -> Any:
+    """The JSON file at `path`, parsed (`loads`); an unreadable file is `error` too. `label`
+    names it in the message (default: the path; e.g. ``"config: PATH"`` for a flag's file)."""
+    label = label or str(path)
     try:
         text = Path(path).read_bytes()
     except OSError as exc:
-        raise (error or InputError)(f"{path}: cannot read ({exc.strerror or exc})") from None
-    return loads(text, str(path), error)
+        raise (error or InputError)(f"{label}: cannot read ({exc.strerror or exc})") from None
+    return loads(text, label, error)
 
 
 __all__ = ["loads", "read_json"]

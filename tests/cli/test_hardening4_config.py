@@ -223,11 +223,34 @@ def test_absurd_layer_count_is_refused_before_iterating(qwen, tmp_path) -> None:
     assert "num_hidden_layers must be an integer in [1, 4096], got 1000000000000" in line
 
 
-def test_interrupted_dry_run_does_not_advise_resume() -> None:
-    from mxcli.commands import prep_weights
+_TERMINATED_PLAN = """
+import sys
+import mxcli.weightprep.runner as runner
+from mxcli.errors import Terminated
 
-    src = Path(prep_weights.__file__).read_text()
-    assert "a dry run writes nothing" in src  # the SIGTERM hint of --dry-run (no --resume)
+def terminated(*a, **k):  # SIGTERM while planning, deterministically (no signal timing)
+    raise Terminated(15)
+
+runner.prepare_weights = terminated
+sys.argv = ["mxcli", *sys.argv[1:]]
+from mxcli.cli import main
+main()
+"""
+
+
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_interrupted_dry_run_does_not_advise_resume(qwen, tmp_path, dry_run) -> None:
+    """A SIGTERM during ``--dry-run`` advised ``--resume`` (a dry run writes nothing)."""
+    args = [qwen, "--dry-run"] if dry_run else [qwen, tmp_path / "out"]
+    r = subprocess.run(
+        [sys.executable, "-c", _TERMINATED_PLAN, "prep-weights", *map(str, args)],
+        capture_output=True, text=True, env=_env(), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 128 + 15, (r.returncode, r.stderr)
+    assert "interrupted (SIGTERM)" in r.stderr
+    assert ("--resume" in r.stderr) is not dry_run, r.stderr
+    if dry_run:
+        assert "a dry run writes nothing" in r.stderr
 
 
 # ---- 10. JSON nested 100,000 deep: one line naming the file ------------------------------------

@@ -650,7 +650,7 @@ FAMILY_LIST: tuple[Family, ...] = (
             "eps": ("rms_norm_eps", 1e-5),
             "intermediate_size": ("moe_intermediate_size", REQUIRED),
             "routed_scaling_factor": ("moe_router_scaling_factor", 1.0),
-            "shared_intermediate_size": (("share_expert_dim", "share_expert_dims"), 0),
+            "shared_intermediate_size": (("share_expert_dim", "share_expert_dims"), 1280),
             "swiglu_limits": ("swiglu_limits", None),
         },
         prefixes=("language_model.layers.{L}.", "model.language_model.layers.{L}.") + _LAYER,
