@@ -157,6 +157,8 @@ def _contract_message(**kwargs: Any) -> str:
         ({"routed_scaling_factor": float("nan")}, {"routed_scaling_factor": float("nan")}, None),
         ({"rms_norm_eps": -1e-6}, {"eps": -1e-6}, "rms_norm_eps"),
         ({"n_group": 3}, {"n_group": 3}, "n_group"),
+        ({"n_group": 16}, {"n_group": 16}, "n_group"),
+        ({"topk_group": 0}, {"topk_group": 0}, "topk_group"),
     ],
 )
 def test_router_kwargs_the_kernel_refuses_fail_the_dry_run(
