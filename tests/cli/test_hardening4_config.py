@@ -566,3 +566,23 @@ def test_verify_help_documents_hashes_only() -> None:
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     assert "--hashes-only" in text and "skip re-deriving the weights" in text
+
+
+def test_verify_nxdi_mx_fails_on_flipped_codes(tmp_path) -> None:
+    """The nxdi export (MX experts, H = 512): codes re-derived under the recorded rule."""
+    from mxcli.verification.checkpoints import verify_checkpoint
+    from mxcli.weightprep.synthetic import build_checkpoint
+
+    src = build_checkpoint("qwen3_moe", tmp_path / "ck", hidden_size=512).path
+    out = tmp_path / "nx"
+    r = _mxcli("prep-weights", src, out, "--output-format", "nxdi", "--formats", "mxfp8", "-q")
+    assert r.returncode == 0, r.stderr
+    assert verify_checkpoint(out, src)["passed"]
+    name = "layers.1.mlp.expert_mlps.mlp_op.down_proj.weight"
+    _flip(out / "weights" / "tp0_sharded_checkpoint.safetensors", name, 20)
+    r = _verify(out, src)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert any(
+        name in w and "codes or scales differ from MXFP8 of the source" in w
+        for w in json.loads(r.stdout)["wrong"]
+    ), r.stdout
