@@ -207,7 +207,8 @@ def _no_bwd(v: dict[str, Any]) -> tuple[str, ...]:
 # config class first; these are the fallback, read from TRANSFORMERS_DEFAULTS_VERSION's classes
 # and checked against the installed ones by tests/weightprep/test_config_defaults.py); keys
 # transformers does not read (topk_method, scoring_func, moe_layer_freq: its DeepSeek-V3 code is
-# always noaux_tc/sigmoid on every layer past first_k_dense_replace) keep mxcli's reading.
+# always sigmoid on every layer past first_k_dense_replace, modeling_deepseek_v3.py:136 and :492
+# in 5.23) keep mxcli's reading.
 TRANSFORMERS_DEFAULTS_VERSION = "5.23.0"
 E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk")
@@ -871,8 +872,9 @@ def _lookup(cfg: dict[str, Any], key: Any) -> tuple[str, Any]:
     return keys[0], REQUIRED
 
 
-# The most decoder layers a plan iterates over (real MoE models have <= 128): a larger
-# num_hidden_layers is a broken config, refused before any loop runs over it.
+# The most decoder layers a plan iterates over (released MoE configs have under 100, e.g.
+# Qwen3-235B-A22B 94): a larger num_hidden_layers is a broken config, refused before any loop
+# runs over it (10**12 hung --dry-run).
 MAX_LAYERS = 4096
 
 # role -> (what a value must be, test). Sizes are positive integers; counts and layer rules are
