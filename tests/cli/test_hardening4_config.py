@@ -491,6 +491,7 @@ def test_verify_checkpoint_fails_on_flipped_mxfp8_codes(qwen, prepared, tmp_path
     assert "sha256 differs" in "\n".join(json.loads(r.stdout)["wrong"])
 
 
+@pytest.mark.slow  # ~15 s: a second export/verify; the fast case is above
 def test_verify_checkpoint_rederives_past_a_rewritten_manifest(qwen, prepared, tmp_path) -> None:
     """Flipped codes whose sha256 was rewritten in the manifest: the hashes agree, the bytes
     re-derived from the source do not. --hashes-only trusts the manifest (its documented
@@ -568,6 +569,7 @@ def test_verify_help_documents_hashes_only() -> None:
     assert "--hashes-only" in text and "skip re-deriving the weights" in text
 
 
+@pytest.mark.slow  # ~15 s: a second export/verify; the fast case is above
 def test_verify_nxdi_mx_fails_on_flipped_codes(tmp_path) -> None:
     """The nxdi export (MX experts, H = 512): codes re-derived under the recorded rule."""
     from mxcli.verification.checkpoints import verify_checkpoint
