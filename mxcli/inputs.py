@@ -41,6 +41,7 @@ from mxcli.kernels.blockwise_moe import (
     prequantize_weights,
 )
 from mxcli.kernels.blockwise_moe.config import ClampLimits
+from mxcli.kernels.blockwise_moe.contract import DIM_MULTIPLE
 from mxcli.kernels.blockwise_moe.upstream_cases import upstream_router_choices
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
 from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType, arrange_router_weights
@@ -299,6 +300,13 @@ def make_bwd_inputs(
     T, H, I, E, K, B = (int(v) for v in (tokens, hidden, intermediate, experts, top_k, block_size))  # noqa: E741
     if weights is not None:
         E, H, _, I = (int(d) for d in weights[0].shape)  # noqa: E741
+    else:  # the kernel's rule (bwd spec §10), checked before the forward's wrapX chunks say "K"
+        for flag, v in (("hidden", H), ("intermediate", I)):
+            if v <= 0 or v % DIM_MULTIPLE:
+                raise InputError(
+                    f"{flag} (--{flag}): expected a positive multiple of {DIM_MULTIPLE} "
+                    f"(the backward kernel's {flag[0].upper()}), got {v}"
+                )
     if dense and (E != 1 or K != 1):
         raise InputError(f"dense: needs experts=1 and top_k=1, got experts={E}, top_k={K}")
     if dense and bias:

@@ -11,7 +11,6 @@ commands: a run's data only flows down. What a kernel takes and returns is its `
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import traceback
@@ -26,6 +25,7 @@ from mxcli.errors import InputError, MxcliError
 from mxcli.fsutil import check_output_path, refuse_inputs
 from mxcli.inputs import layer_run_inputs
 from mxcli.io.files import TensorFile, describe_tensors, write_file
+from mxcli.io.jsonfile import loads
 from mxcli.io.metadata import outputs_metadata
 from mxcli.kernels import backends, selection
 from mxcli.kernels.spec import KernelSpec, get_spec, read_kernel_file
@@ -293,10 +293,7 @@ def _merge_config(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
         layer = dict(layer)
         cfg = layer.get("config")
         if isinstance(cfg, str):
-            try:
-                cfg = json.loads(cfg)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"config: not valid JSON ({exc})") from None
+            cfg = loads(cfg, "config")
         if isinstance(cfg, Mapping):
             merged = _deep_merge(merged or {}, cfg)
             layer["config"] = merged

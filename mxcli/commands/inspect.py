@@ -110,7 +110,7 @@ def _print_mapping(con: Any, head: str, value: Any, width: int, indent: int = 4)
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     parts = _parts(value) if isinstance(value, dict) else [_value(value)]
     for line in wrap_items(head, parts, width, indent=indent):

@@ -159,5 +159,7 @@ def main(
         debug,
         body,
         json_out=json_out,
-        interrupt_hint="finished layers are kept: run the same command with --resume to continue",
+        interrupt_hint="a dry run writes nothing"
+        if dry_run
+        else "finished layers are kept: run the same command with --resume to continue",
     )

@@ -382,16 +382,13 @@ def run_bwd(
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    import json
 
     from mxcli.errors import InputError
+    from mxcli.io.jsonfile import read_json
 
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"config: {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"config: {path}: not a JSON file ({exc})") from None
+    if not path.exists():
+        raise InputError(f"config: {path}: no such file")
+    data = read_json(path, label=f"config: {path}")  # one line for malformed or too deep JSON
     if not isinstance(data, dict):
         raise InputError(f"config: {path}: expected a JSON object of MXFP8MOEBwdConfig fields")
     return data

@@ -129,7 +129,8 @@ def verify(
         typer.Option(
             "--checkpoint",
             help="A prep-weights or exported weight folder to check against --against SRC: key "
-            "coverage per family, shapes, TP/EP divisibility, SQNR / exactness.",
+            "coverage per family, shapes, TP/EP divisibility, SQNR / exactness, the manifest's "
+            "sha256 of every tensor, and every MXFP8 code and scale byte re-derived from SRC.",
             show_default=False,
         ),
     ] = None,
@@ -146,6 +147,15 @@ def verify(
             help="With --checkpoint (a compressed-tensors export): also run the exported model "
             "beside the source through transformers and compressed-tensors on fixed tokens and "
             "report the logit error (small models: both are held in memory in float32).",
+        ),
+    ] = False,
+    hashes_only: Annotated[
+        bool,
+        typer.Option(
+            "--hashes-only",
+            help="With --checkpoint, for huge models: skip re-deriving the weights from SRC "
+            "(no source tensor is read); check keys, shapes and the manifest's sha256 of every "
+            "tensor only. A prep-weights folder only (exports record no hashes).",
         ),
     ] = False,
     junit: Annotated[
@@ -177,9 +187,11 @@ def verify(
         from mxcli.fsutil import check_output_path, refuse_inputs
 
         if checkpoint is not None or against is not None:
-            return _checkpoint(checkpoint, against, json_out, quiet, forward)
+            return _checkpoint(checkpoint, against, json_out, quiet, forward, hashes_only)
         if forward:
             raise InputError("verify: --forward needs --checkpoint OUT --against SRC")
+        if hashes_only:
+            raise InputError("verify: --hashes-only goes with --checkpoint OUT --against SRC")
         if junit is not None:  # before any work: the report must be writable
             check_output_path(junit, force)
             refuse_inputs(
@@ -216,16 +228,21 @@ def verify(
 
 
 def _checkpoint(
-    checkpoint: Path | None, against: Path | None, json_out: bool, quiet: bool, forward: bool
+    checkpoint: Path | None,
+    against: Path | None,
+    json_out: bool,
+    quiet: bool,
+    forward: bool,
+    hashes_only: bool,
 ) -> int:
-    """``verify --checkpoint OUT --against SRC [--forward]`` (`mxcli.verification.checkpoints`,
-    `mxcli.verification.forward`)."""
+    """``verify --checkpoint OUT --against SRC [--forward] [--hashes-only]``
+    (`mxcli.verification.checkpoints`, `mxcli.verification.forward`)."""
     from mxcli.errors import InputError
     from mxcli.verification.checkpoints import format_report, verify_checkpoint
 
     if checkpoint is None or against is None:
         raise InputError("verify: --checkpoint OUT needs --against SRC (and the other way round)")
-    rep = verify_checkpoint(checkpoint, against)
+    rep = verify_checkpoint(checkpoint, against, hashes_only=hashes_only)
     text = format_report(rep)
     if forward:
         from mxcli.verification.forward import format_forward, forward_check

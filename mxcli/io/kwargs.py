@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.jsonfile import loads
 
 E = TypeVar("E", bound=enum.Enum)
 
@@ -131,7 +132,7 @@ def json_or_raw(raw: str) -> Any:
     """A metadata string parsed as JSON, else the string itself."""
     try:
         return json.loads(raw)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # not JSON, or nested too deeply to be kwargs
         return raw
 
 
@@ -204,10 +205,7 @@ def coerce_hint(hint: Any, value: Any, where: str) -> Any:
 def json_object(v: Any, name: str, what: str) -> Mapping[str, Any]:
     """`v` as a JSON object (a mapping, or a string holding one); `what` names its fields."""
     if isinstance(v, str):
-        try:
-            v = json.loads(v)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{name}: not valid JSON ({exc})") from None
+        v = loads(v, name)
     if not isinstance(v, Mapping):
         raise InputError(f"{name}: expected a JSON object of {what}, got {v!r}")
     return v

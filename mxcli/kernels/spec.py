@@ -26,7 +26,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,6 +35,7 @@ import torch
 
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.files import TensorFile, read_file
+from mxcli.io.jsonfile import loads
 from mxcli.io.kwargs import json_or_raw
 
 # The kernel packages; importing one registers its spec (and its backends).
@@ -343,10 +343,7 @@ class KernelSpec:
         out: dict[str, Any] = {n: json_or_raw(metadata[n]) for n in names if n in metadata}
         raw_kwargs = metadata.get("kwargs")
         if raw_kwargs is not None:
-            try:
-                obj = json.loads(raw_kwargs)
-            except json.JSONDecodeError as exc:
-                raise InputError(f"__metadata__['kwargs']: not valid JSON ({exc})") from None
+            obj = loads(raw_kwargs, "__metadata__['kwargs']")
             if not isinstance(obj, Mapping):
                 raise InputError("__metadata__['kwargs']: expected a JSON object")
             unknown = sorted(k for k in obj if k not in names)

@@ -10,7 +10,13 @@ OUT:
   output is MXFP8; every scale key present;
 - shapes and dtypes, and the TP/EP divisibility of the recorded degrees;
 - numerics: SQNR per quantized tensor, bit-exactness where the output is exact (bf16 experts,
-  router, everything copied).
+  router, everything copied);
+- every byte (issue 28): the sha256 the manifest records for each tensor of the mxcli layout,
+  and the MXFP8 codes and scales re-derived from the source and compared byte for byte (the
+  conversion and the exports are deterministic), under the scale rule and FP8 range the
+  manifest or export record says were used. ``hashes_only`` (``--hashes-only``, for huge
+  models) skips the re-derivation and every read of the source's tensors: keys, shapes and the
+  recorded hashes only (the exports record none: refused there).
 
 `verify_checkpoint` returns a report; ``passed`` is False when anything is missing or wrong.
 """
@@ -25,6 +31,7 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError, MxcliError
+from mxcli.io.jsonfile import read_json
 
 # MXFP8 (E4M3, 32-element groups) of any weight keeps ~30 dB; far below means wrong data.
 MIN_MXFP8_SQNR_DB = 20.0
@@ -97,17 +104,54 @@ def detect_kind(out: Path) -> str:
     )
 
 
-def verify_checkpoint(out: str | Path, against: str | Path) -> dict[str, Any]:
+def verify_checkpoint(
+    out: str | Path, against: str | Path, *, hashes_only: bool = False
+) -> dict[str, Any]:
     """Check `out` against its source `against` (see the module doc)."""
     o, a = Path(out), Path(against)
     kind = detect_kind(o)
     if kind == "mxcli":
-        return _verify_mxcli(o, a)
+        return _verify_mxcli(o, a, rederive=not hashes_only)
+    if hashes_only:
+        raise InputError(
+            f"--hashes-only: {o} is a {kind} export, which records no hashes; run without "
+            "--hashes-only (its codes and scales are re-derived from the source)"
+        )
     if kind == "compressed-tensors":
         return _verify_ct(o, a)
     if kind == "nxdi":
         return _verify_nxdi(o, a, _Report(kind, o, a))
     raise InputError(f"--checkpoint {o}: unknown output format {kind!r}")
+
+
+_HASH_CHUNK = 16 << 20
+
+
+def _file_hashes(path: Path) -> dict[str, str]:
+    """sha256 of every tensor's stored bytes in a safetensors file (`tensor_sha256`'s
+    definition), streamed from the file a chunk at a time (layers larger than memory)."""
+    import hashlib
+
+    from mxcli.weightprep.checkpoint import read_safetensors_header
+
+    header, start = read_safetensors_header(path)
+    out: dict[str, str] = {}
+    with path.open("rb") as f:
+        for name, e in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = (int(x) for x in e["data_offsets"])
+            h = hashlib.sha256()
+            f.seek(start + a)
+            left = b - a
+            while left > 0:
+                buf = f.read(min(_HASH_CHUNK, left))
+                if not buf:
+                    break
+                h.update(buf)
+                left -= len(buf)
+            out[name] = h.hexdigest()
+    return out
 
 
 def _plan(against: Path, report: _Report, **opts: Any) -> Any:
@@ -165,7 +209,7 @@ def compare_keys(
 # -- mxcli's own layout ---------------------------------------------------------------------------
 
 
-def _verify_mxcli(out: Path, against: Path) -> dict[str, Any]:
+def _verify_mxcli(out: Path, against: Path, *, rederive: bool = True) -> dict[str, Any]:
     from mxcli.weightprep.check import check_layer
     from mxcli.weightprep.checkpoint import Checkpoint
     from mxcli.weightprep.manifest import load_manifest
@@ -201,15 +245,39 @@ def _verify_mxcli(out: Path, against: Path) -> dict[str, Any]:
             exp = {tensor_name(L, o.key): (o.dtype, o.shape) for o in outs}
             ok = compare_keys(rep, exp, _headers(path), f"{rank.dir}/{layer_file(L)}: ")
             complete = complete and len(ok) == len(exp)
-        if not complete:
+            if L in m.layers:
+                _check_hashes(rep, m, L, rank.rank, path, f"{rank.dir}/{layer_file(L)}: ")
+        if not complete or not rederive:
             continue
         with ckpt.reader() as rd:
-            res = check_layer(plan, rd, L, out)
+            res = check_layer(plan, rd, L, out, rederive=True)
+        rule = f"scale rule {plan.options.scale_rule}, +-{plan.options.fp8().max:g}"
         for r, per in res.items():
             for key, st in per.items():
-                rep.numeric(f"layers.{L}.{key} rank {r}", bool(st["exact"]), st.get("sqnr_db"),
-                            "_mxfp8" not in key)  # fmt: skip
-    return rep.finish(family=plan.model.family.name, layers=plan.layers, ranks=len(plan.ranks))
+                name = f"layers.{L}.{key} rank {r}"
+                if st.get("differing_bytes"):
+                    rep.fail("wrong", f"{name}: {st['differing_bytes']} bytes differ from the "
+                                      f"MXFP8 of the source ({rule})")  # fmt: skip
+                if "exact" in st:
+                    rep.numeric(name, bool(st["exact"]), st.get("sqnr_db"), "_mxfp8" not in key)
+    return rep.finish(
+        family=plan.model.family.name, layers=plan.layers, ranks=len(plan.ranks),
+        rederived=rederive,
+    )  # fmt: skip
+
+
+def _check_hashes(rep: _Report, m: Any, layer: int, rank: int, path: Path, where: str) -> None:
+    """Every tensor of one layer file against the sha256 its manifest records."""
+    try:
+        entry = m.rank_entry(layer, rank)
+    except MxcliError:
+        return  # a rank the manifest lacks is reported by the key comparison
+    got = _file_hashes(path)
+    for key, spec in entry["tensors"].items():
+        h = got.get(spec["name"])
+        if h is not None and h != spec.get("sha256"):
+            rep.fail("wrong", f"{where}{key}: sha256 differs from the manifest's (a damaged or "
+                              "replaced file)")  # fmt: skip
 
 
 # -- compressed-tensors ---------------------------------------------------------------------------
@@ -241,14 +309,13 @@ def vllm_probe_misses(experts: set[str], pats: list[re.Pattern[str]]) -> list[st
     return out
 
 
-def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
-    import json
-
-    from mxcli.mx import dequantize_mx
+def _verify_ct(out: Path, against: Path, *, rederive: bool = True) -> dict[str, Any]:
+    from mxcli.mx import dequantize_mx, quantize_mx
     from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, Checkpoint
     from mxcli.weightprep.export.compressed_tensors import MX_GROUP, expert_targets
     from mxcli.weightprep.export.folder import read_sidecar
     from mxcli.weightprep.families import load_weight
+    from mxcli.weightprep.fp8 import clip_codes
 
     rep = _Report("compressed-tensors", out, against)
     side = read_sidecar(out) or {}
@@ -286,7 +353,7 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
     dst = Checkpoint(out)
     actual = {n: (dst.info(n).dtype, dst.info(n).shape) for n in dst.names() if dst.in_header(n)}
     ok = set(compare_keys(rep, expected, actual, "", _expert_label))
-    cfg = json.loads((out / "config.json").read_text())
+    cfg = read_json(out / "config.json")
     q = cfg.get("quantization_config")
     if mx:
         if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
@@ -310,6 +377,13 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
                     rep.fail("wrong", f"{n}: matched by a quantization target but not quantized")
             for probe in vllm_probe_misses(experts, pats):
                 rep.fail("unquantized", probe)
+    # what the export did, as its record says: passed a compressed-tensors MXFP8 source through,
+    # or quantized under the recorded scale rule and range (`compressed_tensors.quantize_weight`)
+    passed = int((side.get("result") or {}).get("passed_through") or 0) > 0
+    fp8 = plan.options.fp8()
+    how = "its source's bytes (passed through)" if passed else (
+        f"the MXFP8 of the source (scale rule {fp8.scale_rule}, +-{fp8.max:g})"
+    )  # fmt: skip
     with src.reader() as rs, dst.reader() as rd:
         for n in sorted(ok):
             if n.endswith("_scale") and n[: -len("_scale")] in experts:
@@ -325,7 +399,22 @@ def _verify_ct(out: Path, against: Path) -> dict[str, Any]:
                         rep.fail(
                             "wrong", f"{n}: {over} FP8 codes beyond the declared +-{fp8_max:g}"
                         )
-                    got = dequantize_mx(codes, rd.get(n + "_scale"))
+                    scales = rd.get(n + "_scale")
+                    if rederive:
+                        if passed:
+                            want = rs.get(n).view(torch.uint8), rs.get(n + "_scale")
+                        else:
+                            want_c, want_s = quantize_mx(
+                                ref, axis=-1, rule=fp8.rule_bytes, scheme="1x32"
+                            )
+                            clip_codes(want_c, fp8.fp8_range)
+                            want = want_c.view(torch.uint8), want_s
+                        diff = int((codes != want[0]).sum()) + int(
+                            (scales.view(torch.uint8) != want[1].view(torch.uint8)).sum()
+                        )
+                        if diff:
+                            rep.fail("wrong", f"{n}: {diff} code or scale bytes differ from {how}")
+                    got = dequantize_mx(codes, scales)
                     exact, db = _sqnr(got.to(torch.bfloat16), ref)
                     rep.numeric(n, exact, db, False)
                 else:
@@ -476,6 +565,8 @@ def format_report(rep: dict[str, Any]) -> str:
     for key in ("missing", "unexpected", "wrong", "unquantized", "failures"):
         for item in rep[key]:
             lines.append(f"  {key}: {item}")
+    if rep.get("rederived") is False:
+        lines.append("  hashes only (--hashes-only): no weight re-derived from the source")
     num = rep["numerics"]
     sq = [v["sqnr_db"] for v in num.values() if v.get("sqnr_db") is not None]
     ex = sum(1 for v in num.values() if v["exact"])

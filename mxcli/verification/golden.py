@@ -134,7 +134,7 @@ def _provenance(out: Mapping[str, str], gold: Mapping[str, str]) -> list[Any]:
             continue
         try:
             ja, jb = json.loads(a), json.loads(b)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             ja, jb = a, b
         if ja != jb:
             diff = (

@@ -29,15 +29,17 @@ from mxcli.kernels.blockwise_moe.prequant import (
 from mxcli.kernels.rmsnorm_mx_prefill import unarrange_router_weights
 from mxcli.mx import ScaleRule
 from mxcli.weightprep.checkpoint import CheckpointReader, open_safetensors
-from mxcli.weightprep.convert import _tp_slice, pad_rows, rank_biases, read_prefill
+from mxcli.weightprep.convert import _tp_slice, pad_rows, prequantize, rank_biases, read_prefill
 from mxcli.weightprep.families import Fused, Scratch, compare_routing, route_fp32
+from mxcli.weightprep.fp8 import clip_codes
 from mxcli.weightprep.plan import Plan, layer_file, tensor_name
 
 
 class _Stat:
     """Running exactness / error energy of one output tensor against its source."""
 
-    def __init__(self) -> None:
+    def __init__(self, mx: bool = False) -> None:
+        self.mx = mx  # an MXFP8 output: count the values its quantization changed
         self.exact = True
         self.nonfinite = 0  # NaN/Inf in the source: such a tensor is never called exact
         self.max_abs = 0.0
@@ -62,8 +64,9 @@ class _Stat:
             same = torch.equal(
                 out.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
             )
-        else:  # a decoded MXFP8 weight vs its bf16 source: the values must agree
+        else:  # a decoded MXFP8 weight, or a bf16 one, vs a wider source: values must agree
             same = bool((d == 0).all()) and torch.equal(torch.isnan(o), torch.isnan(r))
+        if self.mx:
             # values the MXFP8 quantization changed (issue 22: from an MX or FP8 source every
             # other value passes through exactly; pad rows and columns count as unchanged zeros)
             self.changed += int(((d != 0) | (torch.isnan(o) != torch.isnan(r))).sum())
@@ -120,9 +123,14 @@ def _dequant(
 class _RankCheck:
     """Comparisons of one rank's output file against the source, accumulated per tensor key."""
 
-    def __init__(self, plan: Plan, layer: int, f: Any, keys: set[str]) -> None:
+    def __init__(
+        self, plan: Plan, layer: int, f: Any, keys: set[str], rederive: bool = False
+    ) -> None:
         self.plan, self.layer, self.f, self.keys = plan, layer, f, keys
-        self.stats = {k: _Stat() for k in keys}
+        self.stats = {k: _Stat("_mxfp8" in k) for k in keys}
+        self.rederive = rederive
+        # MXFP8 data and scale keys: bytes that differ from the conversion redone on the source
+        self.differing = {k: 0 for k in keys if k.endswith(_MX_KEYS)} if rederive else {}
 
     def rows(self, key: str, a: int, b: int) -> torch.Tensor:
         return self.f.get_slice(tensor_name(self.layer, key))[a:b]
@@ -155,21 +163,39 @@ class _RankCheck:
                 "down_proj_weight_mxfp8",
                 "down_weight_scales",
             )
-            dgu, ddn = _dequant(
-                self.plan, {prefix + n: self.rows(prefix + n, a, b) for n in names}, prefix
-            )
+            got = {prefix + n: self.rows(prefix + n, a, b) for n in names}
+            dgu, ddn = _dequant(self.plan, got, prefix)
             st[prefix + "gate_up_proj_weight_mxfp8"].add(dgu, gu)
             st[prefix + "down_proj_weight_mxfp8"].add(ddn, dn)
+            if self.rederive:
+                # the conversion is deterministic: redo it on the same bf16 chunk (the bytes
+                # it wrote, codes clipped for a +-240 target) and compare byte for byte
+                for key, want in prequantize(gu, dn, self.plan).items():
+                    if key.endswith("_mxfp8"):
+                        clip_codes(want, self.plan.options.fp8_range)
+                    a8 = got[prefix + key].contiguous().view(torch.uint8)
+                    b8 = want.contiguous().view(torch.uint8)
+                    self.differing[prefix + key] += int((a8 != b8).sum())
 
     def add(self, key: str, out: torch.Tensor, ref: torch.Tensor) -> None:
         self.stats[key].add(out, ref)
 
     def result(self, order: list[str]) -> dict[str, Any]:
-        return {k: self.stats[k].result("_mxfp8" in k) for k in order if k not in _UNCHECKED}
+        out = {k: self.stats[k].result("_mxfp8" in k) for k in order if k not in _UNCHECKED}
+        for k, n in self.differing.items():  # with `rederive`: scale keys are reported too
+            out.setdefault(k, {})["differing_bytes"] = n
+        return out
 
 
-def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> dict[str, Any]:
-    """Per rank, per tensor key: ``{"exact", "max_abs_diff"[, "sqnr_db"]}`` (see module doc)."""
+def check_layer(
+    plan: Plan, rd: CheckpointReader, layer: int, out_root: Any, *, rederive: bool = False
+) -> dict[str, Any]:
+    """Per rank, per tensor key: ``{"exact", "max_abs_diff"[, "sqnr_db"]}`` (see module doc).
+
+    `rederive` (``verify --checkpoint``): the outputs are compared with what the conversion
+    writes, not with the source values: bf16 outputs with the source's bf16 cast, and every
+    MXFP8 data and scale tensor byte for byte with the conversion redone on the same chunk
+    (``"differing_bytes"``)."""
     fam = plan.model.family
     m = plan.model
     H, I = m.H, m.I  # noqa: E741 (spec notation)
@@ -181,13 +207,17 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
     Isp = pad.padded_shared_intermediate_size
     step = plan.chunk_experts()
     scratch = Scratch()
+    # issue 28: a wider float source (F32, F16 after its bf16 cast) is compared as stored, so
+    # the bf16 outputs report their real rounding, never "exact" against their own cast
+    wide = set(plan.source_format.split("+")) & _WIDE_SOURCES
+    ref = torch.float32 if wide and not rederive else torch.bfloat16
     for rank, outs in zip(plan.ranks, plan.outputs, strict=True):
         with open_safetensors(out_root / rank.dir / layer_file(layer)) as f:
-            rc = _RankCheck(plan, layer, f, {o.key for o in outs})
+            rc = _RankCheck(plan, layer, f, {o.key for o in outs}, rederive)
             rc.prefill(src)
             if fam.shared and m.shared_I and rank.shared_i_range:
                 gu, dn = fam.shared.mlp.load(
-                    rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_"
+                    rd, p, 0, 1, H, m.shared_I, m.fp8_block, scratch, "shared_", ref
                 )
                 rc.mlp(
                     "shared_expert.",
@@ -204,7 +234,7 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
             (e_lo, e_hi), (i0, i1) = rank.expert_range, rank.i_range
             for e0 in range(e_lo, e_hi, step):
                 e1 = min(e_hi, e0 + step)
-                gu, dn = fam.experts.load(rd, p, e0, e1, H, I, m.fp8_block, scratch)
+                gu, dn = fam.experts.load(rd, p, e0, e1, H, I, m.fp8_block, scratch, "", ref)
                 rc.mlp("", *_tp_slice(gu, dn, i0, i1, scratch, "tp_", Hb, Ip), e0 - e_lo, e1 - e_lo)
                 if isinstance(fam.experts, Fused):
                     gub, db = rank_biases(
@@ -223,6 +253,11 @@ def check_layer(plan: Plan, rd: CheckpointReader, layer: int, out_root: Any) -> 
             results[str(rank.rank)] = rc.result([o.key for o in outs])
     return results
 
+
+_MX_KEYS = ("_proj_weight_mxfp8", "_weight_scales")
+
+# Source formats (`Plan.source_format`) whose values bf16 cannot hold exactly.
+_WIDE_SOURCES = {"f32", "f64", "f16"}
 
 # The scale tensors are checked through their data tensor's SQNR.
 _UNCHECKED = {

@@ -11,7 +11,6 @@ layer's source tensors, whichever shards they sit in.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError, MxcliError
+from mxcli.io.jsonfile import loads, read_json
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -119,12 +119,9 @@ def read_safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
             raw = f.read(n)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from None
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("not an object")
-    except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{path}: corrupt safetensors header (not valid JSON)") from None
+    header = loads(raw, f"{path}: corrupt safetensors header", CheckpointError)
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
     data_len = size - 8 - n
     end = 0
     for name, entry in header.items():
@@ -208,17 +205,15 @@ class Checkpoint:
             raise CheckpointError(
                 f"{path}: not found (a Hugging Face checkpoint has a config.json)"
             )
-        try:
-            config = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+        config = read_json(path, CheckpointError)
         if not isinstance(config, dict):
             raise CheckpointError(f"{path}: expected a JSON object")
         return config
 
     def _read_index(self, index: Path) -> dict[str, str]:
+        data = read_json(index, CheckpointError)
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = data["weight_map"]
             return {str(k): str(v) for k, v in weight_map.items()}
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             raise CheckpointError(

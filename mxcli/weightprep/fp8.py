@@ -20,7 +20,6 @@ declares and `check_source_target` refuses a mismatch with one line.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.io.jsonfile import read_json
 
 FP8_RANGES = (448, 240)
 E4M3FN_MAX = 448.0
@@ -124,8 +124,8 @@ def source_semantics(config: dict[str, Any], root: Path | None = None) -> dict[s
     """
     if root is not None and (root / EXPORT_SIDECAR).is_file():
         try:
-            fp8 = json.loads((root / EXPORT_SIDECAR).read_text()).get("fp8")
-        except (OSError, ValueError, AttributeError):
+            fp8 = read_json(root / EXPORT_SIDECAR).get("fp8")
+        except (InputError, AttributeError):
             fp8 = None
         if isinstance(fp8, dict) and "max" in fp8:
             return {"variant": fp8.get("variant", "e4m3fn"), "max": float(fp8["max"]),

@@ -19,6 +19,7 @@ Folder layout::
     source          {"path", "family", "model_type", "source_format",
                      "files": {name: {"size", "mtime_ns", "sha256"}},   # sha256 null until hashed
                      "config": {config.json key: value used},
+                     "config_defaults": [{"key", "value", "from"}],  # keys config.json lacks
                      "hub": null | {"repo_id", "revision", "commit"}}  # a Hub repo id source
     model           {"num_layers", "moe_layers", "num_experts", "hidden_size", "padded_hidden_size",
                      "intermediate_size", "shared_intermediate_size", "top_k"}
@@ -71,7 +72,6 @@ the pad rows and columns are zero, and (unless ``verify_hashes=False``, the comm
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +81,7 @@ import torch
 
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.files import tensor_sha256
+from mxcli.io.jsonfile import read_json
 
 if TYPE_CHECKING:
     from mxcli.weightprep.padding import Padding
@@ -166,10 +167,7 @@ def _manifest_path(path: str | Path) -> Path:
 
 
 def read_manifest_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ManifestError(f"{path}: not a readable manifest ({exc})") from None
+    data = read_json(path, ManifestError)  # one line for malformed or too deeply nested JSON
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ManifestError(
             f"{path}: not a prep-weights manifest (format {data.get('format') if isinstance(data, dict) else None!r})"

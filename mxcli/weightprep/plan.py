@@ -400,6 +400,7 @@ class Plan:
                 "check": self.options.check,
             },
             "router": m.router.to_dict(),
+            "config_defaults": [d.to_dict() for d in m.defaulted],
             "ranks": [rk.to_dict() for rk in self.ranks],
             "outputs_per_layer": {
                 rk.dir: [o.to_dict() for o in outs]
@@ -706,6 +707,7 @@ def build_plan(
         names = list(expected)
         for name, (shape, why, quantized) in expected.items():
             info = src.info(name, shape, why, quantized)
+            _check_value_dtype(name, info.dtype, m)
             if info.dtype in FP8_SOURCE_DTYPES and not quantized:
                 raise ConfigError(
                     f"{name}: FP8-quantized, but only expert weights may be (dequantize it first)"
@@ -748,8 +750,11 @@ def build_plan(
         args["shared_gate_dtype"] = src[p0 + fam.shared.gate_weight].dtype
     outputs = [_outputs(args, m, opts, rk) for rk in ranks]
 
-    notes = list(fam.notes) + padding_notes(
-        Padding.of(H, I // opts.tp, Is // opts.tp if Is else None)
+    defaults_note = m.defaults_note()
+    notes = (
+        list(fam.notes)
+        + ([defaults_note] if defaults_note else [])
+        + padding_notes(Padding.of(H, I // opts.tp, Is // opts.tp if Is else None))
     )
     if args["router_dtype"] != src[p0 + fam.router_weight].dtype:
         notes.append(
@@ -785,6 +790,28 @@ def build_plan(
         config_only=bool(src.predicted),
         source_files={n: src[n].file for ns in source_tensors.values() for n in ns},
         source_fp8=source_fp8,
+    )
+
+
+# Source dtypes whose stored numbers are the weight values (safetensors names).
+_VALUE_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _check_value_dtype(name: str, dtype: str, m: ModelConfig) -> None:
+    """`ConfigError` for a source tensor whose stored numbers are codes, not values, without a
+    ``quantization_config`` that decodes them (issue 28: I8, I64, U8, BOOL weights were
+    converted as if their codes were values). FP8 needs an fp8 / compressed-tensors config (its
+    own check), MXFP4 ``_blocks``/``_scales`` (U8) an mxfp4 one."""
+    if dtype in _VALUE_DTYPES or dtype in FP8_SOURCE_DTYPES:
+        return
+    qm = m.used.get("quantization_config.quant_method")
+    if qm == "mxfp4" and name.endswith(("_blocks", "_scales")):
+        return
+    decl = f"quantization_config {qm!r}" if qm else "no quantization_config"
+    raise ConfigError(
+        f"{name}: dtype {dtype} holds codes, not values, and config.json has {decl} that "
+        f"decodes {dtype}: expected {', '.join(_VALUE_DTYPES)} (or FP8 / MXFP4 with its "
+        "quantization_config)"
     )
 
 

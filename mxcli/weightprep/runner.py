@@ -111,6 +111,7 @@ def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[st
             "source_format": plan.source_format,
             "files": source_files,
             "config": m.used,
+            "config_defaults": [d.to_dict() for d in m.defaulted],  # keys config.json lacks
             "hub": plan.hub,
         },
         "model": {

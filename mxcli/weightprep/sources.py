@@ -217,9 +217,18 @@ def ct_quant(q: dict[str, Any]) -> CtQuant:
         ):
             schemes.add(CtQuant("mxfp8"))
         elif gfmt == CT_MXFP8_FORMAT:
+            # name the fields that differ, with their values (issue 28: a channel strategy or
+            # F32 scales were reported as "got group_size=32")
+            ok = {
+                "strategy": w.get("strategy") == "group",
+                "group_size": w.get("group_size") == MX_GROUP,
+                "scale_dtype": "uint8" in str(w.get("scale_dtype")),
+            }
+            bad = [f"{k}={w.get(k)!r}" for k, good in ok.items() if not good]
             raise _E(
-                f"config.json: compressed-tensors group {gname}: mxfp8-quantized needs group_size "
-                f"32 and uint8 scales, got group_size={w.get('group_size')!r}"
+                f"config.json: compressed-tensors group {gname}: mxfp8-quantized needs "
+                f"weights strategy 'group', group_size {MX_GROUP} and scale_dtype uint8, got "
+                + ", ".join(bad)
             )
         elif strategy == "channel":
             schemes.add(CtQuant("fp8-channel"))

@@ -239,7 +239,7 @@ def test_missing_input_and_existing_output(cli, tmp_path: Path, files: dict[str,
     "config,words",
     [
         ("missing", ["config", "no such file"]),
-        ("{not json", ["config", "not a JSON file"]),
+        ("{not json", ["config", "not valid JSON"]),
         ('{"no_such_field": 1}', ["unknown field", "no_such_field"]),
         ('{"affinity_option": "SIDEWAYS"}', ["affinity_option", "SIDEWAYS"]),
         ('{"single_expert_dense": true}', ["single_expert_dense"]),

@@ -20,6 +20,7 @@ from typing import Any
 from mxcli import __version__
 from mxcli.errors import MxcliError, OutputExistsError
 from mxcli.fsutil import default_mode, refuse_inputs
+from mxcli.io.jsonfile import read_json
 
 SIDECAR = "mxcli-export.json"
 FORMAT = "mxcli.export"
@@ -108,10 +109,7 @@ def read_sidecar(folder: Path) -> dict[str, Any] | None:
     p = folder / SIDECAR
     if not p.is_file():
         return None
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError):
-        raise MxcliError(f"{p}: not valid JSON") from None
+    data = read_json(p, MxcliError)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise MxcliError(f"{p}: not an mxcli export sidecar")
     return data

@@ -62,10 +62,14 @@ class Scratch:
 
 
 def load_weight(
-    rd: CheckpointReader, name: str, fp8_block: tuple[int, int] | CtQuant | None
+    rd: CheckpointReader,
+    name: str,
+    fp8_block: tuple[int, int] | CtQuant | None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """One 2-D source weight as bf16, FP8 block weights dequantized with ``name + "_scale_inv"``
-    (compressed-tensors sources: with ``name + "_scale"``, `CtQuant`)."""
+    (compressed-tensors sources: with ``name + "_scale"``, `CtQuant`). ``dtype=float32``: a
+    wider float source as stored (``--check`` compares the bf16 output with the source values)."""
     info = rd.ckpt.info(name)
     if isinstance(fp8_block, CtQuant) and info.dtype in FP8_SOURCE_DTYPES:
         sname = fp8_block.scale_name(name)
@@ -80,7 +84,7 @@ def load_weight(
         return dequant_fp8_block(
             rd.get(name), rd.get(scale_name), fp8_block or (128, 128), name=name
         )
-    return _to_bf16(rd.get(name))
+    return rd.get(name).to(dtype)
 
 
 @dataclass(frozen=True)
@@ -114,21 +118,24 @@ class PerExpert:
         fp8_block: Any,  # noqa: E741
         scratch: Scratch | None = None,
         key: str = "",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``e0:e1`` as ``(gate_up [c, H, 2, I], down [c, I, H])`` bf16, in `scratch`
         buffers (valid until the next load with the same `key`) when one is given."""
         c = e1 - e0
         sc = scratch or Scratch()
-        gate_up = sc.get(key + "gate_up", (c, H, 2, I), torch.bfloat16)  # [c, H, 2, I]
-        down = sc.get(key + "down", (c, I, H), torch.bfloat16)  # [c, I, H]
+        gate_up = sc.get(key + "gate_up", (c, H, 2, I), dtype)  # [c, H, 2, I]
+        down = sc.get(key + "down", (c, I, H), dtype)  # [c, I, H]
         for j, e in enumerate(range(e0, e1)):
             gate_up[j, :, 0, :] = sc.transpose(
-                load_weight(rd, prefix + self.gate.format(e=e), fp8_block)
+                load_weight(rd, prefix + self.gate.format(e=e), fp8_block, dtype)
             )
             gate_up[j, :, 1, :] = sc.transpose(
-                load_weight(rd, prefix + self.up.format(e=e), fp8_block)
+                load_weight(rd, prefix + self.up.format(e=e), fp8_block, dtype)
             )
-            down[j] = sc.transpose(load_weight(rd, prefix + self.down.format(e=e), fp8_block))
+            down[j] = sc.transpose(
+                load_weight(rd, prefix + self.down.format(e=e), fp8_block, dtype)
+            )
         return gate_up, down
 
 
@@ -202,6 +209,7 @@ class Fused:
         fp8_block: Any,  # noqa: E741
         scratch: Scratch | None = None,
         key: str = "",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``e0:e1`` as ``(gate_up [c, H, 2, I], down [c, I, H])`` bf16 (see `PerExpert.load`)."""
         sc = scratch or Scratch()
@@ -213,17 +221,17 @@ class Fused:
             d_oi = decode_mxfp4(
                 rd.get_rows(d_name + "_blocks", e0, e1), rd.get_rows(d_name + "_scales", e0, e1)
             )
-            gu = t2(gu_oi)  # [c, 2I, H] -> [c, H, 2I] (transformers: transpose(1, 2))
-            down = t2(d_oi)  # [c, H, I] -> [c, I, H]
+            gu = t2(gu_oi).to(dtype)  # [c, 2I, H] -> [c, H, 2I] (transformers: transpose(1, 2))
+            down = t2(d_oi).to(dtype)  # [c, H, I] -> [c, I, H]
         elif self.out_in:
             gu = t2(
-                _to_bf16(rd.get_rows(prefix + self.gate_up, e0, e1))
+                rd.get_rows(prefix + self.gate_up, e0, e1).to(dtype)
             )  # [c, 2I, H] -> [c, H, 2I]
-            down = t2(_to_bf16(rd.get_rows(prefix + self.down, e0, e1)))  # [c, H, I] -> [c, I, H]
+            down = t2(rd.get_rows(prefix + self.down, e0, e1).to(dtype))  # [c, H, I] -> [c, I, H]
         else:
-            gu = _to_bf16(rd.get_rows(prefix + self.gate_up, e0, e1))  # [c, H, 2I]
-            down = _to_bf16(rd.get_rows(prefix + self.down, e0, e1)).contiguous()  # [c, I, H]
-        gate_up = sc.get(key + "gate_up", (e1 - e0, H, 2, I), torch.bfloat16)
+            gu = rd.get_rows(prefix + self.gate_up, e0, e1).to(dtype)  # [c, H, 2I]
+            down = rd.get_rows(prefix + self.down, e0, e1).to(dtype).contiguous()  # [c, I, H]
+        gate_up = sc.get(key + "gate_up", (e1 - e0, H, 2, I), dtype)
         gate_up.copy_(self._split_2i(gu, I))  # [c, H, 2, I]
         return gate_up, down
 
@@ -272,14 +280,15 @@ class Stacked:
         fp8_block: Any,  # noqa: E741
         scratch: Scratch | None = None,
         key: str = "",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Experts ``e0:e1`` as ``(gate_up [c, H, 2, I], down [c, I, H])`` bf16."""
         sc = scratch or Scratch()
-        gate_up = sc.get(key + "gate_up", (e1 - e0, H, 2, I), torch.bfloat16)
-        gate_up[:, :, 0, :] = t2(_to_bf16(rd.get_rows(prefix + self.gate, e0, e1)))
-        gate_up[:, :, 1, :] = t2(_to_bf16(rd.get_rows(prefix + self.up, e0, e1)))
-        down = sc.get(key + "down", (e1 - e0, I, H), torch.bfloat16)
-        down.copy_(t2(_to_bf16(rd.get_rows(prefix + self.down, e0, e1))))
+        gate_up = sc.get(key + "gate_up", (e1 - e0, H, 2, I), dtype)
+        gate_up[:, :, 0, :] = t2(rd.get_rows(prefix + self.gate, e0, e1).to(dtype))
+        gate_up[:, :, 1, :] = t2(rd.get_rows(prefix + self.up, e0, e1).to(dtype))
+        down = sc.get(key + "down", (e1 - e0, I, H), dtype)
+        down.copy_(t2(rd.get_rows(prefix + self.down, e0, e1).to(dtype)))
         return gate_up, down
 
 
@@ -305,10 +314,11 @@ class FusedDense:
         fp8_block: Any,  # noqa: E741
         scratch: Scratch | None = None,
         key: str = "",
+        dtype: torch.dtype = torch.bfloat16,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As an E=1 stack: ``(gate_up [1, H, 2, I], down [1, I, H])`` bf16."""
-        gu = t2(_to_bf16(rd.get(prefix + self.gate_up)))  # [2I, H] -> [H, 2I]
-        down = t2(_to_bf16(rd.get(prefix + self.down)))  # [H, I] -> [I, H]
+        gu = t2(rd.get(prefix + self.gate_up).to(dtype))  # [2I, H] -> [H, 2I]
+        down = t2(rd.get(prefix + self.down).to(dtype))  # [H, I] -> [I, H]
         return gu.view(1, H, 2, I).contiguous(), down.view(1, I, H)
 
 

@@ -32,7 +32,7 @@ import torch
 from mxcli.errors import MxcliError
 
 # The prefill kernel's limits (prefill spec §2.3): beyond them the router is not expressible.
-from mxcli.kernels.rmsnorm_mx_prefill.contract import MAX_EXPERTS, MAX_GROUPS, MAX_TOP_K
+from mxcli.kernels.rmsnorm_mx_prefill.contract import MAX_EXPERTS, MAX_GROUPS, MAX_TOP_K  # noqa: F401 (re-exported)
 
 SCORINGS = ("softmax", "sigmoid", "sparsemixer")
 BIASES = (None, "logit", "selection", "probability")
@@ -148,13 +148,8 @@ def kernel_router(math: RouterMath, family: str) -> RouterSpec:
             "renormalised sigmoid routing without a selection bias (NOAUX_TC needs the "
             "e_score_correction_bias)"
         )
-    if math.n_group > MAX_GROUPS or math.topk_group > MAX_GROUPS:
-        raise refuse(f"n_group={math.n_group}, topk_group={math.topk_group} (at most {MAX_GROUPS})")
-    if math.n_group < 1 or math.num_experts % math.n_group:
-        raise ConfigError(
-            f"config.json: the number of experts ({math.num_experts}) is not divisible by "
-            f"n_group ({math.n_group})"
-        )
+    # n_group / topk_group (at most MAX_GROUPS, against E and each other): the kernel
+    # contract's checks and messages (`check_kernel_kwargs`)
     if math.num_experts < MAX_TOP_K:
         raise refuse(f"NOAUX_TC with E={math.num_experts} < 8 experts")
     return RouterSpec(
@@ -165,6 +160,48 @@ def kernel_router(math: RouterMath, family: str) -> RouterSpec:
         routed_scaling_factor=math.scale,
         math=math,
     )
+
+
+def check_kernel_kwargs(
+    spec: RouterSpec, eps: Any, num_experts: int, where: str, keys: dict[str, str]
+) -> None:
+    """`ConfigError` when the prefill kernel would refuse this router's kwargs (and ``eps``),
+    with the kernel contract's own message: the contract's kwarg parsers and `validate` run on
+    meta tensors of the model's E (no data), so a plan refuses exactly what make-inputs and
+    run-prefill would refuse later (prefill spec §2.3). `keys` maps a kernel argument to the
+    config key it was read from (named first in the message)."""
+    from mxcli.kernels.rmsnorm_mx_prefill.contract import HIDDEN_MULTIPLE, RouterActFnType
+    from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC
+
+    kwargs = {
+        "router_act_fn": spec.act_fn,
+        "top_k": spec.top_k,
+        "n_group": spec.n_group,
+        "topk_group": spec.topk_group,
+        "routed_scaling_factor": spec.routed_scaling_factor,
+        "eps": eps,
+    }
+    meta = torch.device("meta")
+    try:
+        parsed = SPEC.resolve_kwargs(kwargs)
+        act = RouterActFnType.coerce(spec.act_fn)
+        bias = (
+            torch.empty(num_experts, dtype=torch.float32, device=meta)
+            if act is RouterActFnType.NOAUX_TC
+            else None
+        )
+        SPEC.validate(
+            torch.empty(1, 1, HIDDEN_MULTIPLE, dtype=torch.bfloat16, device=meta),
+            torch.empty(HIDDEN_MULTIPLE, dtype=torch.float32, device=meta),
+            torch.empty(HIDDEN_MULTIPLE, num_experts, dtype=torch.bfloat16, device=meta),
+            bias,
+            **parsed,
+        )
+    except ValueError as exc:  # PrefillValidationError / InputError: the contract's message
+        key = keys.get(str(exc).split(":", 1)[0])
+        raise ConfigError(
+            f"{where}{' ' + key if key else ''}: the prefill kernel refuses it: {exc}"
+        ) from None
 
 
 def with_backward(spec: RouterSpec, notes: tuple[str, ...]) -> RouterSpec:

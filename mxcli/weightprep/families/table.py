@@ -26,6 +26,7 @@ from mxcli.weightprep.families.routing import (
     RouterMath,
     RouterRefused,
     RouterSpec,
+    check_kernel_kwargs,
     kernel_router,
     with_backward,
 )
@@ -72,7 +73,7 @@ def _qwen_layers(v: dict[str, Any], L: int) -> bool:
     t = _typed(v, L)
     if t is not None:
         return t
-    step = int(v["decoder_sparse_step"] or 1)
+    step = v["decoder_sparse_step"] or 1
     return L not in (v["mlp_only_layers"] or []) and step > 0 and (L + 1) % step == 0
 
 
@@ -80,21 +81,21 @@ def _deepseek_layers(v: dict[str, Any], L: int) -> bool:
     t = _typed(v, L)
     if t is not None:
         return t
-    freq = int(v.get("moe_layer_freq") or 1)
-    return L >= int(v.get("first_k_dense_replace") or 0) and L % freq == 0
+    freq = v.get("moe_layer_freq") or 1
+    return L >= (v.get("first_k_dense_replace") or 0) and L % freq == 0
 
 
 def _dense_prefix_layers(v: dict[str, Any], L: int) -> bool:
     t = _typed(v, L)
     if t is not None:
         return t
-    return L >= int(v.get("num_dense_layers") or 0)
+    return L >= (v.get("num_dense_layers") or 0)
 
 
 def _llama4_layers(v: dict[str, Any], L: int) -> bool:
     if v.get("moe_layers") is not None:
         return L in v["moe_layers"]
-    step = int(v["interleave_moe_layer_step"])
+    step = v["interleave_moe_layer_step"]
     return step > 0 and (L + 1) % step == 0
 
 
@@ -137,9 +138,9 @@ def _deepseek(v: dict[str, Any]) -> RouterMath:
         v["num_experts"],
         renormalize=bool(v["norm_topk_prob"]),
         bias="selection",
-        scale=float(v.get("routed_scaling_factor") or 1.0),
-        n_group=int(v.get("n_group") or 1),
-        topk_group=int(v.get("topk_group") or 1),
+        scale=float(v["routed_scaling_factor"]),
+        n_group=v["n_group"],
+        topk_group=v["topk_group"],
         renorm_eps=1e-20,
     )
 
@@ -153,7 +154,8 @@ def _sigmoid_bias_one_group(v: dict[str, Any], renorm_eps: float = 0.0) -> Route
         v["num_experts"],
         renormalize=bool(v.get("norm_topk_prob", True)),
         bias="selection" if use_bias else None,
-        scale=float(v.get("routed_scaling_factor") or 1.0),
+        # a family without the key (MiniMax-M2) does not scale
+        scale=float(v.get("routed_scaling_factor", 1.0)),
         renorm_eps=renorm_eps,
     )
 
@@ -201,7 +203,13 @@ def _no_bwd(v: dict[str, Any]) -> tuple[str, ...]:
 
 # role -> (config key, or a tuple of aliases across transformers versions (first found wins),
 # default). Every alias below was read from a transformers 5.23 config class or a released
-# config.json.
+# config.json. A default is the family's transformers default (`_values` asks the installed
+# config class first; these are the fallback, read from TRANSFORMERS_DEFAULTS_VERSION's classes
+# and checked against the installed ones by tests/weightprep/test_config_defaults.py); keys
+# transformers does not read (topk_method, scoring_func, moe_layer_freq: its DeepSeek-V3 code is
+# always sigmoid on every layer past first_k_dense_replace, modeling_deepseek_v3.py:136 and :492
+# in 5.23) keep mxcli's reading.
+TRANSFORMERS_DEFAULTS_VERSION = "5.23.0"
 E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 K_KEYS = ("num_experts_per_tok", "num_experts_per_token", "experts_per_token", "moe_topk")
 _COMMON: dict[str, tuple[Any, Any]] = {
@@ -237,6 +245,22 @@ _MIXTRAL_KEYS = {
     "eps": ("rms_norm_eps", 1e-5),
     "intermediate_size": ("intermediate_size", REQUIRED),
 }
+
+
+def _defaults(keys: dict[str, tuple[Any, Any]], **defaults: Any) -> dict[str, tuple[Any, Any]]:
+    """`keys` with the defaults of the roles named replaced (a family's transformers defaults)."""
+    return {role: (k, defaults.get(role, d)) for role, (k, d) in keys.items()}
+
+
+# DeepseekV3Config / DeepseekV32Config (transformers 5.23): the DeepSeek-V3 sizes
+_DEEPSEEK_V3_KEYS = _defaults(
+    _DEEPSEEK_KEYS,
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    first_k_dense_replace=3,
+    n_shared_experts=1,
+)
 
 
 def _per_expert(
@@ -372,7 +396,7 @@ FAMILY_LIST: tuple[Family, ...] = (
         keys={
             **_QWEN_KEYS,
             "norm_topk_prob": ("norm_topk_prob", True),
-            "shared_intermediate_size": ("shared_expert_intermediate_size", 0),
+            "shared_intermediate_size": ("shared_expert_intermediate_size", 512),
         },
         gamma="post_attention_layernorm.weight",
         router_weight="mlp.gate.weight",
@@ -539,26 +563,68 @@ FAMILY_LIST: tuple[Family, ...] = (
     _deepseek_like(
         "deepseek_v3",
         "deepseek-ai/DeepSeek-V3",
+        keys=_DEEPSEEK_V3_KEYS,
         notes=("layers past num_hidden_layers (the MTP module) are not converted",),
         # Kimi-K2 ships its own config code (model_type kimi_k2) over the DeepSeek-V3
         # architecture and config keys (DeepseekV3ForCausalLM)
         also=("kimi_k2",),
     ),
-    _deepseek_like("deepseek_v32", "deepseek-ai/DeepSeek-V3.2-Exp"),
-    _deepseek_like("glm4_moe", "zai-org/GLM-4.5"),
-    _deepseek_like("glm4_moe_lite", "zai-org/GLM-4.7-Flash"),
+    _deepseek_like("deepseek_v32", "deepseek-ai/DeepSeek-V3.2-Exp", keys=_DEEPSEEK_V3_KEYS),
+    _deepseek_like(
+        "glm4_moe",
+        "zai-org/GLM-4.5",
+        keys=_defaults(_DEEPSEEK_KEYS, eps=1e-5, first_k_dense_replace=1, n_shared_experts=1),
+    ),
+    _deepseek_like(
+        "glm4_moe_lite",
+        "zai-org/GLM-4.7-Flash",
+        # its config class makes layer 0 dense, the others MoE, when mlp_layer_types is missing
+        keys=_defaults(
+            _DEEPSEEK_KEYS,
+            eps=1e-5,
+            routed_scaling_factor=1.8,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+        ),
+    ),
     _deepseek_like(
         "dots1",
         "rednote-hilab/dots.llm1.inst",
         keys={**_DEEPSEEK_KEYS, "norm_topk_prob": ("norm_topk_prob", False)},
     ),
-    _deepseek_like("solar_open", "upstage/Solar-Open-100B"),
-    _deepseek_like("exaone_moe", "LGAI-EXAONE/K-EXAONE-236B-A23B"),
-    _deepseek_like("mimo_v2_flash", "XiaomiMiMo/MiMo-V2-Flash", shared=False),
-    _deepseek_like("bailing_hybrid", "inclusionAI/Ring-flash-linear-2.0"),
+    _deepseek_like(
+        "solar_open",
+        "upstage/Solar-Open-100B",
+        keys=_defaults(_DEEPSEEK_KEYS, eps=1e-5, n_shared_experts=1),
+    ),
+    _deepseek_like(
+        "exaone_moe",
+        "LGAI-EXAONE/K-EXAONE-236B-A23B",
+        keys=_defaults(
+            _DEEPSEEK_KEYS, eps=1e-5, routed_scaling_factor=2.5, first_k_dense_replace=1
+        ),
+    ),
+    _deepseek_like(
+        "mimo_v2_flash",
+        "XiaomiMiMo/MiMo-V2-Flash",
+        shared=False,
+        keys=_defaults(_DEEPSEEK_KEYS, eps=1e-5, first_k_dense_replace=1),
+    ),
+    _deepseek_like(
+        "bailing_hybrid",
+        "inclusionAI/Ring-flash-linear-2.0",
+        keys=_defaults(_DEEPSEEK_V3_KEYS, first_k_dense_replace=2),
+    ),
     _deepseek_like(
         "kimi_linear",
         "moonshotai/Kimi-Linear-48B-A3B-Instruct",
+        keys=_defaults(
+            _DEEPSEEK_KEYS,
+            eps=1e-5,
+            routed_scaling_factor=2.446,
+            first_k_dense_replace=1,
+            n_shared_experts=1,
+        ),
         base="block_sparse_moe",
         names=_MIXTRAL_NAMES,
         bias="block_sparse_moe.gate.e_score_correction_bias",
@@ -585,7 +651,7 @@ FAMILY_LIST: tuple[Family, ...] = (
             "eps": ("rms_norm_eps", 1e-5),
             "intermediate_size": ("moe_intermediate_size", REQUIRED),
             "routed_scaling_factor": ("moe_router_scaling_factor", 1.0),
-            "shared_intermediate_size": (("share_expert_dim", "share_expert_dims"), 0),
+            "shared_intermediate_size": (("share_expert_dim", "share_expert_dims"), 1280),
             "swiglu_limits": ("swiglu_limits", None),
         },
         prefixes=("language_model.layers.{L}.", "model.language_model.layers.{L}.") + _LAYER,
@@ -611,8 +677,8 @@ FAMILY_LIST: tuple[Family, ...] = (
             "eps": ("rms_norm_eps", 1e-5),
             "intermediate_size": ("moe_intermediate_size", REQUIRED),
             "routed_scaling_factor": ("route_scale", 1.0),
-            "num_dense_layers": ("num_dense_layers", 0),
-            "n_shared_experts": ("num_shared_experts", 0),
+            "num_dense_layers": ("num_dense_layers", 1),
+            "n_shared_experts": ("num_shared_experts", 2),
         },
         gamma="pre_mlp_layernorm.weight",
         router_weight="mlp.router.gate.weight",
@@ -633,7 +699,7 @@ FAMILY_LIST: tuple[Family, ...] = (
             "eps": ("norm_eps", 1e-5),
             "intermediate_size": ("moe_intermediate_size", REQUIRED),
             "routed_scaling_factor": ("routed_scaling_factor", 1.0),
-            "num_dense_layers": ("num_dense_layers", 0),
+            "num_dense_layers": ("num_dense_layers", 2),
             "norm_topk_prob": ("norm_topk_prob", True),
             "use_expert_bias": ("use_expert_bias", True),
         },
@@ -759,6 +825,17 @@ class ModelConfig:
     # DeepSeek FP8 source block size, or a compressed-tensors source's scheme (`CtQuant`)
     fp8_block: tuple[int, int] | CtQuant | None
     router: RouterSpec
+    defaulted: tuple[Defaulted, ...] = ()  # keys config.json lacks, read as transformers does
+
+    def defaults_note(self) -> str | None:
+        """The plan's and the manifest's line on the keys read with their defaults."""
+        if not self.defaulted:
+            return None
+        by: dict[str, list[str]] = {}
+        for d in self.defaulted:
+            by.setdefault(d.source, []).append(f"{d.key}={d.value!r}")
+        parts = [f"{', '.join(kv)} ({src})" for src, kv in by.items()]
+        return "config.json lacks these keys, read with their defaults: " + "; ".join(parts)
 
     @property
     def H(self) -> int:
@@ -795,7 +872,116 @@ def _lookup(cfg: dict[str, Any], key: Any) -> tuple[str, Any]:
     return keys[0], REQUIRED
 
 
-def _values(config: dict[str, Any], family: Family) -> tuple[dict[str, Any], dict[str, Any], str]:
+# The most decoder layers a plan iterates over (released MoE configs have under 100, e.g.
+# Qwen3-235B-A22B 94): a larger num_hidden_layers is a broken config, refused before any loop
+# runs over it (10**12 hung --dry-run).
+MAX_LAYERS = 4096
+
+# role -> (what a value must be, test). Sizes are positive integers; counts and layer rules are
+# integers >= 0; router values are numbers whose range is the prefill kernel's to judge
+# (`check_kernel_kwargs`), so a NaN or a negative value reaches the kernel contract's message.
+_POSITIVE = ("hidden_size", "num_layers", "num_experts", "top_k", "intermediate_size")
+_COUNTS = (
+    "first_k_dense_replace", "moe_layer_freq", "n_shared_experts", "decoder_sparse_step",
+    "num_dense_layers", "interleave_moe_layer_step", "num_shared_expert",
+    "shared_intermediate_size",
+)  # fmt: skip
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _kind(role: str) -> tuple[str, Callable[[Any], bool]] | None:
+    if role == "num_layers":
+        return f"an integer in [1, {MAX_LAYERS}]", lambda v: _is_int(v) and 0 < v <= MAX_LAYERS
+    if role in _POSITIVE:
+        return "a positive integer", lambda v: _is_int(v) and v > 0
+    if role in _COUNTS:
+        return "an integer >= 0", lambda v: _is_int(v) and v >= 0
+    if role in ("n_group", "topk_group"):
+        return "an integer", _is_int
+    if role in ("eps", "routed_scaling_factor", "swiglu_limit"):
+        return "a number", _is_number
+    if role in ("norm_topk_prob", "use_expert_bias"):
+        return "true or false", lambda v: isinstance(v, bool)
+    if role in ("scoring_func", "topk_method"):
+        return "a string", lambda v: isinstance(v, str)
+    if role in ("mlp_only_layers", "moe_layers"):
+        return (
+            "a list of layer indices (integers >= 0)",
+            lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+        )
+    if role == "mlp_layer_types":
+        return (
+            "a list of strings ('dense'/'sparse')",
+            lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        )
+    if role == "swiglu_limits":
+        return (
+            "a list of numbers or nulls",
+            lambda v: isinstance(v, list) and all(x is None or _is_number(x) for x in v),
+        )
+    return None
+
+
+def _check_value(where: str, key: str, role: str, value: Any) -> None:
+    kind = _kind(role)
+    if kind is not None and not kind[1](value):
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise ConfigError(f"{where}: {key} must be {kind[0]}, got {shown}")
+
+
+def _transformers_config(config: dict[str, Any], family: Family) -> tuple[Any, str] | None:
+    """The family's installed transformers config class built from `config` (its present
+    keys), and ``"transformers X.Y ClassName"``; None when transformers is not installed, the
+    family is not one of its model types, or the class refuses the config (any exception:
+    transformers is an optional dependency and its checks are not mxcli's messages)."""
+    try:
+        import logging
+        import warnings
+
+        import transformers
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        cls = CONFIG_MAPPING[family.name]
+        present = {k: v for k, v in config.items() if v is not None}
+        tf_logger = logging.getLogger("transformers")
+        level = tf_logger.level
+        tf_logger.setLevel(logging.ERROR)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                inst = cls(**present)
+                if family.text_config:
+                    inst = inst.get_text_config()
+        finally:
+            tf_logger.setLevel(level)
+        return inst, f"transformers {transformers.__version__} {type(inst).__name__}"
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True)
+class Defaulted:
+    """A config key absent from config.json, read as transformers defaults it."""
+
+    key: str
+    value: Any
+    source: str  # "transformers 5.23.0 DeepseekV3Config" or the family table's
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "value": self.value, "from": self.source}
+
+
+def _values(
+    config: dict[str, Any], family: Family
+) -> tuple[dict[str, Any], dict[str, Any], str, list[Defaulted], dict[str, str]]:
     cfg = config
     where = "config.json"
     if family.text_config and isinstance(config.get("text_config"), dict):
@@ -803,23 +989,32 @@ def _values(config: dict[str, Any], family: Family) -> tuple[dict[str, Any], dic
     values: dict[str, Any] = {}
     used: dict[str, Any] = {}
     key_of: dict[str, str] = {}
+    missing: dict[str, tuple[str, Any]] = {}  # role -> (key, table default)
     for role, (key, default) in family.keys.items():
         k, val = _lookup(cfg, key)
+        key_of[role] = k
         if val is REQUIRED:
             if default is REQUIRED:
                 raise ConfigError(f"{where}: missing key {k!r} (needed by {family.name})")
-            val = default
-        else:
-            used[k] = val
-        values[role], key_of[role] = val, k
-    for role in ("hidden_size", "num_layers", "num_experts", "top_k", "intermediate_size"):
-        if not isinstance(values[role], int) or isinstance(values[role], bool) or values[role] <= 0:
-            raise ConfigError(
-                f"{where}: {key_of[role]} must be a positive integer, got {values[role]!r}"
-            )
+            missing[role] = (k, default)
+            continue
+        _check_value(where, k, role, val)  # before anything iterates over it (num_layers)
+        values[role] = used[k] = val
+    defaulted: list[Defaulted] = []
+    if missing:
+        tf = _transformers_config(config, family)
+        table = f"mxcli's {family.name} table (transformers {TRANSFORMERS_DEFAULTS_VERSION})"
+        for role, (k, default) in missing.items():
+            val, source = default, table
+            if tf is not None and getattr(tf[0], k, None) is not None:
+                val, source = getattr(tf[0], k), tf[1]
+            if val is not None:
+                _check_value(f"{source} default", k, role, val)
+                defaulted.append(Defaulted(k, val, source))
+            values[role] = val
     if family.shared_size is not None:
         values["shared_intermediate_size"] = family.shared_size(values)
-    return values, used, where
+    return values, used, where, defaulted, key_of
 
 
 def resolve_config(config: dict[str, Any], family: Family) -> ModelConfig:
@@ -828,15 +1023,18 @@ def resolve_config(config: dict[str, Any], family: Family) -> ModelConfig:
     `ConfigError` for a missing or unusable value; `RouterRefused` when the router (or, with a
     forced family, the config's own semantics) is not expressible (see `check_semantics`).
     """
-    values, used, _ = _values(config, family)
+    values, used, where, defaulted, key_of = _values(config, family)
     math_ = family.math(values)
     check_semantics(config, family, math_)
     router = with_backward(kernel_router(math_, family.name), family.backward(values))
+    roles = ("eps", "top_k", "n_group", "topk_group", "routed_scaling_factor")
+    kernel_keys: dict[str, str] = {a: key_of[a] for a in roles if a in key_of}
+    check_kernel_kwargs(router, values["eps"], math_.num_experts, where, kernel_keys)
     if math_.bias is None and family.router_bias is not None and family.name != "gpt_oss":
         family = replace(family, router_bias=None)  # e.g. LFM2 with use_expert_bias=false
     fp8_block, qmethod = _quantization(config, family)
     used["quantization_config.quant_method"] = qmethod
-    return ModelConfig(family, values, used, fp8_block, router)
+    return ModelConfig(family, values, used, fp8_block, router, tuple(defaulted))
 
 
 # -- semantic checks of a forced family (--model-type) ------------------------------------------
