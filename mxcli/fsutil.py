@@ -13,6 +13,16 @@ racing for one new output exactly one wins and the other reports it; the existen
 before the work only saves that work. With ``force`` the output is replaced atomically
 (``rename``). `hold_folder` gives a run exclusive (or, for runs that share a folder on disjoint
 parts, shared) use of an output folder.
+
+A temporary folder (`temporary_folder`, for outputs published as a whole folder) is named
+``.<final name>.<host>.<pid>.<kind>.tmp``: its writer holds an flock on it, and a later run
+removes it (`remove_dead_temporary_folders`) once that process is gone from this host, so a
+SIGKILLed writer leaves nothing for ever.
+
+Signals are deferred, not blocked, while a temporary is created (`signals_deferred`): Python runs
+its handlers in the main thread whichever thread the kernel delivered the signal to (torch's
+worker threads do not block it), so only swapping the handler closes the window between
+creating a temporary and arming its clean-up.
 """
 
 from __future__ import annotations
@@ -22,11 +32,16 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
+import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from mxcli.errors import InputError, MxcliError, OutputExistsError
 
@@ -83,6 +98,10 @@ def refuse_inputs(
         f = _resolved(folder)
         if r == f or f in r.parents:
             raise MxcliError(f"{out}: output inside the {what} {folder}; write it elsewhere")
+        if r in f.parents:  # --force on it would replace the source's parent folder
+            raise MxcliError(
+                f"{out}: output folder contains the {what} {folder}; write it elsewhere"
+            )
 
 
 def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
@@ -103,16 +122,40 @@ def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
     return p
 
 
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back for the block: their handlers raise, and one raised after
-    a temporary file exists but before its owner's clean-up is armed would leave it behind."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back for the block and deliver the first one that came
+    at its end: their handlers raise, and one raised after a temporary exists but before its
+    owner's clean-up is armed would leave it behind.
+
+    The handlers are swapped for one that only notes the signal (see the module docstring for
+    why a signal mask does not do). Python runs handlers in the main thread only, so in another
+    thread nothing can raise and nothing needs deferring.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def note(signum: int, _frame: Any) -> None:
+        caught.append(signum)
+
+    previous: dict[int, Any] = {}
+    for sig in _DEFERRED:
+        handler = signal.getsignal(sig)
+        if callable(handler):  # SIG_DFL / SIG_IGN raise nothing and are left alone
+            previous[sig] = handler
+            signal.signal(sig, note)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            previous[caught[0]](caught[0], None)  # raises (KeyboardInterrupt, Terminated)
 
 
 def _locked_temporary(final: Path) -> tuple[int, Path]:
@@ -204,7 +247,7 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
     fd, tmp = -1, None
     try:
         try:
-            with _signals_deferred():  # an interrupt cannot land between creating and owning it
+            with signals_deferred():  # an interrupt cannot land between creating and owning it
                 fd, tmp = _locked_temporary(final)
             yield tmp
             if os.stat(tmp).st_mode & 0o777 != default_mode():  # a writer that replaced the file
@@ -335,3 +378,137 @@ def hold_folder(folder: Path, lock_name: str, *, shared: bool, busy: str) -> Ite
             pass
         finally:
             os.close(fd)
+
+
+# -- temporary folders of whole-folder outputs ------------------------------------------------------
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a temporary folder's name (no separators, bounded)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname() or "host")[:64]
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _named_folder(final: Path, kind: str) -> Path:
+    parent = final.parent if str(final.parent) else Path(".")
+    return parent / f".{final.name}.{_host_tag()}.{os.getpid()}.{kind}"
+
+
+@contextlib.contextmanager
+def temporary_folder(final: Path, kind: str = "export") -> Iterator[Path]:
+    """A new folder ``.<name>.<host>.<pid>.<kind>.tmp`` beside `final`, held (flock) by this
+    process for the block and removed when the block raises (an interrupt included: it is
+    created with signals deferred, so no interrupt lands before its clean-up is armed). On
+    success it is left for the caller to rename into place."""
+    tmp = _named_folder(final, kind + TEMP_SUFFIX)
+    fd = -1
+    try:
+        with signals_deferred():
+            fd = _locked_temporary_folder(tmp)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _locked_temporary_folder(tmp: Path) -> int:
+    """Create `tmp` (a leftover of this pid is an earlier, finished use of it: replaced) and
+    hold an flock on it; the descriptor."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()  # the umask gives its mode
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def aside_name(final: Path) -> Path:
+    """Where a replaced output folder waits (``.<name>.<host>.<pid>.<kind>.old``) until its
+    replacement is in place; a killed process's is cleaned by `remove_dead_temporary_folders`."""
+    return _named_folder(final, "export.old")
+
+
+def remove_dead_temporary_folders(final: Path, kind: str = "export") -> list[Path]:
+    """Clean what killed writers of `final` left beside it: a temporary folder is removed, a
+    replaced output waiting aside is put back when `final` is missing (the killed run had moved
+    it aside and not yet published its own), else removed. Only those of a process gone from
+    this host whose flock nobody holds; those of live or other hosts' processes are kept.
+    Returns the paths removed or restored."""
+    parent = final.parent if str(final.parent) else Path(".")
+    pattern = re.compile(
+        re.escape(f".{final.name}.") + r"(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\."
+        + re.escape(kind) + r"\.(?P<what>tmp|old)"
+    )  # fmt: skip
+    done: list[Path] = []
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return done
+    for p in entries:
+        m = pattern.fullmatch(p.name)
+        if m is None or m["host"] != _host_tag() or _pid_alive(int(m["pid"])):
+            continue
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its writer lives after all (another PID namespace)
+            os.close(fd)
+            continue
+        try:
+            if m["what"] == "old" and not os.path.lexists(final):
+                os.rename(p, final)
+            else:
+                shutil.rmtree(p)
+            done.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return done
+
+
+# -- paths read from a record ----------------------------------------------------------------------
+
+
+def confined(
+    base: Path,
+    rel: object,
+    key: str,
+    record: Path,
+    what: str = "manifest",
+    error: type[MxcliError] = MxcliError,
+) -> Path:
+    """``base / rel`` for a path `rel` read from the file `record` under `key`, refused (one
+    line naming the key and the path) unless it is a relative path that stays inside `base`,
+    symbolic links resolved: a record may only name its own folder's files."""
+    bad = None
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        bad = "not a relative path"
+    elif os.path.isabs(rel) or ".." in Path(rel).parts:
+        bad = f"outside {base}"
+    else:
+        root = _resolved(base)
+        target = _resolved(base / rel)
+        if target != root and root not in target.parents:
+            bad = f"outside {base} (it resolves to {target})"
+    if bad is not None:
+        raise error(f"{record}: {key} is {rel!r}, {bad}; a corrupt {what}")
+    return base / str(rel)

@@ -305,29 +305,68 @@ def _open_output(
 ) -> dict[str, Any]:
     """Reuse the output folder (made by `_make_folder`, held by this run); return the manifest
     to extend. A shard of several joins the folder the other shards share, as ``--resume``."""
-    if shard is not None and shard.count > 1:
-        resume = True
     fresh = new_manifest(plan, source_files)
+    if shard is not None and shard.count > 1:
+        return _join_shards(out, plan, fresh, shard)
     mpath = out / MANIFEST_NAME
     if resume and mpath.is_file():
         old = read_manifest_json(mpath)  # replaced atomically: always whole
         _check_compatible(old, fresh, plan)
         _check_shards(old, shard)
-        if old.get("shards"):
-            fresh["shards"] = old["shards"]
-        _remove_stale(out, plan)
-        fresh["layers"] = dict(old["layers"])
-        for name, f in old["source"]["files"].items():
-            if name in fresh["source"]["files"] and f.get("sha256"):
-                fresh["source"]["files"][name]["sha256"] = f["sha256"]
+        _continue(out, plan, old, fresh)
         return fresh
     if _not_empty(out) and not (resume or force):
         raise OutputExistsError(
             f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)"
         )
     if force:
-        _remove_previous_outputs(out)
+        _remove_previous_outputs(out, plan)
     return fresh
+
+
+def _continue(out: Path, plan: Plan, old: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """Carry the recorded layers, shards and source hashes of `old` over into `fresh`."""
+    if old.get("shards"):
+        fresh["shards"] = old["shards"]
+    _remove_stale(out, plan)
+    fresh["layers"] = dict(old["layers"])
+    for name, f in old["source"]["files"].items():
+        if name in fresh["source"]["files"] and f.get("sha256"):
+            fresh["source"]["files"][name]["sha256"] = f["sha256"]
+
+
+def _join_shards(out: Path, plan: Plan, fresh: dict[str, Any], shard: Shard) -> dict[str, Any]:
+    """A shard of several joins the folder as ``--resume`` does. The first to come records the
+    selection in the manifest at once (under the lock, so shards starting together see it);
+    every later one must repeat it and every option that shapes the bytes, else it is refused
+    naming the difference: a shard converting other layers would leave some selected layer
+    unconverted while the manifest calls the model complete."""
+    mpath = out / MANIFEST_NAME
+    fresh["shards"] = {"count": shard.count, "complete": False, "layers": list(plan.layers)}
+    with _locked(out):
+        if not mpath.is_file():
+            save_manifest(out, fresh, indexes=False)
+            return fresh
+        old = read_manifest_json(mpath)
+        where = f"shard {shard} ({shard.source})"
+        _check_compatible(old, fresh, plan, where, "every shard must run with the same options")
+        _check_shards(old, shard)
+        _check_selection(old, plan, where, mpath)
+        _continue(out, plan, old, fresh)
+    return fresh
+
+
+def _check_selection(old: dict[str, Any], plan: Plan, where: str, mpath: Path) -> None:
+    """The layers the first shard recorded (``shards.layers``) against this run's."""
+    recorded = (old.get("shards") or {}).get("layers")
+    if recorded is None:  # an older version's folder: it recorded none
+        return
+    if [int(x) for x in recorded] != list(plan.layers):
+        raise InputError(
+            f"{where}: --layers selects layers {describe(plan.layers)}, the first shard recorded "
+            f"layers {describe([int(x) for x in recorded])} in {mpath} (every shard must select "
+            "the same layers)"
+        )
 
 
 def _not_empty(out: Path) -> bool:
@@ -352,18 +391,53 @@ def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | No
     return None
 
 
-def _remove_previous_outputs(out: Path) -> None:
-    """--force: delete what an earlier prep-weights run wrote here (its manifest lists it)."""
+def _previous_outputs(out: Path, plan: Plan) -> set[Path]:
+    """--force: the files an earlier run wrote here, as its manifest lists them (each path
+    confined to the folder, `mxcli.weightprep.manifest.check_paths`). Refuses, naming it, a
+    file this run would replace that no manifest lists: mxcli did not write it."""
     mpath = out / MANIFEST_NAME
-    if not mpath.is_file():
-        return
-    with contextlib.suppress(ManifestError):
-        old = read_manifest_json(mpath)
-        for rk in old.get("ranks", []):
-            rdir = out / str(rk.get("dir", ""))
-            if rdir.is_dir() and rdir.name.startswith("rank"):
-                shutil.rmtree(rdir)
-        mpath.unlink()
+    listed: set[Path] = set()
+    if os.path.lexists(mpath):
+        old = read_manifest_json(mpath)  # a foreign or corrupt manifest.json: refused, named
+        listed.add(mpath)
+        for rk in old["ranks"]:
+            listed |= {out / rk["dir"] / INDEX_NAME, out / rk["dir"] / MANIFEST_NAME}
+        for entry in old["layers"].values():
+            listed |= {out / fe["file"] for fe in entry["ranks"].values()}
+    for p in [mpath, *_planned_files(out, plan)]:
+        if os.path.lexists(p) and p not in listed:
+            raise OutputExistsError(
+                f"{p}: this run would replace it, and no manifest here says mxcli wrote it "
+                "(--force replaces only what mxcli wrote; move it away)"
+            )
+    return listed
+
+
+def _planned_files(out: Path, plan: Plan) -> list[Path]:
+    """The files a run of `plan` writes (besides OUT/manifest.json)."""
+    names = [layer_file(L) for L in plan.layers] + [INDEX_NAME, MANIFEST_NAME]
+    return [out / rk.dir / n for rk in plan.ranks for n in names]
+
+
+def _remove_files(out: Path, files: set[Path]) -> None:
+    """Delete `files` (the manifest last, so that an interrupted removal is still described)
+    and the folders they leave empty inside `out`."""
+    mpath = out / MANIFEST_NAME
+    for p in sorted(files - {mpath}):
+        p.unlink(missing_ok=True)
+    for d in sorted({p.parent for p in files}, key=lambda d: -len(d.parts)):
+        if d != out:
+            with contextlib.suppress(OSError):  # not empty: it holds files mxcli did not write
+                d.rmdir()
+    if mpath in files:
+        mpath.unlink(missing_ok=True)
+
+
+def _remove_previous_outputs(out: Path, plan: Plan) -> None:
+    """--force: delete what an earlier prep-weights run wrote here (its manifest lists it),
+    and nothing else."""
+    _remove_stale(out, plan)
+    _remove_files(out, _previous_outputs(out, plan))
 
 
 def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
@@ -377,24 +451,29 @@ def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
         )
 
 
-def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) -> None:
-    where = "--resume"
+def _check_compatible(
+    old: dict[str, Any],
+    fresh: dict[str, Any],
+    plan: Plan,
+    where: str = "--resume",
+    hint: str = "use --force to start over",
+) -> None:
     if old["source"]["family"] != fresh["source"]["family"]:
         raise InputError(
-            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
+            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} ({hint})"
         )
     for key in _COMPARED_SETTINGS:
         a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
         b = fresh["settings"].get(key)
         if a != b:
             raise InputError(
-                f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
+                f"{where}: the output was written with {key}={a}, this run asks {key}={b} ({hint})"
             )
     for name, f in fresh["source"]["files"].items():
         o = old["source"]["files"].get(name)
         if o is not None and (o["size"] != f["size"] or o["mtime_ns"] != f["mtime_ns"]):
             raise InputError(
-                f"{where}: source file {name} changed since the output was written (use --force)"
+                f"{where}: source file {name} changed since the output was written ({hint})"
             )
 
 
@@ -636,10 +715,9 @@ def _remove_unfinished(out: Path, plan: Plan, created: bool) -> None:
         return
     if recorded:
         return
-    for rk in plan.ranks:
-        shutil.rmtree(out / rk.dir, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        mpath.unlink(missing_ok=True)
+    _remove_stale(out, plan)
+    with contextlib.suppress(OSError):  # the files this run writes (--force checked them)
+        _remove_files(out, {*_planned_files(out, plan), mpath})
     if created:  # only this run wrote here: remove what else it left (the folder goes below)
         for p in out.iterdir():
             if p.name not in (LOCK_NAME, RUN_LOCK_NAME):
@@ -778,6 +856,7 @@ def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
     with _locked(out):
         manifest = read_manifest_json(path)
         _check_compatible(manifest, new_manifest(plan, {}), plan)
+        _check_selection(manifest, plan, "--finalize", path)
         missing = missing_shards(out, plan, manifest)
         if missing:
             names = ", ".join(f"{m['shard']} (layers {describe(m['layers'])})" for m in missing)
