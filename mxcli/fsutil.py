@@ -244,6 +244,8 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
     while writing (a full disk) becomes an `MxcliError` naming the output.
     """
     final = check_output_path(path, force)
+    parent = final.parent if str(final.parent) else Path(".")
+    remove_stale_temporaries(parent, re.compile(re.escape(final.name)))  # a killed writer's
     fd, tmp = -1, None
     try:
         try:
@@ -269,13 +271,22 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
             os.close(fd)
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
+# ``.<final name>.<random>.tmp``: what `_locked_temporary` names (mkstemp's random part)
+_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+
+
+def remove_stale_temporaries(folder: Path, finals: re.Pattern[str] | None = None) -> list[Path]:
     """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
-    those another live process is writing are left alone. Returns the paths removed."""
+    those another live process is writing are left alone. Only names `_locked_temporary`
+    gives are considered, of outputs whose final name matches `finals` (default: any), so a
+    file of the same look that mxcli did not write is kept. Returns the paths removed."""
     removed: list[Path] = []
     if not folder.is_dir():
         return removed
     for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is None or (finals is not None and not finals.fullmatch(m["final"])):
+            continue
         try:
             fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)  # NFS locks need write access
         except OSError:

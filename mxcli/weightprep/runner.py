@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import multiprocessing as mp
 import os
+import re
 import resource
 import shutil
 import threading
@@ -211,11 +212,18 @@ def _remove_lock(out: Path) -> None:
         (out / LOCK_NAME).unlink()
 
 
+# the files of an output folder whose temporaries a run may clean (`_remove_stale`)
+_OUR_FILES = re.compile(
+    r"manifest\.json|layer_\d+\.safetensors|" + re.escape(INDEX_NAME)
+)  # fmt: skip
+
+
 def _remove_stale(out: Path, plan: Plan) -> None:
-    """Temporaries that a killed run left; those another live run is writing are kept."""
-    remove_stale_temporaries(out)
+    """Temporaries that a killed run left; those another live run is writing are kept, and
+    so is any file that is not a temporary of one of the folder's own files."""
+    remove_stale_temporaries(out, _OUR_FILES)
     for rk in plan.ranks:
-        remove_stale_temporaries(out / rk.dir)
+        remove_stale_temporaries(out / rk.dir, _OUR_FILES)
 
 
 def _merge_from_disk(out: Path, manifest: dict[str, Any]) -> None:
@@ -374,11 +382,23 @@ def _not_empty(out: Path) -> bool:
     return any(p.name not in (LOCK_NAME, RUN_LOCK_NAME) for p in out.iterdir())
 
 
-def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | None:
-    """What the real run would refuse about the output folder (for ``--dry-run``), or None."""
+def would_refuse(
+    out: Path, source: Path, resume: bool, force: bool, plan: Plan | None = None
+) -> str | None:
+    """What the real run would refuse about the output folder (for ``--dry-run``), or None.
+    With `plan` and ``force``: also a file --force would have to replace that mxcli did not
+    write (`_previous_outputs`, or an export's `check_replaceable`)."""
     try:
         refuse_inputs(out, folders=[("checkpoint folder", source)])
         _check_writable(out)
+        if plan is not None and force and out.is_dir() and not out.is_symlink():
+            if plan.options.output_format != "mxcli":
+                from mxcli.weightprep.export.folder import check_replaceable
+
+                if any(out.iterdir()):
+                    check_replaceable(out)
+            else:
+                _previous_outputs(out, plan)
     except MxcliError as exc:
         return f"the real run would refuse: {exc}"
     if out.exists() and not out.is_dir():
@@ -625,7 +645,9 @@ def prepare_weights(
             for e in p.get("per_layer") or []:
                 e["output_bytes"] = view["write_per_layer"]
             p["notes"] = [*p.get("notes", []), view["note"]]
-        problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
+        problem = (
+            None if output is None else would_refuse(Path(output), ckpt.root, resume, force, plan)
+        )
         if problem is not None:
             res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]
             res["plan"]["would_refuse"] = problem

@@ -120,6 +120,12 @@ def test_export_force_keeps_unknown_files(ck: Path, tmp_path: Path, fmt: str) ->
     assert "NOTES.txt" in line and "not an mxcli export" in line
     assert _snapshot(work) == {"NOTES.txt": hashlib.sha256(b"mine\n").hexdigest()}
     assert sorted(os.listdir(tmp_path)) == ["work"]
+    # --dry-run says so
+    opts = PrepOptions(output_format="nxdi", formats=("bf16",))
+    plan = prepare_weights(ck, work, opts, force=True, dry_run=True)["plan"]
+    assert (
+        "the real run would refuse" in plan["would_refuse"] and "NOTES.txt" in plan["would_refuse"]
+    )
 
 
 def test_export_force_replaces_its_own_export_only(ck: Path, tmp_path: Path) -> None:
@@ -149,10 +155,12 @@ def test_mxcli_force_never_deletes_unknown_files(ck: Path, tmp_path: Path) -> No
     prepare_weights(ck, out, PrepOptions(layers="0-1", formats=("bf16",)))
     (out / "rank0" / "NOTES.txt").write_text("mine\n")
     (out / "NOTES.txt").write_text("mine too\n")
+    (out / ".draft.tmp").write_text("a temporary, not mxcli's\n")
     r = _mxcli("prep-weights", ck, out, "--layers", "2", "--force", "-q")
     assert r.returncode == 0, r.stderr
     assert (out / "rank0" / "NOTES.txt").read_text() == "mine\n"
     assert (out / "NOTES.txt").read_text() == "mine too\n"
+    assert (out / ".draft.tmp").read_text() == "a temporary, not mxcli's\n"
     assert sorted(p.name for p in (out / "rank0").iterdir()) == [
         "NOTES.txt", "layer_002.safetensors", "manifest.json", "model.safetensors.index.json",
     ]  # fmt: skip
@@ -328,6 +336,24 @@ def test_interrupt_right_after_the_temporary_is_created(tmp_path: Path, sig: str
     line = _one_error_line(stderr)
     assert "interrupted" in line and "no output was written" in line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigkilled_writer_temporary_is_cleaned_by_the_next_run(tmp_path: Path) -> None:
+    """A SIGKILLed make-inputs leaves its temporary (nothing can remove it then); the next run
+    writing that output removes it (its flock died with its writer)."""
+    out = tmp_path / "in.safetensors"
+    p = procs.start(["make-inputs", "prefill", "-o", out, "--tokens", "8"], cwd=tmp_path,
+                    mode="kill-after=mxcli.fsutil:_locked_temporary")  # fmt: skip
+    p.communicate(timeout=300)
+    assert p.returncode == -signal.SIGKILL
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(".in.safetensors.") and left.name.endswith(".tmp")
+    (tmp_path / ".other.safetensors.abcd1234.tmp").write_text("another output's")
+    r = _mxcli("make-inputs", "prefill", "-o", out, "--tokens", "8", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == [
+        ".other.safetensors.abcd1234.tmp", "in.safetensors",
+    ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
