@@ -515,11 +515,15 @@ def confined(
         bad = "not a relative path"
     elif os.path.isabs(rel) or ".." in Path(rel).parts:
         bad = f"outside {base}"
-    else:
-        root = _resolved(base)
-        target = _resolved(base / rel)
-        if target != root and root not in target.parents:
-            bad = f"outside {base} (it resolves to {target})"
+    else:  # a symbolic link on the way may lead out: resolved only where there is one
+        root, cur = _resolved(base), _resolved(base)
+        for part in Path(rel).parts:
+            cur = cur / part
+            if os.path.islink(cur):
+                target = _resolved(base / rel)
+                if target != root and root not in target.parents:
+                    bad = f"outside {base} (it resolves to {target})"
+                break
     if bad is not None:
         raise error(f"{record}: {key} is {rel!r}, {bad}; a corrupt {what}")
     return base / str(rel)

@@ -109,23 +109,37 @@ def test_every_format_refuses_an_output_around_the_source(
 
 @pytest.mark.parametrize("fmt", ["compressed-tensors", "nxdi"])
 def test_export_force_keeps_unknown_files(ck: Path, tmp_path: Path, fmt: str) -> None:
-    """An export with --force into the current folder, which holds a file mxcli did not write:
-    refused naming it, nothing deleted (nxdi deleted the whole folder)."""
+    """An export with --force into a folder holding a file mxcli did not write: refused naming
+    it, nothing deleted (the export deleted the whole folder)."""
     work = tmp_path / "work"
     work.mkdir()
     (work / "NOTES.txt").write_text("mine\n")
-    r = _mxcli("prep-weights", ck, ".", "--output-format", fmt, "--force", "-q", cwd=work)
+    r = _mxcli("prep-weights", ck, "work", "--output-format", fmt, "--force", "-q", cwd=tmp_path)
     assert r.returncode == 2, (r.stdout, r.stderr)
     line = _one_error_line(r.stderr)
-    assert "NOTES.txt" in line and "not an mxcli export" in line
+    assert "work: holds NOTES.txt and no mxcli-export.json: not an mxcli export" in line
     assert _snapshot(work) == {"NOTES.txt": hashlib.sha256(b"mine\n").hexdigest()}
     assert sorted(os.listdir(tmp_path)) == ["work"]
     # --dry-run says so
-    opts = PrepOptions(output_format="nxdi", formats=("bf16",))
+    opts = PrepOptions(output_format=fmt, formats=("bf16",),
+                       scale_rule="ocp" if fmt == "compressed-tensors" else "neuron")  # fmt: skip
     plan = prepare_weights(ck, work, opts, force=True, dry_run=True)["plan"]
     assert (
         "the real run would refuse" in plan["would_refuse"] and "NOTES.txt" in plan["would_refuse"]
     )
+
+
+def test_export_into_the_current_folder_is_refused(ck: Path, tmp_path: Path) -> None:
+    """``--output-format nxdi --force`` with OUT ``.`` replaced the current folder (later
+    commands then died loading libtorch)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "NOTES.txt").write_text("mine\n")
+    r = _mxcli("prep-weights", ck, ".", "--output-format", "nxdi", "--force", "-q", cwd=work)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "cannot be done to the current folder" in _one_error_line(r.stderr)
+    assert _snapshot(work) == {"NOTES.txt": hashlib.sha256(b"mine\n").hexdigest()}
+    assert sorted(os.listdir(tmp_path)) == ["work"]
 
 
 def test_export_force_replaces_its_own_export_only(ck: Path, tmp_path: Path) -> None:
@@ -139,6 +153,12 @@ def test_export_force_replaces_its_own_export_only(ck: Path, tmp_path: Path) -> 
     r = _mxcli("prep-weights", ck, out, "--output-format", "nxdi", "--force", "-q")
     assert r.returncode == 0, r.stderr
     assert _snapshot(out) == first  # deterministic: the same bytes again
+    empty = tmp_path / "empty"
+    empty.mkdir()  # an empty folder holds nothing to lose
+    prepare_weights(ck, empty, PrepOptions(output_format="nxdi", formats=("bf16",)), force=True)
+    w = "weights/tp0_sharded_checkpoint.safetensors"
+    assert _snapshot(empty)[w] == first[w]
+    shutil.rmtree(empty)
     (out / "weights" / "extra.bin").write_bytes(b"\x01")
     r = _mxcli("prep-weights", ck, out, "--output-format", "nxdi", "--force", "-q")
     assert r.returncode == 2

@@ -79,6 +79,8 @@ def check_replaceable(out: Path) -> None:
     """``--force``: refuse (one line, naming a file) unless everything in `out` is a file its
     sidecar says this tool wrote there."""
     have = _entries(out)
+    if not have:  # an empty folder holds nothing to lose
+        return
     tip = "--force replaces only an export mxcli wrote; move it away or choose another folder"
     side = read_sidecar(out)
     if side is None:
@@ -105,6 +107,11 @@ def _some(names: list[str]) -> str:
 def export_folder(out: Path, source: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary folder beside `out`; on success it becomes `out` (see module doc)."""
     refuse_inputs(out, folders=[("checkpoint folder", source)])
+    if out.name in ("", ".", ".."):  # no name to publish under beside it
+        raise MxcliError(
+            f"{out}: an export is published by renaming a new folder into place, which cannot "
+            "be done to the current folder or its parent; give a folder name (such as ./export)"
+        )
     parent = out.parent if str(out.parent) else Path(".")
     if not parent.is_dir():
         raise MxcliError(f"{out}: parent folder {parent} does not exist")
