@@ -482,6 +482,12 @@ def _check_compatible(
         raise InputError(
             f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} ({hint})"
         )
+    hub_a, hub_b = old["source"].get("hub") or {}, fresh["source"].get("hub") or {}
+    if hub_a.get("commit") and hub_b.get("commit") and hub_a["commit"] != hub_b["commit"]:
+        raise InputError(
+            f"{where}: the output was made from commit {hub_a['commit']} of "
+            f"{hub_a.get('repo_id')}, this run reads commit {hub_b['commit']} ({hint})"
+        )
     for key in _COMPARED_SETTINGS:
         a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
         b = fresh["settings"].get(key)

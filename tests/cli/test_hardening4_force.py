@@ -379,7 +379,7 @@ def test_sigkilled_writer_temporary_is_cleaned_by_the_next_run(tmp_path: Path) -
 @pytest.mark.parametrize(
     "fmt,point",
     [("nxdi", "mxcli.fsutil:_locked_temporary_folder:SIGINT"),
-     ("compressed-tensors", "mxcli.weightprep.export.compressed_tensors:write_json:SIGTERM")],
+     ("compressed-tensors", "mxcli.weightprep.export.folder:_record_files:SIGTERM")],
 )  # fmt: skip
 def test_interrupted_export_leaves_nothing_and_advises_a_rerun(
     ck: Path, tmp_path: Path, fmt: str, point: str
