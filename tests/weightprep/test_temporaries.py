@@ -1,5 +1,6 @@
 """Temporary folders of whole-folder outputs (`mxcli.fsutil.temporary_folder`): what a killed
-writer left is cleaned by the next run on the same host, and only that."""
+writer left is cleaned by the next run on the same host, and only that; and what a resumed
+run or a shard must repeat."""
 
 from __future__ import annotations
 
@@ -90,3 +91,20 @@ def test_signals_deferred_delivers_the_first_signal_at_the_end() -> None:
         seen.append("body finished")  # the handler did not raise inside the block
     assert seen == ["body finished"]
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_resume_and_shards_refuse_another_hub_commit() -> None:
+    """A Hub source read at another commit gives other bytes: refused naming both commits."""
+    from mxcli.errors import InputError
+    from mxcli.weightprep.runner import _check_compatible
+
+    def manifest(commit: str) -> dict:
+        hub = {"repo_id": "org/m", "revision": "main", "commit": commit}
+        return {
+            "source": {"family": "qwen3_moe", "hub": hub, "files": {}},
+            "settings": {"fp8_range": 448},
+        }
+
+    _check_compatible(manifest("a" * 40), manifest("a" * 40), None)  # type: ignore[arg-type]
+    with pytest.raises(InputError, match=f"commit {'a' * 40} of org/m, this run reads commit b"):
+        _check_compatible(manifest("a" * 40), manifest("b" * 40), None)  # type: ignore[arg-type]
