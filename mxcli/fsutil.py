@@ -1,9 +1,11 @@
 """Output files: checked before any work, written to a temporary file beside them, renamed into
 place, and never one of the command's inputs.
 
-A temporary file is named ``.<final name>.<random>.tmp`` and holds an exclusive `flock` for as long
-as its writer lives, so a cleaner can tell a stale temporary (its writer was killed: the kernel
-released the lock) from one still being written by another process (`remove_stale_temporaries`).
+A temporary file is named ``.<final name>.<host>.<pid>.<random>.tmp`` and holds an exclusive
+`flock` for as long as its writer lives, so a cleaner can tell a stale temporary (its writer was
+killed: the kernel released the lock) from one still being written by another process
+(`remove_stale_temporaries`); the next writer of the same output removes those of processes
+gone from this host (`remove_dead_temporaries`).
 Outputs get the mode a plain ``open(path, "w")`` would give (0644 under umask 022), not
 ``mkstemp``'s 0600.
 
@@ -166,7 +168,9 @@ def _locked_temporary(final: Path) -> tuple[int, Path]:
     """
     while True:
         fd, name = tempfile.mkstemp(
-            prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent or "."
+            prefix=f".{final.name}.{_host_tag()}.{os.getpid()}.",
+            suffix=TEMP_SUFFIX,
+            dir=final.parent or ".",
         )
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -244,8 +248,7 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
     while writing (a full disk) becomes an `MxcliError` naming the output.
     """
     final = check_output_path(path, force)
-    parent = final.parent if str(final.parent) else Path(".")
-    remove_stale_temporaries(parent, re.compile(re.escape(final.name)))  # a killed writer's
+    remove_dead_temporaries(final)
     fd, tmp = -1, None
     try:
         try:
@@ -271,32 +274,34 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
             os.close(fd)
 
 
-# ``.<final name>.<random>.tmp``: what `_locked_temporary` names (mkstemp's random part)
-_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+def remove_dead_temporaries(final: Path) -> list[Path]:
+    """Delete the temporary files of `final` (``.<name>.<host>.<pid>.<random>.tmp``) that a
+    process gone from this host left (SIGKILLed: nothing could remove them then). The process
+    id, not only the flock, decides: a writer that replaces its temporary (safetensors'
+    ``save_file``) leaves the new file unlocked while it lives."""
+    parent = final.parent if str(final.parent) else Path(".")
+    pattern = re.compile(
+        re.escape(f".{final.name}.{_host_tag()}.") + r"(?P<pid>\d+)\.[A-Za-z0-9_]+"
+        + re.escape(TEMP_SUFFIX)
+    )  # fmt: skip
+    dead = [
+        p.name
+        for p in parent.glob(f".*{TEMP_SUFFIX}")
+        if (m := pattern.fullmatch(p.name)) is not None and not _pid_alive(int(m["pid"]))
+    ]
+    return _remove_unlocked([parent / n for n in sorted(dead)])
 
 
-def remove_stale_temporaries(folder: Path, finals: re.Pattern[str] | None = None) -> list[Path]:
-    """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
-    those another live process is writing are left alone. Only names `_locked_temporary`
-    gives are considered, of outputs whose final name matches `finals` (default: any), so a
-    file of the same look that mxcli did not write is kept. Returns the paths removed."""
-    removed: list[Path] = []
-    if not folder.is_dir():
-        return removed
-    for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
-        m = _TEMP_NAME.fullmatch(p.name)
-        if m is None or (finals is not None and not finals.fullmatch(m["final"])):
-            continue
+def _remove_unlocked(paths: list[Path]) -> list[Path]:
+    """Unlink each of `paths` that no process holds the flock of."""
+    removed = []
+    for p in paths:
         try:
-            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)  # NFS locks need write access
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # locked: a live writer
-            os.close(fd)
-            continue
-        try:
             if os.path.samestat(os.fstat(fd), os.stat(p)):
                 p.unlink()
                 removed.append(p)
@@ -305,6 +310,29 @@ def remove_stale_temporaries(folder: Path, finals: re.Pattern[str] | None = None
         finally:
             os.close(fd)
     return removed
+
+
+# ``.<final name>.<random>.tmp``: what `_locked_temporary` names (mkstemp's random part)
+_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+_WRITER = re.compile(r"\.[A-Za-z0-9_-]+\.\d+$")
+
+
+def remove_stale_temporaries(folder: Path, finals: re.Pattern[str] | None = None) -> list[Path]:
+    """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
+    those another live process is writing are left alone. Only names `_locked_temporary`
+    gives are considered, of outputs whose final name matches `finals` (default: any), so a
+    file of the same look that mxcli did not write is kept. Returns the paths removed."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is None:
+            continue
+        final = _WRITER.sub("", m["final"])  # without the writer's host and pid
+        if finals is None or finals.fullmatch(final):
+            found.append(p)
+    return _remove_unlocked(found)
 
 
 @contextlib.contextmanager

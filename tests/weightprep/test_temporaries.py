@@ -108,3 +108,25 @@ def test_resume_and_shards_refuse_another_hub_commit() -> None:
     _check_compatible(manifest("a" * 40), manifest("a" * 40), None)  # type: ignore[arg-type]
     with pytest.raises(InputError, match=f"commit {'a' * 40} of org/m, this run reads commit b"):
         _check_compatible(manifest("a" * 40), manifest("b" * 40), None)  # type: ignore[arg-type]
+
+
+def test_dead_writers_file_temporaries_only(tmp_path: Path) -> None:
+    """A file temporary of a dead process on this host goes; a live process's stays even
+    unlocked (safetensors' save_file replaces the locked file with a new one), and so do
+    another output's and another host's."""
+    from mxcli.fsutil import remove_dead_temporaries
+
+    final = tmp_path / "in.safetensors"
+    host = _host_tag()
+    names = {
+        "dead": f".in.safetensors.{host}.{_dead_pid()}.k2j_x9aa.tmp",
+        "live": f".in.safetensors.{host}.{os.getppid()}.k2j_x9ab.tmp",
+        "other host": f".in.safetensors.elsewhere.{_dead_pid()}.k2j_x9ac.tmp",
+        "other output": f".in2.safetensors.{host}.{_dead_pid()}.k2j_x9ad.tmp",
+    }
+    for n in names.values():
+        (tmp_path / n).write_text("x")
+    assert remove_dead_temporaries(final) == [tmp_path / names["dead"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        n for k, n in names.items() if k != "dead"
+    )
