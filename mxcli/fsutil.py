@@ -1,9 +1,11 @@
 """Output files: checked before any work, written to a temporary file beside them, renamed into
 place, and never one of the command's inputs.
 
-A temporary file is named ``.<final name>.<random>.tmp`` and holds an exclusive `flock` for as long
-as its writer lives, so a cleaner can tell a stale temporary (its writer was killed: the kernel
-released the lock) from one still being written by another process (`remove_stale_temporaries`).
+A temporary file is named ``.<final name>.<host>.<pid>.<random>.tmp`` and holds an exclusive
+`flock` for as long as its writer lives, so a cleaner can tell a stale temporary (its writer was
+killed: the kernel released the lock) from one still being written by another process
+(`remove_stale_temporaries`); the next writer of the same output removes those of processes
+gone from this host (`remove_dead_temporaries`).
 Outputs get the mode a plain ``open(path, "w")`` would give (0644 under umask 022), not
 ``mkstemp``'s 0600.
 
@@ -13,6 +15,16 @@ racing for one new output exactly one wins and the other reports it; the existen
 before the work only saves that work. With ``force`` the output is replaced atomically
 (``rename``). `hold_folder` gives a run exclusive (or, for runs that share a folder on disjoint
 parts, shared) use of an output folder.
+
+A temporary folder (`temporary_folder`, for outputs published as a whole folder) is named
+``.<final name>.<host>.<pid>.<kind>.tmp``: its writer holds an flock on it, and a later run
+removes it (`remove_dead_temporary_folders`) once that process is gone from this host, so a
+SIGKILLed writer leaves nothing for ever.
+
+Signals are deferred, not blocked, while a temporary is created (`signals_deferred`): Python runs
+its handlers in the main thread whichever thread the kernel delivered the signal to (torch's
+worker threads do not block it), so only swapping the handler closes the window between
+creating a temporary and arming its clean-up.
 """
 
 from __future__ import annotations
@@ -22,11 +34,16 @@ import ctypes
 import errno
 import fcntl
 import os
+import re
+import shutil
 import signal
+import socket
 import tempfile
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from mxcli.errors import InputError, MxcliError, OutputExistsError
 
@@ -83,6 +100,10 @@ def refuse_inputs(
         f = _resolved(folder)
         if r == f or f in r.parents:
             raise MxcliError(f"{out}: output inside the {what} {folder}; write it elsewhere")
+        if r in f.parents:  # --force on it would replace the source's parent folder
+            raise MxcliError(
+                f"{out}: output folder contains the {what} {folder}; write it elsewhere"
+            )
 
 
 def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
@@ -103,16 +124,40 @@ def check_output_path(path: str | os.PathLike[str], force: bool) -> Path:
     return p
 
 
+_DEFERRED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 @contextlib.contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Hold SIGINT and SIGTERM back for the block: their handlers raise, and one raised after
-    a temporary file exists but before its owner's clean-up is armed would leave it behind."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+def signals_deferred() -> Iterator[None]:
+    """Hold SIGINT, SIGTERM and SIGHUP back for the block and deliver the first one that came
+    at its end: their handlers raise, and one raised after a temporary exists but before its
+    owner's clean-up is armed would leave it behind.
+
+    The handlers are swapped for one that only notes the signal (see the module docstring for
+    why a signal mask does not do). Python runs handlers in the main thread only, so in another
+    thread nothing can raise and nothing needs deferring.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def note(signum: int, _frame: Any) -> None:
+        caught.append(signum)
+
+    previous: dict[int, Any] = {}
+    for sig in _DEFERRED:
+        handler = signal.getsignal(sig)
+        if callable(handler):  # SIG_DFL / SIG_IGN raise nothing and are left alone
+            previous[sig] = handler
+            signal.signal(sig, note)
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            previous[caught[0]](caught[0], None)  # raises (KeyboardInterrupt, Terminated)
 
 
 def _locked_temporary(final: Path) -> tuple[int, Path]:
@@ -123,7 +168,9 @@ def _locked_temporary(final: Path) -> tuple[int, Path]:
     """
     while True:
         fd, name = tempfile.mkstemp(
-            prefix=f".{final.name}.", suffix=TEMP_SUFFIX, dir=final.parent or "."
+            prefix=f".{final.name}.{_host_tag()}.{os.getpid()}.",
+            suffix=TEMP_SUFFIX,
+            dir=final.parent or ".",
         )
         fcntl.flock(fd, fcntl.LOCK_EX)
         try:
@@ -201,10 +248,11 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
     while writing (a full disk) becomes an `MxcliError` naming the output.
     """
     final = check_output_path(path, force)
+    remove_dead_temporaries(final)
     fd, tmp = -1, None
     try:
         try:
-            with _signals_deferred():  # an interrupt cannot land between creating and owning it
+            with signals_deferred():  # an interrupt cannot land between creating and owning it
                 fd, tmp = _locked_temporary(final)
             yield tmp
             if os.stat(tmp).st_mode & 0o777 != default_mode():  # a writer that replaced the file
@@ -226,23 +274,34 @@ def atomic_output(path: str | os.PathLike[str], force: bool = False) -> Iterator
             os.close(fd)
 
 
-def remove_stale_temporaries(folder: Path) -> list[Path]:
-    """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
-    those another live process is writing are left alone. Returns the paths removed."""
-    removed: list[Path] = []
-    if not folder.is_dir():
-        return removed
-    for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
+def remove_dead_temporaries(final: Path) -> list[Path]:
+    """Delete the temporary files of `final` (``.<name>.<host>.<pid>.<random>.tmp``) that a
+    process gone from this host left (SIGKILLed: nothing could remove them then). The process
+    id, not only the flock, decides: a writer that replaces its temporary (safetensors'
+    ``save_file``) leaves the new file unlocked while it lives."""
+    parent = final.parent if str(final.parent) else Path(".")
+    pattern = re.compile(
+        re.escape(f".{final.name}.{_host_tag()}.") + r"(?P<pid>\d+)\.[A-Za-z0-9_]+"
+        + re.escape(TEMP_SUFFIX)
+    )  # fmt: skip
+    dead = [
+        p.name
+        for p in parent.glob(f".*{TEMP_SUFFIX}")
+        if (m := pattern.fullmatch(p.name)) is not None and not _pid_alive(int(m["pid"]))
+    ]
+    return _remove_unlocked([parent / n for n in sorted(dead)])
+
+
+def _remove_unlocked(paths: list[Path]) -> list[Path]:
+    """Unlink each of `paths` that no process holds the flock of."""
+    removed = []
+    for p in paths:
         try:
-            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)  # NFS locks need write access
+            fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # locked: a live writer
-            os.close(fd)
-            continue
-        try:
             if os.path.samestat(os.fstat(fd), os.stat(p)):
                 p.unlink()
                 removed.append(p)
@@ -251,6 +310,29 @@ def remove_stale_temporaries(folder: Path) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
+
+# ``.<final name>.<random>.tmp``: what `_locked_temporary` names (mkstemp's random part)
+_TEMP_NAME = re.compile(r"\.(?P<final>.+)\.[A-Za-z0-9_]+" + re.escape(TEMP_SUFFIX))
+_WRITER = re.compile(r"\.[A-Za-z0-9_-]+\.\d+$")
+
+
+def remove_stale_temporaries(folder: Path, finals: re.Pattern[str] | None = None) -> list[Path]:
+    """Delete the temporary files in `folder` whose writer is gone (see the module docstring);
+    those another live process is writing are left alone. Only names `_locked_temporary`
+    gives are considered, of outputs whose final name matches `finals` (default: any), so a
+    file of the same look that mxcli did not write is kept. Returns the paths removed."""
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in sorted(folder.glob(f".*{TEMP_SUFFIX}")):
+        m = _TEMP_NAME.fullmatch(p.name)
+        if m is None:
+            continue
+        final = _WRITER.sub("", m["final"])  # without the writer's host and pid
+        if finals is None or finals.fullmatch(final):
+            found.append(p)
+    return _remove_unlocked(found)
 
 
 @contextlib.contextmanager
@@ -335,3 +417,141 @@ def hold_folder(folder: Path, lock_name: str, *, shared: bool, busy: str) -> Ite
             pass
         finally:
             os.close(fd)
+
+
+# -- temporary folders of whole-folder outputs ------------------------------------------------------
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a temporary folder's name (no separators, bounded)."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname() or "host")[:64]
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, another user's
+        return True
+    return True
+
+
+def _named_folder(final: Path, kind: str) -> Path:
+    parent = final.parent if str(final.parent) else Path(".")
+    return parent / f".{final.name}.{_host_tag()}.{os.getpid()}.{kind}"
+
+
+@contextlib.contextmanager
+def temporary_folder(final: Path, kind: str = "export") -> Iterator[Path]:
+    """A new folder ``.<name>.<host>.<pid>.<kind>.tmp`` beside `final`, held (flock) by this
+    process for the block and removed when the block raises (an interrupt included: it is
+    created with signals deferred, so no interrupt lands before its clean-up is armed). On
+    success it is left for the caller to rename into place."""
+    tmp = _named_folder(final, kind + TEMP_SUFFIX)
+    fd = -1
+    try:
+        with signals_deferred():
+            fd = _locked_temporary_folder(tmp)
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def _locked_temporary_folder(tmp: Path) -> int:
+    """Create `tmp` (a leftover of this pid is an earlier, finished use of it: replaced) and
+    hold an flock on it; the descriptor."""
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()  # the umask gives its mode
+    fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def aside_name(final: Path) -> Path:
+    """Where a replaced output folder waits (``.<name>.<host>.<pid>.<kind>.old``) until its
+    replacement is in place; a killed process's is cleaned by `remove_dead_temporary_folders`."""
+    return _named_folder(final, "export.old")
+
+
+def remove_dead_temporary_folders(final: Path, kind: str = "export") -> list[Path]:
+    """Clean what killed writers of `final` left beside it: a temporary folder is removed, a
+    replaced output waiting aside is put back when `final` is missing (the killed run had moved
+    it aside and not yet published its own), else removed. Only those of a process gone from
+    this host whose flock nobody holds; those of live or other hosts' processes are kept.
+    Returns the paths removed or restored."""
+    parent = final.parent if str(final.parent) else Path(".")
+    pattern = re.compile(
+        re.escape(f".{final.name}.") + r"(?P<host>[A-Za-z0-9_-]+)\.(?P<pid>\d+)\."
+        + re.escape(kind) + r"\.(?P<what>tmp|old)"
+    )  # fmt: skip
+    done: list[Path] = []
+    try:
+        entries = sorted(parent.iterdir())
+    except OSError:
+        return done
+    for p in entries:
+        m = pattern.fullmatch(p.name)
+        if m is None or m["host"] != _host_tag() or _pid_alive(int(m["pid"])):
+            continue
+        if p.is_symlink() or not p.is_dir():
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its writer lives after all (another PID namespace)
+            os.close(fd)
+            continue
+        try:
+            if m["what"] == "old" and not os.path.lexists(final):
+                os.rename(p, final)
+            else:
+                shutil.rmtree(p)
+            done.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return done
+
+
+# -- paths read from a record ----------------------------------------------------------------------
+
+
+def confined(
+    base: Path,
+    rel: object,
+    key: str,
+    record: Path,
+    what: str = "manifest",
+    error: type[MxcliError] = MxcliError,
+) -> Path:
+    """``base / rel`` for a path `rel` read from the file `record` under `key`, refused (one
+    line naming the key and the path) unless it is a relative path that stays inside `base`,
+    symbolic links resolved: a record may only name its own folder's files."""
+    bad = None
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        bad = "not a relative path"
+    elif os.path.isabs(rel) or ".." in Path(rel).parts:
+        bad = f"outside {base}"
+    else:  # a symbolic link on the way may lead out: resolved only where there is one
+        root, cur = _resolved(base), _resolved(base)
+        for part in Path(rel).parts:
+            cur = cur / part
+            if os.path.islink(cur):
+                target = _resolved(base / rel)
+                if target != root and root not in target.parents:
+                    bad = f"outside {base} (it resolves to {target})"
+                break
+    if bad is not None:
+        raise error(f"{record}: {key} is {rel!r}, {bad}; a corrupt {what}")
+    return base / str(rel)

@@ -1,6 +1,12 @@
 """Run mxcli in a real subprocess, optionally with a slowed-down writer so that a signal can be
-sent while a temporary output file exists (the slowing is done here, in the test's script; the
-product has no such hook)."""
+sent while a temporary output file exists, or with a signal raised at a chosen point (the
+slowing and the signals are done here, in the test's script; the product has no such hook).
+
+``signal-after=MODULE:FUNC:SIGNAME`` delivers the signal as soon as ``MODULE.FUNC`` returns, the
+way a signal reaches a process whose other threads (torch's) leave it unblocked: to a helper
+thread, whose C-level handler has run (it writes Python's wakeup fd) before the function
+returns, so the Python handler runs in the main thread at its next instruction. No timing is
+involved. ``kill-after=MODULE:FUNC`` SIGKILLs the process there instead."""
 
 from __future__ import annotations
 
@@ -30,6 +36,25 @@ elif mode.startswith("slow-pieces="):  # prep-weights: every tensor piece takes 
         time.sleep(delay)
         return real_write(self, name, piece)
     w.StreamingWriter.write = write
+elif mode.startswith(("signal-after=", "kill-after=")):
+    import importlib, os, signal, threading
+    kind, spec = mode.split("=", 1)
+    mod_name, func_name, *sig_name = spec.split(":")
+    mod = importlib.import_module(mod_name)
+    real = getattr(mod, func_name)
+    helper = threading.Thread(target=threading.Event().wait, daemon=True)
+    helper.start()  # started now, before any signal mask: like torch's threads
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    def hooked(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if kind == "kill-after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        signal.pthread_kill(helper.ident, getattr(signal, sig_name[0]))
+        os.read(wake_r, 1)  # the signal has been taken: its Python handler is due now
+        return result
+    setattr(mod, func_name, hooked)
 from mxcli.cli import main
 sys.argv = ["mxcli", *sys.argv[2:]]
 main()

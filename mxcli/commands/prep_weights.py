@@ -155,11 +155,14 @@ def main(
             width = stdout_console().width
             typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))
 
-    guarded(
-        debug,
-        body,
-        json_out=json_out,
-        interrupt_hint="a dry run writes nothing"
-        if dry_run
-        else "finished layers are kept: run the same command with --resume to continue",
-    )
+    guarded(debug, body, json_out=json_out, interrupt_hint=interrupt_hint(output_format, dry_run))
+
+
+def interrupt_hint(output_format: str, dry_run: bool) -> str:
+    """What an interrupted run tells the user to do next: only mxcli's own layout resumes
+    (an export is published whole or not at all: its temporary folder is removed)."""
+    if dry_run:
+        return "a dry run writes nothing"
+    if output_format.lower() != "mxcli":
+        return "an export is published whole or not at all: nothing was written; run the same command again"
+    return "finished layers are kept: run the same command with --resume to continue"

@@ -176,7 +176,36 @@ def read_manifest_json(path: Path) -> dict[str, Any]:
         raise ManifestError(
             f"{path}: manifest schema_version {data.get('schema_version')} is not {SCHEMA_VERSION}"
         )
+    check_paths(data, path)
     return data
+
+
+def check_paths(data: dict[str, Any], path: Path) -> None:
+    """Every path the manifest records (``root``, ``ranks[i].dir``, each layer's rank
+    ``file``) stays inside its folder, links resolved: one that points elsewhere would make
+    ``--force`` delete, ``--finalize`` write and the readers read outside it. A rank view
+    (``rank_view`` set) lies one level down: its root is ``..``, the output folder."""
+    from mxcli.fsutil import confined
+
+    root = data.get("root", ".")
+    want = "." if data.get("rank_view") is None else ".."
+    if root != want:
+        raise ManifestError(f"{path}: root is {root!r}, expected {want!r}; a corrupt manifest")
+    base = path.parent / root
+    ranks = data.get("ranks")
+    layers = data.get("layers")
+    if not isinstance(ranks, list) or not isinstance(layers, dict):
+        raise ManifestError(f"{path}: ranks or layers missing or malformed; a corrupt manifest")
+    for i, rk in enumerate(ranks):
+        rel = rk.get("dir") if isinstance(rk, dict) else None
+        confined(base, rel, f"ranks[{i}].dir", path, error=ManifestError)
+    for L, entry in layers.items():
+        files = entry.get("ranks") if isinstance(entry, dict) else None
+        if not isinstance(files, dict):
+            raise ManifestError(f"{path}: layers.{L}.ranks is malformed; a corrupt manifest")
+        for r, fe in files.items():
+            rel = fe.get("file") if isinstance(fe, dict) else None
+            confined(base, rel, f"layers.{L}.ranks.{r}.file", path, error=ManifestError)
 
 
 def load_manifest(path: str | Path, *, verify_hashes: bool = True) -> Manifest:

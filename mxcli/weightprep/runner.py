@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import multiprocessing as mp
 import os
+import re
 import resource
 import shutil
 import threading
@@ -212,11 +213,18 @@ def _remove_lock(out: Path) -> None:
         (out / LOCK_NAME).unlink()
 
 
+# the files of an output folder whose temporaries a run may clean (`_remove_stale`)
+_OUR_FILES = re.compile(
+    r"manifest\.json|layer_\d+\.safetensors|" + re.escape(INDEX_NAME)
+)  # fmt: skip
+
+
 def _remove_stale(out: Path, plan: Plan) -> None:
-    """Temporaries that a killed run left; those another live run is writing are kept."""
-    remove_stale_temporaries(out)
+    """Temporaries that a killed run left; those another live run is writing are kept, and
+    so is any file that is not a temporary of one of the folder's own files."""
+    remove_stale_temporaries(out, _OUR_FILES)
     for rk in plan.ranks:
-        remove_stale_temporaries(out / rk.dir)
+        remove_stale_temporaries(out / rk.dir, _OUR_FILES)
 
 
 def _merge_from_disk(out: Path, manifest: dict[str, Any]) -> None:
@@ -306,29 +314,68 @@ def _open_output(
 ) -> dict[str, Any]:
     """Reuse the output folder (made by `_make_folder`, held by this run); return the manifest
     to extend. A shard of several joins the folder the other shards share, as ``--resume``."""
-    if shard is not None and shard.count > 1:
-        resume = True
     fresh = new_manifest(plan, source_files)
+    if shard is not None and shard.count > 1:
+        return _join_shards(out, plan, fresh, shard)
     mpath = out / MANIFEST_NAME
     if resume and mpath.is_file():
         old = read_manifest_json(mpath)  # replaced atomically: always whole
         _check_compatible(old, fresh, plan)
         _check_shards(old, shard)
-        if old.get("shards"):
-            fresh["shards"] = old["shards"]
-        _remove_stale(out, plan)
-        fresh["layers"] = dict(old["layers"])
-        for name, f in old["source"]["files"].items():
-            if name in fresh["source"]["files"] and f.get("sha256"):
-                fresh["source"]["files"][name]["sha256"] = f["sha256"]
+        _continue(out, plan, old, fresh)
         return fresh
     if _not_empty(out) and not (resume or force):
         raise OutputExistsError(
             f"{out}: output folder exists and is not empty (use --force to overwrite or --resume to continue)"
         )
     if force:
-        _remove_previous_outputs(out)
+        _remove_previous_outputs(out, plan)
     return fresh
+
+
+def _continue(out: Path, plan: Plan, old: dict[str, Any], fresh: dict[str, Any]) -> None:
+    """Carry the recorded layers, shards and source hashes of `old` over into `fresh`."""
+    if old.get("shards"):
+        fresh["shards"] = old["shards"]
+    _remove_stale(out, plan)
+    fresh["layers"] = dict(old["layers"])
+    for name, f in old["source"]["files"].items():
+        if name in fresh["source"]["files"] and f.get("sha256"):
+            fresh["source"]["files"][name]["sha256"] = f["sha256"]
+
+
+def _join_shards(out: Path, plan: Plan, fresh: dict[str, Any], shard: Shard) -> dict[str, Any]:
+    """A shard of several joins the folder as ``--resume`` does. The first to come records the
+    selection in the manifest at once (under the lock, so shards starting together see it);
+    every later one must repeat it and every option that shapes the bytes, else it is refused
+    naming the difference: a shard converting other layers would leave some selected layer
+    unconverted while the manifest calls the model complete."""
+    mpath = out / MANIFEST_NAME
+    fresh["shards"] = {"count": shard.count, "complete": False, "layers": list(plan.layers)}
+    with _locked(out):
+        if not mpath.is_file():
+            save_manifest(out, fresh, indexes=False)
+            return fresh
+        old = read_manifest_json(mpath)
+        where = f"shard {shard} ({shard.source})"
+        _check_compatible(old, fresh, plan, where, "every shard must run with the same options")
+        _check_shards(old, shard)
+        _check_selection(old, plan, where, mpath)
+        _continue(out, plan, old, fresh)
+    return fresh
+
+
+def _check_selection(old: dict[str, Any], plan: Plan, where: str, mpath: Path) -> None:
+    """The layers the first shard recorded (``shards.layers``) against this run's."""
+    recorded = (old.get("shards") or {}).get("layers")
+    if recorded is None:  # an older version's folder: it recorded none
+        return
+    if [int(x) for x in recorded] != list(plan.layers):
+        raise InputError(
+            f"{where}: --layers selects layers {describe(plan.layers)}, the first shard recorded "
+            f"layers {describe([int(x) for x in recorded])} in {mpath} (every shard must select "
+            "the same layers)"
+        )
 
 
 def _not_empty(out: Path) -> bool:
@@ -336,11 +383,23 @@ def _not_empty(out: Path) -> bool:
     return any(p.name not in (LOCK_NAME, RUN_LOCK_NAME) for p in out.iterdir())
 
 
-def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | None:
-    """What the real run would refuse about the output folder (for ``--dry-run``), or None."""
+def would_refuse(
+    out: Path, source: Path, resume: bool, force: bool, plan: Plan | None = None
+) -> str | None:
+    """What the real run would refuse about the output folder (for ``--dry-run``), or None.
+    With `plan` and ``force``: also a file --force would have to replace that mxcli did not
+    write (`_previous_outputs`, or an export's `check_replaceable`)."""
     try:
         refuse_inputs(out, folders=[("checkpoint folder", source)])
         _check_writable(out)
+        if plan is not None and force and out.is_dir() and not out.is_symlink():
+            if plan.options.output_format != "mxcli":
+                from mxcli.weightprep.export.folder import check_replaceable
+
+                if any(out.iterdir()):
+                    check_replaceable(out)
+            else:
+                _previous_outputs(out, plan)
     except MxcliError as exc:
         return f"the real run would refuse: {exc}"
     if out.exists() and not out.is_dir():
@@ -353,18 +412,53 @@ def would_refuse(out: Path, source: Path, resume: bool, force: bool) -> str | No
     return None
 
 
-def _remove_previous_outputs(out: Path) -> None:
-    """--force: delete what an earlier prep-weights run wrote here (its manifest lists it)."""
+def _previous_outputs(out: Path, plan: Plan) -> set[Path]:
+    """--force: the files an earlier run wrote here, as its manifest lists them (each path
+    confined to the folder, `mxcli.weightprep.manifest.check_paths`). Refuses, naming it, a
+    file this run would replace that no manifest lists: mxcli did not write it."""
     mpath = out / MANIFEST_NAME
-    if not mpath.is_file():
-        return
-    with contextlib.suppress(ManifestError):
-        old = read_manifest_json(mpath)
-        for rk in old.get("ranks", []):
-            rdir = out / str(rk.get("dir", ""))
-            if rdir.is_dir() and rdir.name.startswith("rank"):
-                shutil.rmtree(rdir)
-        mpath.unlink()
+    listed: set[Path] = set()
+    if os.path.lexists(mpath):
+        old = read_manifest_json(mpath)  # a foreign or corrupt manifest.json: refused, named
+        listed.add(mpath)
+        for rk in old["ranks"]:
+            listed |= {out / rk["dir"] / INDEX_NAME, out / rk["dir"] / MANIFEST_NAME}
+        for entry in old["layers"].values():
+            listed |= {out / fe["file"] for fe in entry["ranks"].values()}
+    for p in [mpath, *_planned_files(out, plan)]:
+        if os.path.lexists(p) and p not in listed:
+            raise OutputExistsError(
+                f"{p}: this run would replace it, and no manifest here says mxcli wrote it "
+                "(--force replaces only what mxcli wrote; move it away)"
+            )
+    return listed
+
+
+def _planned_files(out: Path, plan: Plan) -> list[Path]:
+    """The files a run of `plan` writes (besides OUT/manifest.json)."""
+    names = [layer_file(L) for L in plan.layers] + [INDEX_NAME, MANIFEST_NAME]
+    return [out / rk.dir / n for rk in plan.ranks for n in names]
+
+
+def _remove_files(out: Path, files: set[Path]) -> None:
+    """Delete `files` (the manifest last, so that an interrupted removal is still described)
+    and the folders they leave empty inside `out`."""
+    mpath = out / MANIFEST_NAME
+    for p in sorted(files - {mpath}):
+        p.unlink(missing_ok=True)
+    for d in sorted({p.parent for p in files}, key=lambda d: -len(d.parts)):
+        if d != out:
+            with contextlib.suppress(OSError):  # not empty: it holds files mxcli did not write
+                d.rmdir()
+    if mpath in files:
+        mpath.unlink(missing_ok=True)
+
+
+def _remove_previous_outputs(out: Path, plan: Plan) -> None:
+    """--force: delete what an earlier prep-weights run wrote here (its manifest lists it),
+    and nothing else."""
+    _remove_stale(out, plan)
+    _remove_files(out, _previous_outputs(out, plan))
 
 
 def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
@@ -378,24 +472,35 @@ def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
         )
 
 
-def _check_compatible(old: dict[str, Any], fresh: dict[str, Any], plan: Plan) -> None:
-    where = "--resume"
+def _check_compatible(
+    old: dict[str, Any],
+    fresh: dict[str, Any],
+    plan: Plan,
+    where: str = "--resume",
+    hint: str = "use --force to start over",
+) -> None:
     if old["source"]["family"] != fresh["source"]["family"]:
         raise InputError(
-            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} (use --force)"
+            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} ({hint})"
+        )
+    hub_a, hub_b = old["source"].get("hub") or {}, fresh["source"].get("hub") or {}
+    if hub_a.get("commit") and hub_b.get("commit") and hub_a["commit"] != hub_b["commit"]:
+        raise InputError(
+            f"{where}: the output was made from commit {hub_a['commit']} of "
+            f"{hub_a.get('repo_id')}, this run reads commit {hub_b['commit']} ({hint})"
         )
     for key in _COMPARED_SETTINGS:
         a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
         b = fresh["settings"].get(key)
         if a != b:
             raise InputError(
-                f"{where}: the output was written with {key}={a}, this run asks {key}={b} (use --force to start over)"
+                f"{where}: the output was written with {key}={a}, this run asks {key}={b} ({hint})"
             )
     for name, f in fresh["source"]["files"].items():
         o = old["source"]["files"].get(name)
         if o is not None and (o["size"] != f["size"] or o["mtime_ns"] != f["mtime_ns"]):
             raise InputError(
-                f"{where}: source file {name} changed since the output was written (use --force)"
+                f"{where}: source file {name} changed since the output was written ({hint})"
             )
 
 
@@ -547,7 +652,9 @@ def prepare_weights(
             for e in p.get("per_layer") or []:
                 e["output_bytes"] = view["write_per_layer"]
             p["notes"] = [*p.get("notes", []), view["note"]]
-        problem = None if output is None else would_refuse(Path(output), ckpt.root, resume, force)
+        problem = (
+            None if output is None else would_refuse(Path(output), ckpt.root, resume, force, plan)
+        )
         if problem is not None:
             res["plan"]["notes"] = [*res["plan"].get("notes", []), problem]
             res["plan"]["would_refuse"] = problem
@@ -637,10 +744,9 @@ def _remove_unfinished(out: Path, plan: Plan, created: bool) -> None:
         return
     if recorded:
         return
-    for rk in plan.ranks:
-        shutil.rmtree(out / rk.dir, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        mpath.unlink(missing_ok=True)
+    _remove_stale(out, plan)
+    with contextlib.suppress(OSError):  # the files this run writes (--force checked them)
+        _remove_files(out, {*_planned_files(out, plan), mpath})
     if created:  # only this run wrote here: remove what else it left (the folder goes below)
         for p in out.iterdir():
             if p.name not in (LOCK_NAME, RUN_LOCK_NAME):
@@ -779,6 +885,7 @@ def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
     with _locked(out):
         manifest = read_manifest_json(path)
         _check_compatible(manifest, new_manifest(plan, {}), plan)
+        _check_selection(manifest, plan, "--finalize", path)
         missing = missing_shards(out, plan, manifest)
         if missing:
             names = ", ".join(f"{m['shard']} (layers {describe(m['layers'])})" for m in missing)

@@ -231,7 +231,7 @@ def test_three_processes_share_one_folder(six_layers: tuple[Path, Path], tmp_pat
     assert sum(r["shard"]["finalized"] for r in results) >= 1  # the last to finish (or more)
     assert _hashes(out) == _hashes(single)
     m = json.loads((out / "manifest.json").read_text())
-    assert m["shards"] == {"count": 3, "complete": True}
+    assert m["shards"] == {"count": 3, "complete": True, "layers": [0, 1, 2, 3, 4, 5]}
     ref = json.loads((single / "manifest.json").read_text())
     assert m["source"]["files"] == ref["source"]["files"]  # every shard's source files, hashed
     for L, entry in ref["layers"].items():
