@@ -21,6 +21,7 @@ from mxcli.weightprep.families import (
     resolve_config,
     route_fp32,
 )
+from mxcli.weightprep.families.routing import check_kernel_kwargs
 
 
 def _cfg(model_type: str, **kw: object) -> dict:
@@ -186,11 +187,16 @@ def test_kernel_router_mapping_and_refusals() -> None:
         "selection bias without renormalisation": dict(scoring="sigmoid", renormalize=False,
                                                        bias="selection"),
         "without a selection bias": dict(scoring="sigmoid", renormalize=True),
-        "n_group=16": dict(scoring="sigmoid", renormalize=True, bias="selection", n_group=16),
     }  # fmt: skip
     for why, kw in refused.items():
         with pytest.raises(RouterRefused, match=why):
             mode(**kw)
+    # n_group beyond the kernel's 8 groups: a router the modes express, whose kwargs the kernel
+    # contract refuses, with the contract's own message (one place for the limit)
+    spec = kernel_router(RouterMath(top_k=2, num_experts=16, scoring="sigmoid", renormalize=True,
+                                    bias="selection", n_group=16), "f")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"config\.json n_group: the prefill kernel refuses it"):
+        check_kernel_kwargs(spec, 1e-6, 16, "config.json", {"n_group": "n_group"})
 
 
 def test_backward_exactness() -> None:
