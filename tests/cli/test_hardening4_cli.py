@@ -1,0 +1,211 @@
+"""Issue 28, items 8, 11, 12, 14, 17, 18 and 19, through the CLI as fresh processes: NaN/Inf
+tokens explained by verify, a closed pipe that is not a failed check, memory refused before a
+profile, inspect safe on hostile metadata and whole on exports, output that fits 80 columns, and
+profile defaults that every offered kernel runs with."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from mxcli.inputs import make_bwd_inputs, make_prefill_inputs, write_inputs
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MXCLI_")}
+    env.update(extra)
+    return env
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _mxcli(*args: object, cwd: Path | None = None, **env: str) -> Any:
+    return subprocess.run(
+        [sys.executable, "-m", "mxcli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=_env(**env),
+        cwd=cwd,
+        timeout=300,
+        preexec_fn=_default_sigint,
+    )
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip()]
+    assert "Traceback" not in stderr, stderr
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+def _edit(src: Path, dst: Path, edit: Any, meta_edit: Any = None) -> Path:
+    """A copy of a safetensors file with `edit(tensors)` applied to its tensors."""
+    with safe_open(str(src), framework="pt") as f:
+        meta = dict(f.metadata() or {})
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+    edit(tensors)
+    if meta_edit is not None:
+        meta_edit(meta)
+    save_file(tensors, str(dst), metadata=meta)
+    return dst
+
+
+# ---- 8. verify --inputs counts NaN/Inf tokens as explained -------------------------------------
+
+
+def _nonfinite_prefill(tmp_path: Path, value: float) -> tuple[Path, Path]:
+    """A prefill input whose token 5 holds one `value`, and its reference run."""
+    inp = tmp_path / "in.safetensors"
+    write_inputs(
+        make_prefill_inputs(seq=64, hidden=512, experts=8, top_k=2, emit_norm_bf16=True, seed=5),
+        inp,
+    )
+
+    def poison(t: dict[str, torch.Tensor]) -> None:
+        h = t["hidden_states"].clone()
+        h.reshape(-1, h.shape[-1])[5, 7] = value
+        t["hidden_states"] = h
+
+    bad = _edit(inp, tmp_path / "bad.safetensors", poison)
+    out = tmp_path / "out.safetensors"
+    r = _mxcli("run-prefill", bad, "-o", out, "--allow-nonfinite", "-b", "reference", "-q")
+    assert r.returncode == 0, r.stderr
+    return bad, out
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_verify_inputs_explains_a_nonfinite_token(tmp_path: Path, value: float) -> None:
+    bad, out = _nonfinite_prefill(tmp_path, value)
+    r = _mxcli("verify", out, "--inputs", bad, "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    tensors = {t["name"]: t for c in json.loads(r.stdout)["cases"] for t in c["tensors"]}
+    for name in ("norm_quant_packed.values", "norm_quant_packed.scales", "norm_bf16"):
+        assert "1 of 64 tokens with NaN/Inf inputs (explained" in tensors[name]["message"], name
+
+
+def test_verify_inputs_with_a_nonfinite_token_still_fails_wrong_values(tmp_path: Path) -> None:
+    """The NaN token is explained; a wrong value in another token still fails (exit 1)."""
+    bad, out = _nonfinite_prefill(tmp_path, float("nan"))
+
+    def flip(t: dict[str, torch.Tensor]) -> None:
+        q = t["norm_quant_packed"].view(torch.uint8).clone()
+        q[9, :64] ^= 0x80  # token 9's codes change sign
+        t["norm_quant_packed"] = q.view(torch.float8_e4m3fn)
+
+    wrong = _edit(out, tmp_path / "wrong.safetensors", flip)
+    r = _mxcli("verify", wrong, "--inputs", bad, "--json")
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    failed = [t["name"] for c in json.loads(r.stdout)["cases"] for t in c["tensors"]]
+    assert "norm_quant_packed.values" in failed
+
+
+def test_verify_inputs_explains_a_nan_in_the_backward(tmp_path: Path) -> None:
+    inp = tmp_path / "in.safetensors"
+    write_inputs(
+        make_bwd_inputs(
+            tokens=128, hidden=256, intermediate=128, experts=2, top_k=2, block_size=128, seed=3
+        ),
+        inp,
+    )
+
+    def poison(t: dict[str, torch.Tensor]) -> None:
+        h = t["hidden_states"].clone()
+        h[5, 7] = float("nan")
+        t["hidden_states"] = h
+
+    bad = _edit(inp, tmp_path / "bad.safetensors", poison)
+    out = tmp_path / "out.safetensors"
+    r = _mxcli("run-bwd", bad, "-o", out, "--allow-nonfinite", "-b", "reference", "-q")
+    assert r.returncode == 0, r.stderr
+    r = _mxcli("verify", out, "--inputs", bad, "--json")
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert "explained by NaN/Inf inputs" in r.stdout
+
+
+# ---- 12. a closed pipe is not a failed check ----------------------------------------------------
+
+
+def _closed_pipe(*args: object) -> Any:
+    """mxcli writing into a pipe whose reader has already gone (``| head -0``)."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "mxcli", *map(str, args)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+            timeout=300,
+            preexec_fn=_default_sigint,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.fixture(scope="module")
+def run_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("run")
+    inp, out = d / "in.safetensors", d / "out.safetensors"
+    write_inputs(make_prefill_inputs(seq=32, hidden=512, experts=8, top_k=2, seed=1), inp)
+    r = _mxcli("run-prefill", inp, "-o", out, "-b", "reference", "-q")
+    assert r.returncode == 0, r.stderr
+    return {"in": inp, "out": out}
+
+
+@pytest.mark.parametrize("json_out", [False, True])
+def test_verify_into_a_closed_pipe_keeps_its_exit_code(run_files, json_out: bool) -> None:
+    extra = ["--json"] if json_out else []
+    r = _closed_pipe("verify", run_files["out"], "--inputs", run_files["in"], *extra)
+    assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_failing_verify_into_a_closed_pipe_exits_1(run_files, tmp_path: Path) -> None:
+    def flip(t: dict[str, torch.Tensor]) -> None:
+        q = t["norm_quant_packed"].view(torch.uint8).clone()
+        q[3, :64] ^= 0x80
+        t["norm_quant_packed"] = q.view(torch.float8_e4m3fn)
+
+    wrong = _edit(run_files["out"], tmp_path / "wrong.safetensors", flip)
+    r = _closed_pipe("verify", wrong, "--inputs", run_files["in"])
+    assert (r.returncode, r.stderr) == (1, "")
+
+
+def test_inspect_into_a_closed_pipe_exits_0(run_files) -> None:
+    r = _closed_pipe("inspect", run_files["out"])
+    assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_bad_input_into_a_closed_pipe_is_still_exit_2(run_files) -> None:
+    r = _closed_pipe("verify", run_files["in"], "--inputs", run_files["in"])
+    assert r.returncode == 2
+    assert "an input file" in _one_error_line(r.stderr)
+
+
+def test_make_inputs_with_stdout_closed(tmp_path: Path) -> None:
+    out = tmp_path / "x.safetensors"
+    r = subprocess.run(
+        [sys.executable, "-m", "mxcli", "make-inputs", "prefill", "-o", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+        timeout=300,
+        preexec_fn=lambda: (_default_sigint(), os.close(1)),
+    )
+    assert (r.returncode, r.stderr) == (0, "")
+    assert out.stat().st_size > 0
+    with safe_open(str(out), framework="pt") as f:  # nothing meant for stdout went into it
+        assert "hidden_states" in f.keys()  # noqa: SIM118
