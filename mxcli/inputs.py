@@ -501,8 +501,10 @@ def inputs_from_weights(
     residual: bool = False,
     prequantize: bool = False,
     verify_hashes: bool = True,
+    rank: int = 0,
 ) -> KernelInputs:
-    """Inputs for one layer of a prepared checkpoint, with seeded ``0.5*N(0,1)`` hidden states.
+    """Inputs for one layer and `rank` of a prepared checkpoint, with seeded ``0.5*N(0,1)``
+    hidden states (the rank is recorded: a TP/EP folder's ranks hold different slices).
 
     prefill: the layer's norm weight, router and router kwargs. bwd: the tokens are routed by the
     prefill reference with the layer's router; its bf16 RMSNorm output is the MoE input; then the
@@ -514,8 +516,9 @@ def inputs_from_weights(
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
     m = load_manifest(Path(weights), verify_hashes=verify_hashes)  # checked against its files
-    padding = m.padding()
-    w_tensors, kw = load_prefill_inputs(m, layer)
+    m.rank_entry(layer, rank)  # a rank the folder lacks: one line naming those it has
+    padding = m.padding(rank)
+    w_tensors, kw = load_prefill_inputs(m, layer, rank)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
     _check_memory(f"{tokens} tokens x hidden {Hp}", _prefill_bytes(tokens, Hp, residual))
@@ -531,6 +534,8 @@ def inputs_from_weights(
         "source": "weights",
         "weights": str(weights),
         "layer": int(layer),
+        "rank": int(rank),
+        "ranks": len(m.ranks),
         "seed": int(seed),
         "tokens": int(tokens),
         "family": m.data.get("source", {}).get("family"),
@@ -555,12 +560,12 @@ def inputs_from_weights(
         # ties in ascending expert order, as the kernel selects (api spec §8.14); torch.topk's
         # order among equal affinities is unspecified
         index = torch.sort(aff, dim=1, descending=True, stable=True).indices[:, :K]
-    w = load_backward_weights(m, layer, fmt="bf16")
+    w = load_backward_weights(m, layer, rank, fmt="bf16")
     gu, d = w["gate_up_proj_weight"], w["down_proj_weight"]
     E_r, H = int(gu.shape[0]), int(gu.shape[1])
     if E_r != aff.shape[1]:
         raise InputError(
-            f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank 0 "
+            f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank {rank} "
             f"(prepared with --ep 1), this folder has {E_r}"
         )
     # norm_bf16 is [T, Hp]; the expert stacks are [E, Hb, ...] with Hb <= Hp, and the columns
@@ -575,7 +580,7 @@ def inputs_from_weights(
     )  # fmt: skip
 
 
-def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
+def layer_facts(weights: str | os.PathLike[str], layer: int, rank: int = 0) -> dict[str, Any]:
     """What a prepared layer fixes, by `make-inputs` flag (underscored): ``hidden`` (the
     model's and the padded H), ``experts``, ``intermediate`` (I per rank), and the router's
     ``top_k``, ``router_act``, ``n_group``, ``topk_group``, ``routed_scaling_factor`` and
@@ -585,7 +590,7 @@ def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
 
     m = load_manifest(Path(weights))
     kw = m.prefill_kwargs(layer)
-    specs = m.rank_entry(layer, 0)["tensors"]
+    specs = m.rank_entry(layer, rank)["tensors"]
     hp = int(specs["gamma"]["shape"][-1])
     facts: dict[str, Any] = {
         "hidden": sorted({hp, int(kw.get("unpadded_hidden_size") or hp)}),

@@ -125,4 +125,8 @@ def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
 __all__ = [
     "any_nonfinite_input",
     "explained_tokens",
-    "input_nonfinite", "nonfinite_counts", "nonfinite_warnings", "unexplained_nonfinite"]
+    "input_nonfinite",
+    "nonfinite_counts",
+    "nonfinite_warnings",
+    "unexplained_nonfinite",
+]

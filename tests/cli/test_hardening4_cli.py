@@ -209,3 +209,106 @@ def test_make_inputs_with_stdout_closed(tmp_path: Path) -> None:
     assert out.stat().st_size > 0
     with safe_open(str(out), framework="pt") as f:  # nothing meant for stdout went into it
         assert "hidden_states" in f.keys()  # noqa: SIM118
+
+
+# ---- 14. inspect: control characters escaped, long values cut ----------------------------------
+
+
+def test_inspect_escapes_control_characters_and_cuts_long_values(tmp_path: Path) -> None:
+    evil = tmp_path / "evil.safetensors"
+    title = "\x1b[2J\x1b[31mred\u202eevil\nline2"
+    big = "A" * 1_000_000
+    save_file(
+        {"x\x1b[2Jname": torch.zeros(2)},
+        str(evil),
+        metadata={"title": title, "big": big, "k\x07ey": "v"},
+    )
+    r = _mxcli("inspect", evil, COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    assert not any(c in r.stdout for c in "\x1b\x07\u202e")  # nothing reaches the terminal raw
+    assert r"title    \x1b[2J\x1b[31mred\u202eevil\nline2" in r.stdout
+    assert r"k\x07ey" in r.stdout and r"x\x1b[2Jname" in r.stdout
+    assert "(1,000,000 characters; --json shows all)" in r.stdout
+    assert len(r.stdout) < 5_000
+    r = _mxcli("inspect", evil, "--json")
+    meta = json.loads(r.stdout)["metadata"]
+    assert meta["title"] == title and meta["big"] == big  # --json: whole and exact
+
+
+# ---- 18. inspect: one layer, every rank; export folders; make-inputs --rank ---------------------
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from mxcli.weightprep.synthetic import build_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpt")
+    return build_checkpoint("qwen3_moe", root / "ck", hidden_size=512, num_layers=2).path
+
+
+@pytest.fixture(scope="module")
+def tp2(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tp2") / "p"
+    r = _mxcli("prep-weights", checkpoint, out, "--tp", 2, "-q")
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_inspect_layer_shows_that_layer_on_every_rank(tp2: Path) -> None:
+    r = _mxcli("inspect", tp2, "--layer", 1, "--no-stats", COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    assert "layer 0" not in r.stdout and "layers.0." not in r.stdout
+    assert "layer 1, rank 0 (rank0/layer_001.safetensors)" in r.stdout
+    assert "layer 1, rank 1 (rank1/layer_001.safetensors)" in r.stdout
+    assert "rank1/layer_001.safetensors (" in r.stdout  # rank 1's file in detail
+    data = json.loads(_mxcli("inspect", tp2, "--layer", 1, "--no-stats", "--json").stdout)
+    assert list(data["layers"]) == ["1"]
+    assert [d["rank"] for d in data["layer_details"]] == [0, 1]
+    assert set(data["layers"]["1"]["rank_tensors"]) == {"0", "1"}
+    one = json.loads(_mxcli("inspect", tp2, "--layer", 1, "--rank", 1, "--json").stdout)
+    assert [d["rank"] for d in one["layer_details"]] == [1]
+
+
+@pytest.mark.parametrize("fmt", ["nxdi", "compressed-tensors"])
+def test_inspect_export_folder_shows_every_file(checkpoint: Path, tmp_path: Path, fmt) -> None:
+    out = tmp_path / "export"
+    r = _mxcli("prep-weights", checkpoint, out, "--output-format", fmt, "-q")
+    assert r.returncode == 0, r.stderr
+    record = json.loads((out / "mxcli-export.json").read_text())
+    listed = [f for f in record["result"]["files"] if f.endswith(".safetensors")]
+    r = _mxcli("inspect", out, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["kind"] == "export" and data["output_format"] == fmt
+    assert [Path(f["path"]).relative_to(out).as_posix() for f in data["files"]] == listed
+    # every shard's tensors, not only the first shard's
+    names = {t["name"] for f in data["files"] for t in f["tensors"]}
+    with safe_open(str(out / listed[-1]), framework="pt") as f:
+        assert set(f.keys()) <= names  # noqa: SIM118
+    r = _mxcli("inspect", out, COLUMNS="80")
+    assert r.returncode == 0 and f"{fmt} export of a qwen3_moe checkpoint" in r.stdout
+    assert all(f"{name} (" in r.stdout for name in listed)
+
+
+def test_make_inputs_weights_rank(tp2: Path, tmp_path: Path) -> None:
+    out = tmp_path / "in.safetensors"
+    r = _mxcli("make-inputs", "prefill", "--weights", tp2, "--layer", 1, "-o", out, COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    assert "has 2 ranks; using rank 0" in r.stderr
+    assert "layer 1, rank 0 of 2" in r.stdout
+    r = _mxcli(
+        "make-inputs", "bwd", "--weights", tp2, "--layer", 1, "--rank", 1, "--tokens", 64,
+        "-o", out, "--force", "--json",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    gen = json.loads(r.stdout)["generator"]
+    assert (gen["rank"], gen["ranks"]) == (1, 2)
+    with safe_open(str(out), framework="pt") as f:  # rank 1's down_proj slice, not rank 0's
+        down = f.get_tensor("down_proj_weight")
+    with safe_open(str(tp2 / "rank1" / "layer_001.safetensors"), framework="pt") as f:
+        assert torch.equal(down, f.get_tensor("layers.1.down_proj_weight"))
+    with safe_open(str(tp2 / "rank0" / "layer_001.safetensors"), framework="pt") as f:
+        assert not torch.equal(down, f.get_tensor("layers.1.down_proj_weight"))
+    r = _mxcli("make-inputs", "bwd", "--weights", tp2, "--layer", 1, "--rank", 2, "-o", out, "-f")
+    assert r.returncode == 2
+    assert "rank 2: not in" in _one_error_line(r.stderr)
