@@ -84,18 +84,20 @@ def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float
     return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
 
 
-def _check_memory(what: str, need: int) -> None:
+def check_input_memory(what: str, need: int) -> None:
     """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
     check_fits(f"tokens: {what}", need)
 
 
-def _prefill_bytes(T: int, H: int, residual: bool) -> int:
+def prefill_input_bytes(T: int, H: int, residual: bool) -> int:
     """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
-    and kept in bf16 (6 bytes an element)."""
+    and kept in bf16 (6 bytes an element). Also one of ``profile prefill``'s from shapes (its
+    bf16 zeros, the packed rows and the interpreter's copies: 12.5 bytes an element measured
+    at H 7168, T 8192 and 32768)."""
     return 6 * T * H * (2 if residual else 1)
 
 
-def _bwd_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
+def bwd_input_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
     """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
     bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
     hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
@@ -152,7 +154,7 @@ def make_prefill_inputs(
     if not 0 < N <= H:
         raise InputError(f"unpadded_hidden_size: expected a value in (0, {H}], got {N}")
     T = int(batch) * int(seq)
-    _check_memory(f"{T} tokens x hidden {H}", _prefill_bytes(T, H, residual))
+    check_input_memory(f"{T} tokens x hidden {H}", prefill_input_bytes(T, H, residual))
     g = _gen(seed)
     shape = (int(batch), int(seq), H)
     hs = _normal(g, shape, 0.5)
@@ -306,9 +308,9 @@ def make_bwd_inputs(
     if router not in ("seeded", "prefill"):
         raise InputError(f"router: expected seeded or prefill, got {router!r}")
     limits = _clamp_limits(clamp)
-    _check_memory(
+    check_input_memory(
         f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
-        _bwd_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
+        bwd_input_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
     )
     g = _gen(seed)
     # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY
@@ -521,7 +523,7 @@ def inputs_from_weights(
     w_tensors, kw = load_prefill_inputs(m, layer, rank)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
-    _check_memory(f"{tokens} tokens x hidden {Hp}", _prefill_bytes(tokens, Hp, residual))
+    check_input_memory(f"{tokens} tokens x hidden {Hp}", prefill_input_bytes(tokens, Hp, residual))
     g = _gen(seed)
     hs = _normal(g, (batch, tokens // batch, Hp), 0.5)
     hs[..., N:] = 0.0

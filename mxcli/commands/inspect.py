@@ -61,9 +61,10 @@ def inspect(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Show what a safetensors file, prep-weights folder or export folder holds.
+    """Show what a safetensors file or weight folder holds.
 
-    Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
+    A file, a prep-weights folder or an export folder (nxdi, compressed-tensors: every file it
+    lists). Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
     prefill rows and x4 weights become scale histograms and dequantized statistics. Hashes show
     their first 12 hex digits, control characters are shown escaped and long metadata values
     cut (--json gives every value in full).

@@ -312,3 +312,82 @@ def test_make_inputs_weights_rank(tp2: Path, tmp_path: Path) -> None:
     r = _mxcli("make-inputs", "bwd", "--weights", tp2, "--layer", 1, "--rank", 2, "-o", out, "-f")
     assert r.returncode == 2
     assert "rank 2: not in" in _one_error_line(r.stderr)
+
+
+# ---- 11. profile refuses what cannot fit in memory ---------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["prefill", "bwd"])
+def test_profile_refuses_what_cannot_fit_in_memory(kind: str) -> None:
+    # 1e11 tokens x 7168 x 6 bytes (make-inputs' lower bound): no machine has 4.3 PB
+    extra = ["--intermediate", 2048] if kind == "bwd" else []
+    r = _mxcli("profile", kind, "--tokens", 10**11, "--hidden", 7168, "--experts", 256, *extra)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    line = _one_error_line(r.stderr)
+    assert "tokens: 100000000000 tokens" in line and "need at least" in line
+    assert "available" in line
+
+
+def test_profile_memory_estimate_is_make_inputs(monkeypatch) -> None:
+    """The issue's case, on a 24 GB machine: refused with the figure before any allocation."""
+    from mxcli import memory
+    from mxcli.errors import InputError
+    from mxcli.kernels import profiling
+
+    monkeypatch.setattr(memory, "available_bytes", lambda: 24 * 10**9)
+    shape = profiling.PrefillShape(1048576, 7168, 256, 8)
+    with pytest.raises(InputError, match=r"need at least 45\.1 GB of memory, 24 GB available"):
+        profiling.prefill_inputs(shape)
+
+
+# ---- 19. profile prefill: the kernel API's defaults, which every offered kernel runs -----------
+
+
+def _nkilib_fork(root: Path) -> Path:
+    """A package ``nkilib`` whose ``core.rmsnorm.rmsnorm_mx_prefill`` is the test-time fork
+    (`tests.kernels.forks`): ``--kernel nkilib`` with ``--kernel-path root``."""
+    from tests.kernels.forks import write_prefill_fork
+
+    spec = write_prefill_fork(root / "forks", "nkifork")
+    src = root / "forks" / Path(*spec.split(":")[0].split("."))
+    core = root / "src" / "nkilib" / "core"
+    core.mkdir(parents=True)
+    for d in (core.parent, core):
+        (d / "__init__.py").write_text("")
+    (core / "rmsnorm.py").write_text(src.with_suffix(".py").read_text())
+    return root / "src"
+
+
+@pytest.mark.parametrize("kernel", ["mxcli", "nkilib"])
+def test_profile_prefill_runs_every_kernel_with_its_defaults(tmp_path: Path, kernel: str) -> None:
+    path = ["--kernel-path", _nkilib_fork(tmp_path)] if kernel == "nkilib" else []
+    r = _mxcli("profile", "prefill", "--tokens", 128, "--hidden", 512, "--experts", 16,
+               "--lnc", 1, "--kernel", kernel, *path, "--json")  # fmt: skip
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    s = json.loads(r.stdout)
+    assert s["nki_kernel"]["kernel"] == kernel
+    # the kernel API's defaults (api/rmsnorm_mx_prefill.txt): top_k 1, SIGMOID, 1 group, 1 kept,
+    # no packed affinities
+    assert {k: s["shape"][k] for k in ("top_k", "router_act", "n_group", "topk_group",
+                                       "pack_affinities")} == {
+        "top_k": 1, "router_act": "sigmoid", "n_group": 1, "topk_group": 1,
+        "pack_affinities": False,
+    }  # fmt: skip
+
+
+def test_profile_help_names_the_api_defaults() -> None:
+    from mxcli.kernels.rmsnorm_mx_prefill import rmsnorm_mx_prefill
+
+    api = __import__("inspect").signature(rmsnorm_mx_prefill).parameters
+    text = " ".join(_mxcli("profile", "prefill", "--help").stdout.split())
+    for flag, value in (
+        ("--top-k", api["top_k"].default),
+        ("--router-act", api["router_act_fn"].default.name.lower()),
+        ("--n-group", api["n_group"].default),
+        ("--topk-group", api["topk_group"].default),
+    ):
+        assert f"[default: {value}]" in text.split(flag, 1)[1].split(" --", 1)[0], flag
+    assert not api["pack_affinities"].default
+    assert "[default: no-pack-affinities]" in text
+    text = " ".join(_mxcli("profile", "bwd", "--help").stdout.split())
+    assert "the kernel API's default: 4096" in text
