@@ -84,3 +84,37 @@ def guard_std_streams() -> None:
                 os.close(null)
             stream = open(fd, "w", encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
         setattr(sys, name, PipeSafe(stream, fd))
+
+
+def ascii_only() -> bool:
+    """Whether the terminal's locale cannot show UTF-8 (``LANG=C``): progress bars and
+    spinners then use ASCII. A non-UTF-8 stream encoding says so; so does Python's UTF-8 mode
+    when nothing asked for it (``PYTHONUTF8``, ``-X utf8``): Python <= 3.14 turns it on by
+    itself only when the locale is C or POSIX (PEP 540; PEP 538 also coerces the locale), and
+    the streams then say utf-8 although the terminal's locale is C."""
+    encoding = (getattr(sys.stderr, "encoding", None) or "").lower().replace("-", "")
+    if not encoding.startswith("utf"):
+        return True
+    asked = os.environ.get("PYTHONUTF8") is not None or "utf8" in sys._xoptions
+    return bool(sys.flags.utf8_mode) and not asked and sys.version_info < (3, 15)
+
+
+def rich_console(**kwargs: Any) -> Any:
+    """A rich ``Console(**kwargs)`` that draws with ASCII where the terminal's locale cannot
+    show UTF-8 (`ascii_only`: rich's bars then use ``-`` instead of box-drawing glyphs)."""
+    from rich.console import Console
+
+    if not ascii_only():
+        return Console(**kwargs)
+
+    class AsciiConsole(Console):
+        @property
+        def encoding(self) -> str:
+            return "ascii"
+
+    return AsciiConsole(**kwargs)
+
+
+def spinner_name() -> str:
+    """rich's spinner for progress lines: braille dots, or ``-\\|/`` under `ascii_only`."""
+    return "line" if ascii_only() else "dots"

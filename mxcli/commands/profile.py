@@ -25,6 +25,7 @@ from mxcli.commands._shared import (
     guarded,
     journey_group,
     kernel_defaults,
+    kernel_lines,
     print_json,
     stdout_console,
     wrap_items,
@@ -178,9 +179,8 @@ def print_report(s: dict[str, Any]) -> None:
     con.print(Text(f"{s['kernel']} on {s['target']} (LNC={s['lnc']}), cost-model estimate",
                    style="bold"), soft_wrap=True)  # fmt: skip
     if "nki_kernel" in s:
-        from mxcli.kernels.selection import describe_line
-
-        out(f"  kernel: {describe_line(s['nki_kernel'])}")
+        for line in kernel_lines("  kernel: ", s["nki_kernel"], con.width):
+            out(line)
     items("  instructions:", [f"{k} {v}" for k, v in sorted(s["instructions"].items())])
     items("  busy per engine (us, busiest core):",
           [f"{k} {v:.1f}" for k, v in s["busy_us"].items()])  # fmt: skip

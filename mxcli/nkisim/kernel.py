@@ -259,7 +259,10 @@ def run_kernel(
     def body(i: int) -> None:
         prog = programs[i]
         try:
-            with machine.bind(prog):
+            # the engines compute in IEEE arithmetic: a NaN or Inf input propagates as on the
+            # device, and numpy's floating-point warnings about it are noise (issue 28); set
+            # per thread, as numpy's error state is
+            with machine.bind(prog), np.errstate(all="ignore"):
                 results[i] = k.fn(*targs, **tkwargs)
                 prog.finish_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread

@@ -391,3 +391,158 @@ def test_profile_help_names_the_api_defaults() -> None:
     assert "[default: no-pack-affinities]" in text
     text = " ".join(_mxcli("profile", "bwd", "--help").stdout.split())
     assert "the kernel API's default: 4096" in text
+
+
+# ---- 17. one tool at 80 columns ------------------------------------------------------------------
+
+
+def _fits(text: str, width: int = 80) -> list[str]:
+    """Lines wider than `width` that could have been broken (more than one word after the
+    indentation: a single long path or name is never broken)."""
+    return [ln for ln in text.splitlines() if len(ln) > width and len(ln.split()) > 1]
+
+
+def test_kernel_line_fits_80_columns(run_files, tmp_path: Path) -> None:
+    out = tmp_path / "o.safetensors"
+    r = _mxcli("run-prefill", run_files["in"], "-o", out, "-b", "sim", COLUMNS="80")
+    assert r.returncode == 0, r.stderr
+    assert "kernel: mxcli rmsnorm_mx_prefill" in r.stdout and "sha256" in r.stdout
+    assert _fits(r.stdout.replace(str(out), "OUT")) == []
+    r = _mxcli("profile", "prefill", "--tokens", 128, "--hidden", 512, "--experts", 8,
+               "--lnc", 1, COLUMNS="80")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "  kernel: mxcli rmsnorm_mx_prefill" in r.stdout and _fits(r.stdout) == []
+
+
+@pytest.mark.parametrize("fmt", ["nxdi", "compressed-tensors"])
+def test_export_summary_fits_80_columns(checkpoint: Path, tmp_path: Path, fmt: str) -> None:
+    r = _mxcli("prep-weights", checkpoint, "out", "--output-format", fmt, "--check",
+               COLUMNS="80", cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert _fits(r.stdout) == [], r.stdout
+    if fmt == "nxdi":
+        assert "note: world rank r = ep_rank * tp + tp_rank" in r.stdout
+    else:  # what changed relative to what
+        assert " values differ from the bf16 source, worst SQNR" in " ".join(r.stdout.split())
+        assert "MXFP8 changed" not in r.stdout
+
+
+def test_prep_weights_check_prints_no_meaningless_rate(checkpoint: Path, tmp_path: Path) -> None:
+    r = _mxcli("prep-weights", checkpoint, "out", "--check", COLUMNS="80", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "GB/s" not in r.stdout and "(with --check)" in r.stdout
+    assert "MXFP8 values differ from the source's" in " ".join(r.stdout.split())
+    assert _fits(r.stdout) == []
+
+
+def test_verify_help_says_each_sentence_once() -> None:
+    r = _mxcli("verify", "--help", COLUMNS="80")
+    text = " ".join(r.stdout.split())
+    assert text.count("OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full") == 1
+
+
+def _tty(args: list[object], env: dict[str, str], cwd: Path) -> tuple[int, bytes]:
+    """mxcli on a pseudo-terminal 80 columns wide; the exit code and the raw bytes shown."""
+    import fcntl
+    import pty
+    import struct
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 80, 0, 0))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mxcli", *map(str, args)],
+        stdin=slave, stdout=slave, stderr=slave, env=env, cwd=cwd, close_fds=True,
+        preexec_fn=_default_sigint,
+    )  # fmt: skip
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the process closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    code = proc.wait(timeout=300)
+    os.close(master)
+    return code, b"".join(chunks)
+
+
+def _locale_env(lang: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in _env().items() if not k.startswith(("LC_", "LANG", "PYTHONUTF8"))}
+    return {**env, "LANG": lang, "TERM": "xterm-256color", "COLUMNS": "80", **extra}
+
+
+def test_lang_c_progress_is_ascii(checkpoint: Path, tmp_path: Path) -> None:
+    code, shown = _tty(["prep-weights", checkpoint, "c"], _locale_env("C"), tmp_path)
+    assert code == 0, shown
+    assert b"prep-weights" in shown and max(shown) < 0x80, shown  # the bar, in ASCII
+    code, shown = _tty(["prep-weights", checkpoint, "utf"], _locale_env("C.UTF-8"), tmp_path)
+    assert code == 0 and "━".encode() in shown  # a UTF-8 terminal keeps rich's glyphs
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_sim_with_a_nonfinite_input_prints_no_numpy_warning(tmp_path: Path, value) -> None:
+    """Inf * 0 in the interpreter's arithmetic: numpy's 'invalid value' warning is noise."""
+    bad, _ = _nonfinite_prefill(tmp_path, value)
+    out = tmp_path / "sim.safetensors"
+    r = _mxcli("run-prefill", bad, "-o", out, "--allow-nonfinite", "-b", "sim", "-q")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+
+
+def test_numba_cache_falls_back_when_no_folder_is_writable(monkeypatch) -> None:
+    """No writable cache folder (read-only install, read-only home): compiled per process."""
+    import numba.core.caching as caching
+
+    from mxcli.jit import njit_cached
+
+    def refuse(self: Any) -> None:
+        raise PermissionError(13, "Read-only file system", self.get_cache_path())
+
+    monkeypatch.setattr(caching._CacheLocator, "ensure_cache_path", refuse)
+
+    def plus_one(x: int) -> int:
+        return x + 1
+
+    fn = njit_cached()(plus_one)
+    assert fn(41) == 42 and type(fn._cache).__name__ == "NullCache"
+
+
+def test_numba_compile_is_said_once_on_a_terminal(monkeypatch) -> None:
+    import io
+
+    from mxcli import jit
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setitem(jit._STATE, "said", False)
+
+    def twice(x: int) -> int:
+        return 2 * x
+
+    def thrice(x: int) -> int:
+        return 3 * x
+
+    for f in (twice, thrice):
+        f.__module__ = "mxcli.test_fake"  # one of mxcli's kernels, for the listener
+        assert jit.njit_cached()(f)(2) in (4, 6)
+    assert err.getvalue() == jit._NOTE + "\n"
+
+
+@pytest.mark.slow
+def test_first_reference_run_says_it_compiles_then_uses_the_cache(run_files, tmp_path) -> None:
+    cache = tmp_path / "numba"
+    cache.mkdir()
+    env = _locale_env("C.UTF-8", NUMBA_CACHE_DIR=str(cache))
+    args = ["run-prefill", run_files["in"], "-o", "o.safetensors", "-b", "reference", "-q", "-f"]
+    code, first = _tty(args, env, tmp_path)
+    assert code == 0 and first.decode().count("note: compiling numba kernels") == 1, first
+    assert any(cache.rglob("*.nbi"))
+    code, second = _tty(args, env, tmp_path)
+    assert code == 0 and b"compiling" not in second, second
