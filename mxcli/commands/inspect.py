@@ -64,10 +64,10 @@ def inspect(
     """Show what a safetensors file or weight folder holds.
 
     A file, a prep-weights folder or an export folder (nxdi, compressed-tensors: every file it
-    lists). Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
-    prefill rows and x4 weights become scale histograms and dequantized statistics. Hashes show
-    their first 12 hex digits, control characters are shown escaped and long metadata values
-    cut (--json gives every value in full).
+    lists). Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and
+    manifests; packed prefill rows and x4 weights become scale histograms and dequantized
+    statistics. Hashes show their first 12 hex digits, control characters are shown escaped and
+    long metadata values cut (--json gives every value in full).
     """
 
     def body() -> None:
