@@ -40,16 +40,18 @@ TARGETS = ("trn3", "trn2")
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation."""
+    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation. No
+    defaults: the kernel API's are in its signature (``profile prefill`` shows them), and a
+    benchmark names its router (DeepSeek-V3's: top-K 8, noaux_tc, 8 groups, 4 kept)."""
 
     tokens: int
     hidden: int
     experts: int
     top_k: int
-    router_act: str = "noaux_tc"
-    n_group: int = 8
-    topk_group: int = 4
-    pack_affinities: bool = True  # off for kernels that refuse it with NOAUX_TC (nkilib's)
+    router_act: str
+    n_group: int
+    topk_group: int
+    pack_affinities: bool  # nkilib's kernel refuses it with NOAUX_TC
 
 
 @dataclass(frozen=True)

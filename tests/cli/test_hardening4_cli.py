@@ -335,7 +335,7 @@ def test_profile_memory_estimate_is_make_inputs(monkeypatch) -> None:
     from mxcli.kernels import profiling
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 24 * 10**9)
-    shape = profiling.PrefillShape(1048576, 7168, 256, 8)
+    shape = profiling.PrefillShape(1048576, 7168, 256, 8, "noaux_tc", 8, 4, False)
     with pytest.raises(InputError, match=r"need at least 45\.1 GB of memory, 24 GB available"):
         profiling.prefill_inputs(shape)
 
