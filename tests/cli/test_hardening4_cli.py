@@ -475,12 +475,27 @@ def _locale_env(lang: str, **extra: str) -> dict[str, str]:
     return {**env, "LANG": lang, "TERM": "xterm-256color", "COLUMNS": "80", **extra}
 
 
+def _has_locale(name: str) -> bool:
+    import locale
+
+    old = locale.setlocale(locale.LC_CTYPE)
+    try:
+        locale.setlocale(locale.LC_CTYPE, name)
+    except locale.Error:
+        return False
+    finally:
+        locale.setlocale(locale.LC_CTYPE, old)
+    return True
+
+
 def test_lang_c_progress_is_ascii(checkpoint: Path, tmp_path: Path) -> None:
     code, shown = _tty(["prep-weights", checkpoint, "c"], _locale_env("C"), tmp_path)
     assert code == 0, shown
     assert b"prep-weights" in shown and max(shown) < 0x80, shown  # the bar, in ASCII
     code, shown = _tty(["prep-weights", checkpoint, "utf"], _locale_env("C.UTF-8"), tmp_path)
-    assert code == 0 and "━".encode() in shown  # a UTF-8 terminal keeps rich's glyphs
+    assert code == 0
+    if _has_locale("C.UTF-8"):  # a UTF-8 terminal keeps rich's glyphs
+        assert "━".encode() in shown
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
