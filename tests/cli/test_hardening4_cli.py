@@ -358,9 +358,16 @@ def _nkilib_fork(root: Path) -> Path:
     return root / "src"
 
 
-@pytest.mark.parametrize("kernel", ["mxcli", "nkilib"])
+@pytest.mark.parametrize("kernel", ["mxcli", "nkilib", "MODULE:FUNCTION"])
 def test_profile_prefill_runs_every_kernel_with_its_defaults(tmp_path: Path, kernel: str) -> None:
-    path = ["--kernel-path", _nkilib_fork(tmp_path)] if kernel == "nkilib" else []
+    from tests.kernels.forks import write_prefill_fork
+
+    path: list[object] = []
+    if kernel == "nkilib":
+        path = ["--kernel-path", _nkilib_fork(tmp_path)]
+    elif kernel == "MODULE:FUNCTION":
+        kernel = write_prefill_fork(tmp_path / "src", "mxfork_defaults")
+        path = ["--kernel-path", tmp_path / "src"]
     r = _mxcli("profile", "prefill", "--tokens", 128, "--hidden", 512, "--experts", 16,
                "--lnc", 1, "--kernel", kernel, *path, "--json")  # fmt: skip
     assert r.returncode == 0, (r.stdout, r.stderr)
