@@ -110,7 +110,9 @@ def main() -> None:
         report_error,
         unreported_interrupt,
     )
+    from mxcli.streams import guard_std_streams
 
+    guard_std_streams()  # a closed or broken stdout is neither a failed check nor a traceback
     install_signal_handlers()
     json_out = "--json" in sys.argv[1:]
     try:

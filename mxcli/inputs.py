@@ -85,18 +85,20 @@ def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float
     return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
 
 
-def _check_memory(what: str, need: int) -> None:
+def check_input_memory(what: str, need: int) -> None:
     """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
     check_fits(f"tokens: {what}", need)
 
 
-def _prefill_bytes(T: int, H: int, residual: bool) -> int:
+def prefill_input_bytes(T: int, H: int, residual: bool) -> int:
     """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
-    and kept in bf16 (6 bytes an element)."""
+    and kept in bf16 (6 bytes an element). Also one of ``profile prefill``'s from shapes (its
+    bf16 zeros, the packed rows and the interpreter's copies: 12.5 bytes an element measured
+    at H 7168, T 8192 and 32768)."""
     return 6 * T * H * (2 if residual else 1)
 
 
-def _bwd_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
+def bwd_input_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
     """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
     bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
     hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
@@ -153,7 +155,7 @@ def make_prefill_inputs(
     if not 0 < N <= H:
         raise InputError(f"unpadded_hidden_size: expected a value in (0, {H}], got {N}")
     T = int(batch) * int(seq)
-    _check_memory(f"{T} tokens x hidden {H}", _prefill_bytes(T, H, residual))
+    check_input_memory(f"{T} tokens x hidden {H}", prefill_input_bytes(T, H, residual))
     g = _gen(seed)
     shape = (int(batch), int(seq), H)
     hs = _normal(g, shape, 0.5)
@@ -314,9 +316,9 @@ def make_bwd_inputs(
     if router not in ("seeded", "prefill"):
         raise InputError(f"router: expected seeded or prefill, got {router!r}")
     limits = _clamp_limits(clamp)
-    _check_memory(
+    check_input_memory(
         f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
-        _bwd_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
+        bwd_input_bytes(T, H, I, E, 1 if dense else K, drawn=weights is None),
     )
     g = _gen(seed)
     # draw order of the upstream generator (bwd spec §11.1): W_d, W_gu, A, X, dY
@@ -509,8 +511,10 @@ def inputs_from_weights(
     residual: bool = False,
     prequantize: bool = False,
     verify_hashes: bool = True,
+    rank: int = 0,
 ) -> KernelInputs:
-    """Inputs for one layer of a prepared checkpoint, with seeded ``0.5*N(0,1)`` hidden states.
+    """Inputs for one layer and `rank` of a prepared checkpoint, with seeded ``0.5*N(0,1)``
+    hidden states (the rank is recorded: a TP/EP folder's ranks hold different slices).
 
     prefill: the layer's norm weight, router and router kwargs. bwd: the tokens are routed by the
     prefill reference with the layer's router; its bf16 RMSNorm output is the MoE input; then the
@@ -522,11 +526,12 @@ def inputs_from_weights(
     if tokens % batch:
         raise InputError(f"tokens: expected a multiple of --batch {batch}, got {tokens}")
     m = load_manifest(Path(weights), verify_hashes=verify_hashes)  # checked against its files
-    padding = m.padding()
-    w_tensors, kw = load_prefill_inputs(m, layer)
+    m.rank_entry(layer, rank)  # a rank the folder lacks: one line naming those it has
+    padding = m.padding(rank)
+    w_tensors, kw = load_prefill_inputs(m, layer, rank)
     Hp = int(w_tensors["gamma"].shape[-1])
     N = kw.get("unpadded_hidden_size") or Hp
-    _check_memory(f"{tokens} tokens x hidden {Hp}", _prefill_bytes(tokens, Hp, residual))
+    check_input_memory(f"{tokens} tokens x hidden {Hp}", prefill_input_bytes(tokens, Hp, residual))
     g = _gen(seed)
     hs = _normal(g, (batch, tokens // batch, Hp), 0.5)
     hs[..., N:] = 0.0
@@ -539,6 +544,8 @@ def inputs_from_weights(
         "source": "weights",
         "weights": str(weights),
         "layer": int(layer),
+        "rank": int(rank),
+        "ranks": len(m.ranks),
         "seed": int(seed),
         "tokens": int(tokens),
         "family": m.data.get("source", {}).get("family"),
@@ -563,12 +570,12 @@ def inputs_from_weights(
         # ties in ascending expert order, as the kernel selects (api spec §8.14); torch.topk's
         # order among equal affinities is unspecified
         index = torch.sort(aff, dim=1, descending=True, stable=True).indices[:, :K]
-    w = load_backward_weights(m, layer, fmt="bf16")
+    w = load_backward_weights(m, layer, rank, fmt="bf16")
     gu, d = w["gate_up_proj_weight"], w["down_proj_weight"]
     E_r, H = int(gu.shape[0]), int(gu.shape[1])
     if E_r != aff.shape[1]:
         raise InputError(
-            f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank 0 "
+            f"{weights}: bwd inputs need all {aff.shape[1]} experts on rank {rank} "
             f"(prepared with --ep 1), this folder has {E_r}"
         )
     # norm_bf16 is [T, Hp]; the expert stacks are [E, Hb, ...] with Hb <= Hp, and the columns
@@ -583,7 +590,7 @@ def inputs_from_weights(
     )  # fmt: skip
 
 
-def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
+def layer_facts(weights: str | os.PathLike[str], layer: int, rank: int = 0) -> dict[str, Any]:
     """What a prepared layer fixes, by `make-inputs` flag (underscored): ``hidden`` (the
     model's and the padded H), ``experts``, ``intermediate`` (I per rank), and the router's
     ``top_k``, ``router_act``, ``n_group``, ``topk_group``, ``routed_scaling_factor`` and
@@ -593,7 +600,7 @@ def layer_facts(weights: str | os.PathLike[str], layer: int) -> dict[str, Any]:
 
     m = load_manifest(Path(weights))
     kw = m.prefill_kwargs(layer)
-    specs = m.rank_entry(layer, 0)["tensors"]
+    specs = m.rank_entry(layer, rank)["tensors"]
     hp = int(specs["gamma"]["shape"][-1])
     facts: dict[str, Any] = {
         "hidden": sorted({hp, int(kw.get("unpadded_hidden_size") or hp)}),

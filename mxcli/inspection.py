@@ -194,17 +194,29 @@ def inspect_dir(
     path: str | os.PathLike[str],
     *,
     layer: int | None = None,
-    rank: int = 0,
+    rank: int | None = None,
     stats: bool = True,
     verify_hashes: bool = True,
 ) -> dict[str, Any]:
-    """A prep-weights output folder: its manifest, and one layer file in detail with ``layer``,
-    checked against the manifest first (shapes, padding, sha256 unless not `verify_hashes`).
+    """A prep-weights output folder: its manifest, every rank of every layer (only `layer` with
+    ``layer``), and with ``layer`` that layer's file of each rank (of `rank` alone when given)
+    in detail, each checked against the manifest first (shapes, padding, sha256 unless not
+    `verify_hashes`).
 
-    Any other folder: the safetensors files in it, each described without data statistics.
+    An export folder (``mxcli-export.json``: nxdi, compressed-tensors): its record and every
+    file the record lists. Any other folder: the safetensors files in it. Their files are
+    described without data statistics.
     """
+    from mxcli.weightprep.export.folder import read_sidecar
+
     p = Path(path)
     if not (p / MANIFEST_NAME).exists():
+        if layer is not None or rank is not None:
+            flag = "--layer" if layer is not None else "--rank"
+            raise InputError(f"{flag.lstrip('-')}: {flag} applies to a prep-weights folder")
+        record = read_sidecar(p)
+        if record is not None:
+            return _inspect_export(p, record)
         files = sorted(p.glob("*.safetensors"))
         if not files:
             raise InputError(f"{p}: no manifest.json and no .safetensors files")
@@ -228,36 +240,82 @@ def inspect_dir(
         "layers": {},
         "tool": d.get("tool"),
     }
-    for L in m.layers:
+    if layer is not None:
+        m.layer(layer)  # a layer the folder lacks: one line naming the layers there
+    if rank is not None and layer is None:
+        raise InputError("rank: --rank applies with --layer")
+    for L in m.layers if layer is None else [layer]:
         entry = m.layer(L)
         ranks: dict[str, Any] = entry.get("ranks", {})
-        first: dict[str, Any] = next(iter(ranks.values()), {})
-        out["layers"][str(L)] = {
-            "prefill_kwargs": entry.get("prefill_kwargs"),
-            "files": {r: v.get("file") for r, v in ranks.items()},
-            "tensors": {
+        per_rank = {
+            r: {
                 k: {
                     "dtype": v["dtype"],
                     "shape": v["shape"],
                     "sha256": v.get("sha256"),
                     "kernel_arg": v.get("kernel_arg"),
                 }
-                for k, v in first.get("tensors", {}).items()
-            },
+                for k, v in info.get("tensors", {}).items()
+            }
+            for r, info in ranks.items()
+        }
+        out["layers"][str(L)] = {
+            "prefill_kwargs": entry.get("prefill_kwargs"),
+            "files": {r: v.get("file") for r, v in ranks.items()},
+            "tensors": next(iter(per_rank.values()), {}),  # the first rank's (as before)
+            "rank_tensors": per_rank,
             "check": entry.get("check"),
         }
     if layer is not None:
-        verify_layer_file(m, layer, rank)
-        detail = inspect_file(m.file(layer, rank), stats=stats)  # records its scale_layout
-        out["layer_detail"] = {"layer": layer, "rank": rank, **detail}
+        shown = [rank] if rank is not None else [int(r) for r in m.layer(layer)["ranks"]]
+        details = []
+        for r in shown:
+            verify_layer_file(m, layer, r)
+            detail = inspect_file(m.file(layer, r), stats=stats)  # records its scale_layout
+            details.append({"layer": layer, "rank": r, **detail})
+        out["layer_details"] = details
+        out["layer_detail"] = details[0]  # the first rank's (as before)
     return out
+
+
+def _inspect_export(p: Path, record: Mapping[str, Any]) -> dict[str, Any]:
+    """An export folder: what its record says, and every file it lists (each confined to the
+    folder: a record naming a file elsewhere is corrupt)."""
+    result = record.get("result") if isinstance(record.get("result"), Mapping) else {}
+    assert isinstance(result, Mapping)
+    names = result.get("files")
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InputError(f"{p / 'mxcli-export.json'}: result.files: expected a list of file names")
+    root = p.resolve()
+    files = []
+    for name in names:
+        f = (p / name).resolve()
+        if not f.is_relative_to(root) or f == root:
+            raise InputError(f"{p / 'mxcli-export.json'}: result.files: {name!r} lies outside {p}")
+        if f.suffix == ".safetensors":
+            if not f.is_file():
+                raise InputError(f"{p / name}: listed in mxcli-export.json, but missing")
+            files.append(inspect_file(p / name, stats=False))
+    source = record.get("source") if isinstance(record.get("source"), Mapping) else {}
+    assert isinstance(source, Mapping)
+    return {
+        "path": str(p),
+        "kind": "export",
+        "output_format": record.get("output_format"),
+        "source": {k: source.get(k) for k in ("path", "family", "model_type", "source_format")},
+        "model": record.get("model"),
+        "settings": record.get("settings"),
+        "result": {k: v for k, v in result.items() if k != "files"},
+        "files": files,
+        "tool": record.get("tool"),
+    }
 
 
 def inspect_path(
     path: str | os.PathLike[str],
     *,
     layer: int | None = None,
-    rank: int = 0,
+    rank: int | None = None,
     stats: bool = True,
     verify_hashes: bool = True,
 ) -> dict[str, Any]:
@@ -266,6 +324,7 @@ def inspect_path(
         raise InputError(f"{p}: no such file or folder")
     if p.is_dir():
         return inspect_dir(p, layer=layer, rank=rank, stats=stats, verify_hashes=verify_hashes)
-    if layer is not None:
-        raise InputError("layer: --layer applies to a prep-weights folder, not a file")
+    if layer is not None or rank is not None:
+        flag = "--layer" if layer is not None else "--rank"
+        raise InputError(f"{flag.lstrip('-')}: {flag} applies to a prep-weights folder, not a file")
     return inspect_file(p, stats=stats)

@@ -98,7 +98,7 @@ def main() -> None:
     summaries: list[dict[str, Any]] = []
     if not args.skip_prefill:
         for T in (2048, 8192):
-            ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4)
+            ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
             tensors, kwargs = prof.prefill_inputs(ps)
             kp = prof.profile_kernel(
                 prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__)

@@ -90,15 +90,15 @@ def _width(stream: Any) -> int | None:
 
 
 def stdout_console() -> Any:
-    from rich.console import Console
+    from mxcli.streams import rich_console
 
-    return Console(file=sys.stdout, width=_width(sys.stdout), soft_wrap=False)
+    return rich_console(file=sys.stdout, width=_width(sys.stdout), soft_wrap=False)
 
 
 def stderr_console() -> Any:
-    from rich.console import Console
+    from mxcli.streams import rich_console
 
-    return Console(file=sys.stderr, width=_width(sys.stderr))
+    return rich_console(file=sys.stderr, width=_width(sys.stderr))
 
 
 def print_json(data: Any) -> None:
@@ -123,9 +123,11 @@ class Steps:
             TimeElapsedColumn,
         )
 
+        from mxcli.streams import spinner_name
+
         console = stderr_console()
         self.progress = Progress(
-            SpinnerColumn(),
+            SpinnerColumn(spinner_name()),
             TextColumn("{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
@@ -294,6 +296,22 @@ def wrap_items(head: str, items: list[str], width: int, indent: int = 4) -> list
             cur = f"{cur} {piece}" if cur else piece
     lines.append(cur)
     return lines
+
+
+def kernel_lines(prefix: str, info: Any, width: int) -> list[str]:
+    """``prefix`` and the line naming an NKI kernel (`mxcli.kernels.selection.describe_line`),
+    wrapped to `width` between its parenthesised items (file, sha256, version)."""
+    from mxcli.kernels.selection import describe_line
+
+    line = prefix + describe_line(info)
+    head, sep, rest = line.partition(" (")
+    if len(line) <= width or not sep:
+        return [line]
+    items = ("(" + rest).split(", ")
+    indent = len(prefix) - len(prefix.lstrip()) + 4
+    if len(head) + len(items[0]) + 2 > width:  # the file on a line of its own
+        return [head, *wrap_items(" " * (indent - 1), items, width, indent=indent)]
+    return wrap_items(head, items, width, indent=indent)
 
 
 def aligned_rows(rows: list[list[str]], right: frozenset[int] = frozenset()) -> list[str]:

@@ -34,7 +34,14 @@ def inspect(
             "--layer", help="Folder: also inspect this layer's file in detail.", show_default=False
         ),
     ] = None,
-    rank: Annotated[int, typer.Option("--rank", help="Folder: rank of --layer.")] = 0,
+    rank: Annotated[
+        int | None,
+        typer.Option(
+            "--rank",
+            help="Folder with --layer: only this rank (default: every rank).",
+            show_default=False,
+        ),
+    ] = None,
     stats: Annotated[
         bool,
         typer.Option(
@@ -54,11 +61,13 @@ def inspect(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Show what a safetensors file or prep-weights folder holds.
+    """Show what a safetensors file or weight folder holds.
 
-    Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and manifests; packed
-    prefill rows and x4 weights become scale histograms and dequantized statistics. Hashes show
-    their first 12 hex digits (--json gives all of them and every value in full).
+    A file, a prep-weights folder or an export folder (nxdi, compressed-tensors: every file it
+    lists). Tensors (dtype, shape, sha256, min/max/mean, NaN/Inf counts), metadata and
+    manifests; packed prefill rows and x4 weights become scale histograms and dequantized
+    statistics. Hashes show their first 12 hex digits, control characters are shown escaped and
+    long metadata values cut (--json gives every value in full).
     """
 
     def body() -> None:
@@ -93,11 +102,38 @@ def _short(v: Any) -> Any:
     return v
 
 
+# metadata values longer than this are cut on screen (--json gives them whole)
+MAX_VALUE_CHARS = 200
+
+
+def printable(text: str) -> str:
+    """`text` with its control and format characters escaped (``\\x1b``, ``\\n``,
+    ``\\u202e``): a file's metadata and tensor names are the file author's, and must not
+    move the cursor, clear the screen or reorder the line on the user's terminal."""
+    import unicodedata
+
+    if text.isprintable():
+        return text
+    return "".join(
+        c.encode("unicode_escape").decode("ascii")
+        if unicodedata.category(c)[0] in "CZ" and c != " "
+        else c
+        for c in text
+    )
+
+
+def cut(text: str, limit: int = MAX_VALUE_CHARS) -> str:
+    """`text` (escaped, `printable`) cut to `limit` characters with a note of its full length."""
+    if len(text) > limit:
+        return f"{printable(text[:limit])}... ({len(text):,} characters; --json shows all)"
+    return printable(text)
+
+
 def _value(v: Any) -> str:
     import json
 
     v = _short(v)
-    return v if isinstance(v, str) else json.dumps(v, default=str)
+    return cut(v if isinstance(v, str) else json.dumps(v, default=str))
 
 
 def _print_mapping(con: Any, head: str, value: Any, width: int, indent: int = 4) -> None:
@@ -124,23 +160,23 @@ def _parts(mapping: dict[str, Any]) -> list[str]:
     for k, v in mapping.items():
         if isinstance(v, dict) and v:
             inner = _parts(v)
-            inner[0], inner[-1] = f"{k}={{{inner[0]}", inner[-1] + "}"
+            inner[0], inner[-1] = f"{cut(str(k))}={{{inner[0]}", inner[-1] + "}"
             parts += inner
         else:
-            parts.append(f"{k}={_value(v)}")
+            parts.append(f"{cut(str(k))}={_value(v)}")
     return parts
 
 
 def _out(con: Any, line: str, style: str | None = None) -> None:
     from rich.text import Text
 
-    con.print(Text(line, style=style or ""), soft_wrap=True)
+    con.print(Text(printable(line), style=style or ""), soft_wrap=True)
 
 
 def _render(data: dict[str, Any], con: Any = None) -> None:
     """The report at the console's width: full tensor names always (a row too wide for the
     terminal is listed name first, its other columns below), lists wrapped between items."""
-    from mxcli.commands._shared import print_rows
+    from mxcli.commands._shared import print_rows, wrap_items
 
     con = con or stdout_console()
     width = con.width
@@ -148,14 +184,16 @@ def _render(data: dict[str, Any], con: Any = None) -> None:
         _out(con, f"{data['path']} ({data['size']:,} bytes)", "bold")
         if data["metadata"]:
             _out(con, "metadata", "bold")
-            pad = max(len(k) for k in data["metadata"]) + 3
+            keys = {k: cut(k) for k in data["metadata"]}
+            pad = max(len(k) for k in keys.values()) + 3
             for k, v in data["metadata"].items():
-                _print_mapping(con, f"  {k}".ljust(pad), v, width, indent=pad + 1)
-        rows = [[r["name"], st_dtype(r["dtype"]), shape_text(r["shape"]), r["sha256"][:HASH_DIGITS]]
-                for r in data["tensors"]]  # fmt: skip
+                _print_mapping(con, f"  {keys[k]}".ljust(pad), v, width, indent=pad + 1)
+        rows = [[cut(r["name"]), st_dtype(r["dtype"]), shape_text(r["shape"]),
+                 r["sha256"][:HASH_DIGITS]] for r in data["tensors"]]  # fmt: skip
         print_rows(con, ["tensor", "dtype", "shape", "sha256"], rows, indent=2, title="tensors")
         if any("min" in r for r in data["tensors"]):
-            stats = [[r["name"], *(_fmt(r.get(k)) for k in ("min", "max", "mean", "nan", "inf"))]
+            stats = [[cut(r["name"]), *(_fmt(r.get(k)) for k in ("min", "max", "mean", "nan",
+                                                                  "inf"))]
                      for r in data["tensors"]]  # fmt: skip
             print_rows(con, ["tensor", "min", "max", "mean", "NaN", "Inf"], stats,
                        right=frozenset({1, 2, 3, 4, 5}), indent=2, title="values")  # fmt: skip
@@ -166,24 +204,42 @@ def _render(data: dict[str, Any], con: Any = None) -> None:
                   f"checkpoint ({data['source'].get('path')})", "bold")  # fmt: skip
         for key in ("model", "settings", "router"):
             _print_mapping(con, f"{key}:", data[key], width)
-        _out(con, f"ranks: {len(data['ranks'] or [])}; layers: " + ", ".join(data["layers"]))
+        shown = "layer" if "layer_details" in data else "layers"
+        _out(con, f"ranks: {len(data['ranks'] or [])}; {shown}: " + ", ".join(data["layers"]))
         for L, entry in data["layers"].items():
+            per_rank = entry["rank_tensors"]
+            for r, specs in per_rank.items():
+                title = f"layer {L}"
+                if len(per_rank) > 1:
+                    title += f", rank {r} ({entry['files'].get(r)})"
+                rows = [[k, v["dtype"], shape_text(v["shape"]),
+                         (v.get("sha256") or "-")[:HASH_DIGITS]] for k, v in specs.items()]  # fmt: skip
+                print_rows(con, ["tensor", "dtype", "shape", "sha256"], rows, indent=2, title=title)
             specs = entry["tensors"]
-            rows = [[k, v["dtype"], shape_text(v["shape"]), (v.get("sha256") or "-")[:HASH_DIGITS]]
-                    for k, v in specs.items()]  # fmt: skip
-            print_rows(con, ["tensor", "dtype", "shape", "sha256"], rows, indent=2,
-                       title=f"layer {L}")  # fmt: skip
             passed = [f"{k} as {v['kernel_arg']}" for k, v in specs.items()
                       if v.get("kernel_arg") and v["kernel_arg"] != k]  # fmt: skip
             if passed:
-                from mxcli.commands._shared import wrap_items
-
                 for line in wrap_items("  kernel args:", passed, width):
                     _out(con, line)
             _print_mapping(con, "  prefill kwargs:", entry["prefill_kwargs"], width)
-        if "layer_detail" in data:
-            _render(data["layer_detail"], con)
+        for detail in data.get("layer_details", []):
+            _out(con, f"layer {detail['layer']}, rank {detail['rank']}:", "bold")
+            _render(detail, con)
+    elif data["kind"] == "export":
+        src = data["source"]
+        _out(con, f"{data['path']}: {data['output_format']} export of a {src.get('family')} "
+                  f"checkpoint ({src.get('path')})", "bold")  # fmt: skip
+        for key in ("model", "settings"):
+            _print_mapping(con, f"{key}:", data[key], width)
+        for line in wrap_items(f"files ({len(data['files'])}):",
+                               [f["path"] for f in data["files"]], width):  # fmt: skip
+            _out(con, line)
+        for f in data["files"]:
+            _render(f, con)
     else:
+        for line in wrap_items(f"files ({len(data['files'])}):",
+                               [f["path"] for f in data["files"]], width):  # fmt: skip
+            _out(con, line)
         for f in data["files"]:
             _render(f, con)
 

@@ -161,6 +161,10 @@ def make_inputs(
         ),
     ] = None,
     layer: Annotated[int | None, _opt("--layer", "Layer of --weights.", show_default=False)] = None,
+    rank: Annotated[
+        int | None,
+        _opt("--rank", "Rank of --weights (a TP/EP folder; default: 0).", show_default=False),
+    ] = None,
     no_verify_hashes: NoVerifyHashes = False,
     seed: Annotated[int, _opt("--seed", "Random seed: the same flags give the same bytes.")] = 0,
     force: Force = False,
@@ -185,8 +189,12 @@ def make_inputs(
         _check_flags(kind, given, locals_=dict(ctx.params), weights=weights)
         check_output_path(output, force)
         refuse_inputs(output, folders=[("--weights folder", weights)])
+        if rank is not None and weights is None:
+            from mxcli.errors import InputError
+
+            raise InputError("rank: --rank applies with --weights")
         if weights is not None and layer is not None:
-            _check_weight_flags(given, dict(ctx.params), weights, layer)
+            _check_weight_flags(given, dict(ctx.params), weights, layer, rank or 0)
 
         from mxcli import inputs as mk  # torch: after the flags are known to be good
         from mxcli.errors import InputError
@@ -211,7 +219,14 @@ def make_inputs(
                         residual=residual,
                         prequantize=prequantize,
                         verify_hashes=not no_verify_hashes,
+                        rank=rank or 0,
                     )
+                    n_ranks = made.generator.get("ranks", 1)
+                    if rank is None and n_ranks > 1 and not quiet:  # never a silent choice
+                        import sys
+
+                        print(f"note: {weights} has {n_ranks} ranks; using rank 0 (--rank R "
+                              "for another)", file=sys.stderr)  # fmt: skip
                     for name in _OUTPUT_KWARGS:  # output layout, not a fact of the layer
                         if name in given:
                             made.kwargs[name] = ctx.params[name]
@@ -277,13 +292,13 @@ def _check_flags(
 
 
 def _check_weight_flags(
-    given: set[str], locals_: dict[str, Any], weights: Path, layer: int
+    given: set[str], locals_: dict[str, Any], weights: Path, layer: int, rank: int
 ) -> None:
     """Refuse a flag that contradicts what the layer fixes (`mxcli.inputs.layer_facts`)."""
     from mxcli.errors import InputError
     from mxcli.inputs import layer_facts
 
-    facts = layer_facts(weights, layer)
+    facts = layer_facts(weights, layer, rank)
     for name in _LAYER_FACTS:
         if name not in given or name not in facts:
             continue
@@ -317,8 +332,12 @@ def _print(s: dict[str, Any]) -> None:
     from rich.text import Text
 
     con = stdout_console()
-    con.print(Text(f"{s['kernel']} inputs ({s['generator'].get('source', '?')}, "
-                   f"seed {s['generator'].get('seed', '-')})", style="bold"), soft_wrap=True)  # fmt: skip
+    gen = s["generator"]
+    source = str(gen.get("source", "?"))
+    if source == "weights":  # which layer and rank of which folder
+        source = f"layer {gen.get('layer')}, rank {gen.get('rank')} of {gen.get('ranks')} of {gen.get('weights')}"
+    con.print(Text(f"{s['kernel']} inputs ({source}, seed {gen.get('seed', '-')})",
+                   style="bold"), soft_wrap=True)  # fmt: skip
     rows = [[name, st_dtype(info["dtype"]), shape_text(info["shape"])]
             for name, info in s["tensors"].items()]  # fmt: skip
     print_rows(con, ["tensor", "dtype", "shape"], rows, indent=2)

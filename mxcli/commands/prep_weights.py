@@ -150,7 +150,7 @@ def main(
         elif not quiet and "output_format" in res:
             from mxcli.weightprep.export.summary import format_export
 
-            typer.echo(format_export(res))
+            typer.echo(format_export(res, stdout_console().width))
         elif not quiet:
             width = stdout_console().width
             typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))

@@ -24,19 +24,26 @@ from mxcli.commands._shared import (
     aligned_rows,
     guarded,
     journey_group,
+    kernel_defaults,
+    kernel_lines,
     print_json,
     stdout_console,
     wrap_items,
 )
 from mxcli.errors import InputError
 
+# the router defaults are the kernel API's (its public signature, the one place holding them):
+# every kernel that --kernel offers runs with them (nkilib refuses NOAUX_TC with pack_affinities)
+_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
+_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
+
 app = typer.Typer(
     name="profile",
     cls=journey_group(("prefill", "bwd")),
     help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
     "interpreter's check-only mode; its instructions are costed from the documented engine "
-    "figures and list-scheduled. Shape defaults are DeepSeek-V3's (top-k 8, noaux_tc, 8 "
-    "groups, 4 kept).",
+    "figures and list-scheduled. The prefill router defaults are the kernel API's; DeepSeek-V3's "
+    "router is --top-k 8 --router-act noaux_tc --n-group 8 --topk-group 4.",
     no_args_is_help=True,
 )
 
@@ -172,9 +179,8 @@ def print_report(s: dict[str, Any]) -> None:
     con.print(Text(f"{s['kernel']} on {s['target']} (LNC={s['lnc']}), cost-model estimate",
                    style="bold"), soft_wrap=True)  # fmt: skip
     if "nki_kernel" in s:
-        from mxcli.kernels.selection import describe_line
-
-        out(f"  kernel: {describe_line(s['nki_kernel'])}")
+        for line in kernel_lines("  kernel: ", s["nki_kernel"], con.width):
+            out(line)
     items("  instructions:", [f"{k} {v}" for k, v in sorted(s["instructions"].items())])
     items("  busy per engine (us, busiest core):",
           [f"{k} {v:.1f}" for k, v in s["busy_us"].items()])  # fmt: skip
@@ -268,19 +274,25 @@ def prefill(
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
     experts: Annotated[int | None, _opt_int("--experts", "E, router experts.")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
+    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = int(
+        _PRE["top_k"]
+    ),
     router_act: Annotated[
-        str, typer.Option("--router-act", help="Router activation: noaux_tc, sigmoid or softmax.")
-    ] = "noaux_tc",
-    n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = 8,
-    topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = 4,
+        str, typer.Option("--router-act", help="Router activation: sigmoid, softmax or noaux_tc.")
+    ] = _PRE["router_act_fn"],
+    n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = int(
+        _PRE["n_group"]
+    ),
+    topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = int(
+        _PRE["topk_group"]
+    ),
     pack_affinities: Annotated[
         bool,
         typer.Option(
             "--pack-affinities/--no-pack-affinities",
             help="Affinities in the row tail (nkilib refuses it with noaux_tc).",
         ),
-    ] = True,
+    ] = _PRE["pack_affinities"] == "on",
     lnc: LncOpt = 2,
     target: TargetOpt = "trn3",
     trace: TraceOpt = None,
@@ -294,7 +306,8 @@ def prefill(
 ) -> None:
     """Profile rmsnorm_mx_prefill from a file or shape flags.
 
-    Give a make-inputs file, or --tokens, --hidden and --experts.
+    Give a make-inputs file, or --tokens, --hidden and --experts. The router flags default to
+    the kernel API's values.
     """
 
     def body() -> None:
@@ -324,7 +337,13 @@ def bwd(
     intermediate: Annotated[int | None, _opt_int("--intermediate", "I, expert FFN size.")] = None,
     experts: Annotated[int | None, _opt_int("--experts", "E, (local) experts.")] = None,
     top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
-    block_size: Annotated[int, typer.Option("--block-size", help="B, tokens per block.")] = 512,
+    block_size: Annotated[
+        int,
+        typer.Option(
+            "--block-size",
+            help=f"B, tokens per block (the kernel API's default: {_BWD['block_size']}).",
+        ),
+    ] = 512,
     lnc: LncOpt = 2,
     target: TargetOpt = "trn3",
     trace: TraceOpt = None,

@@ -20,6 +20,7 @@ from mxcli.commands._shared import (
     complete_backend,
     guarded,
     kernel_defaults,
+    kernel_lines,
     print_json,
     print_rows,
     shape_text,
@@ -145,9 +146,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     con.print(Text(f"{s['kernel']} on {s['backend']} ({s['device']})", style="bold"),
               soft_wrap=True)  # fmt: skip
     if "nki_kernel" in s:
-        from mxcli.kernels.selection import describe_line
-
-        con.print(Text(f"kernel: {describe_line(s['nki_kernel'])}"), soft_wrap=True)
+        for line in kernel_lines("kernel: ", s["nki_kernel"], con.width):
+            con.print(Text(line), soft_wrap=True)
     for line in wrap_items("  ran in", [f"{t['run']:.3f} s; read {t['read']:.3f} s",
                            f"write {t['write']:.3f} s"], con.width):  # fmt: skip
         con.print(Text(line), soft_wrap=True)

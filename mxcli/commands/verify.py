@@ -176,10 +176,8 @@ def verify(
     """Check outputs, or prepared weights, against references.
 
     OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full; or a weight folder:
-    --checkpoint OUT --against SRC.
-
-    OUT --golden GOLDEN, OUT --inputs IN, or --suite quick|full. Per tensor: max abs/rel error, cosine, mismatch count, bit-exactness (codes, scales,
-    indices). Exit code 1 when any check fails, 2 on a user error.
+    --checkpoint OUT --against SRC. Per tensor: max abs/rel error, cosine, mismatch count,
+    bit-exactness (codes, scales, indices). Exit code 1 when any check fails, 2 on a user error.
     """
 
     def body() -> int:

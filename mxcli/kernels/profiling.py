@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
+from mxcli.inputs import bwd_input_bytes, check_input_memory, prefill_input_bytes
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL  # noqa: F401 (bench_nki: prof.PREFILL)
@@ -39,16 +40,18 @@ TARGETS = ("trn3", "trn2")
 
 @dataclass(frozen=True)
 class PrefillShape:
-    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation."""
+    """Prefill launch shape: T tokens, hidden H, E experts, top-K, router activation. No
+    defaults: the kernel API's are in its signature (``profile prefill`` shows them), and a
+    benchmark names its router (DeepSeek-V3's: top-K 8, noaux_tc, 8 groups, 4 kept)."""
 
     tokens: int
     hidden: int
     experts: int
     top_k: int
-    router_act: str = "noaux_tc"
-    n_group: int = 8
-    topk_group: int = 4
-    pack_affinities: bool = True  # off for kernels that refuse it with NOAUX_TC (nkilib's)
+    router_act: str
+    n_group: int
+    topk_group: int
+    pack_affinities: bool  # nkilib's kernel refuses it with NOAUX_TC
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,10 @@ def prefill_inputs(s: PrefillShape) -> tuple[dict[str, Any], dict[str, Any]]:
             f"router_act: expected one of {', '.join(sorted(acts))}, got {s.router_act!r}"
         )
     act = acts[s.router_act.lower()]
+    # refuse what cannot fit before anything is allocated (make-inputs' estimate, one place)
+    check_input_memory(
+        f"{s.tokens} tokens x hidden {s.hidden}", prefill_input_bytes(s.tokens, s.hidden, False)
+    )
     bf = torch.bfloat16
     tensors = {
         "hidden_states": torch.zeros(1, s.tokens, s.hidden, dtype=bf),
@@ -153,6 +160,10 @@ def bwd_inputs(s: BwdShape) -> tuple[dict[str, Any], dict[str, Any]]:
     if s.top_k > s.experts:
         raise InputError(f"top_k: expected at most experts={s.experts}, got {s.top_k}")
     T, H, I, E, K, B = s.tokens, s.hidden, s.intermediate, s.experts, s.top_k, s.block_size  # noqa: E741
+    check_input_memory(
+        f"{T} tokens (hidden {H}, intermediate {I}, experts {E}, top-k {K})",
+        bwd_input_bytes(T, H, I, E, K, drawn=False),
+    )
     tok = torch.arange(T).unsqueeze(1)
     choices = (tok + torch.arange(K).unsqueeze(0) * max(1, E // K)) % E  # [T, K] distinct
     tpi, b2e = build_block_plan(choices, E, B)

@@ -7,7 +7,7 @@ installed and falls back to its pure-torch path otherwise. Both give identical b
 Each group is one explicit SIMD step written in LLVM IR (`mxcli.mx._simd`, which also states
 the rounding rules copied from torch's casts).
 
-Compiled lazily on the first call and cached on disk (``cache=True``).
+Compiled lazily on the first call and cached on disk (`mxcli.jit.njit_cached`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mxcli.jit import njit_cached
 from mxcli.mx import _simd as simd
 
 GROUP = simd.GROUP
@@ -113,7 +114,7 @@ def _row(xr, out, sr, seg_k0, seg_c, seg_wrapped, offset, e5m2, maxval, nan_pos,
         g0 += ng
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def quantize_rows(
     x,
     seg_k0,
@@ -173,7 +174,7 @@ def quantize_rows(
 # The same loop compiled without `parallel`: with one thread it runs no OpenMP region, so no
 # pool thread is left spinning after it (measured in prep-weights on 2 cores: the spinning
 # thread took 2.7 s of CPU per 1.2 GB layer from the writer thread that shares the other core).
-quantize_rows_serial = njit(cache=True)(quantize_rows.py_func)
+quantize_rows_serial = njit_cached()(quantize_rows.py_func)
 
 
 def enabled() -> bool:
@@ -258,7 +259,7 @@ def quantize_2d(
     )
 
 
-@njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _x4_rows(codes, order, out):  # type: ignore[no-untyped-def]
     """``out[e, w, f]`` = the x4 word of bytes ``codes[e, f, order[4w + j]]``, j = 0..3 (byte j
     of a little-endian word, bwd spec §5.1), in 64 x 64 tiles of (w, f)."""
@@ -282,7 +283,7 @@ def _x4_rows(codes, order, out):  # type: ignore[no-untyped-def]
                         )
 
 
-@njit(nogil=True, cache=True)
+@njit_cached(nogil=True)
 def _scale_rows(compact, rows, out):  # type: ignore[no-untyped-def]
     """``out[e, rows[g], f] = compact[e, f, g]`` (rows not named stay as they are)."""
     E, F, G = compact.shape

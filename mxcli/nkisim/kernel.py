@@ -284,7 +284,10 @@ def run_kernel(
         prog = programs[i]
         try:
             fn, a, kw = entries[i]
-            with machine.bind(prog):
+            # the engines compute in IEEE arithmetic: a NaN or Inf input propagates as on the
+            # device, and numpy's floating-point warnings about it are noise (issue 28); set
+            # per thread, as numpy's error state is
+            with machine.bind(prog), np.errstate(all="ignore"):
                 results[i] = fn(*a, **kw)
                 prog.finish_capacity()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread

@@ -57,6 +57,7 @@ from mxcli.kernels.rmsnorm_mx_prefill.spec import decode_packed
 from mxcli.kernels.spec import get_spec
 from mxcli.mx import ElemFormat
 from mxcli.verification.compare import TensorReport, Tolerance, add_note, compare_tensors
+from mxcli.verification.finite import any_nonfinite_input, explained_tokens
 
 CHECK = "reference vs exact"
 F64 = torch.float64
@@ -194,6 +195,17 @@ def check_prefill(
     ex = prefill_exact(inputs, kwargs)
     y: torch.Tensor = ex["y"]
     T, H = y.shape
+    # tokens a NaN/Inf input explains (--allow-nonfinite runs, `mxcli.verification.finite`):
+    # their exact values are NaN too, so they are counted, not compared
+    explained = explained_tokens(PREFILL.name, inputs)
+    keep = ~explained if explained is not None else torch.ones(T, dtype=torch.bool)
+    n_explained = T - int(keep.sum())
+    explained_note = (
+        f"{n_explained} of {T} tokens with NaN/Inf inputs (explained, not compared)"
+        if n_explained
+        else ""
+    )
+    row_mask = keep[:, None] if n_explained else None
     reports: list[TensorReport] = []
     w = inputs.get("router_weights")
     E = int(w.shape[1]) if w is not None else None
@@ -208,15 +220,16 @@ def check_prefill(
     floor = (amax * 2.0**-16).repeat_interleave(32, dim=1)
     values = dec.values.to(F64)
     bound = bound_rel * y.abs() + floor
-    reports.append(
-        _bounded(
-            "norm_quant_packed.values",
-            values,
-            y,
-            bound,
-            f"|d| <= {bound_rel:.4f}|y| + 2^-16 amax_g",
-        )
+    rep = _bounded(
+        "norm_quant_packed.values",
+        values,
+        y,
+        bound,
+        f"|d| <= {bound_rel:.4f}|y| + 2^-16 amax_g",
+        mask=row_mask,
     )
+    add_note(rep, explained_note)
+    reports.append(rep)
     # scale bytes: exponent rule where amax is not just below a power of two
     e_amax = torch.floor(torch.log2(amax.clamp_min(1e-300)))
     frac = amax / torch.pow(2.0, e_amax + 1)  # in [0.5, 1)
@@ -229,15 +242,17 @@ def check_prefill(
         exp_byte,
         Tolerance("exact"),
         check=CHECK,
-        mask=~near,
+        mask=~near & keep[:, None],
     )
+    add_note(rep, explained_note)
     reports.append(rep)
 
     if w is not None:
         r = _routing_exact(ex, kwargs)
-        ok = r["ok"]
-        skipped = int((~ok).sum())
+        ok = r["ok"] & keep
+        skipped = int((~ok).sum()) - n_explained
         note = f"{skipped} of {T} tokens skipped (near-ties)" if skipped else ""
+        note = "; ".join(n for n in (note, explained_note) if n)
         if "expert_index" in outputs:
             rep = compare_tensors(
                 "expert_index",
@@ -260,30 +275,32 @@ def check_prefill(
             )
             add_note(rep, note)
             reports.append(rep)
-    if "norm_bf16" in outputs:
-        reports.append(
-            compare_tensors("norm_bf16", outputs["norm_bf16"].to(F64), y, _ROUND_BF16, check=CHECK)
-        )
-    if "output_residual" in outputs:
-        reports.append(
-            compare_tensors(
-                "output_residual",
-                outputs["output_residual"].to(F64),
-                ex["pre_norm"],
-                _ROUND_BF16,
-                check=CHECK,
+    for name, exact in (("norm_bf16", y), ("output_residual", ex["pre_norm"])):
+        if name in outputs:
+            rep = compare_tensors(
+                name, outputs[name].to(F64), exact, _ROUND_BF16, check=CHECK, mask=row_mask
             )
-        )
+            add_note(rep, explained_note)
+            reports.append(rep)
     return reports
 
 
 def _bounded(
-    name: str, actual: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor, desc: str
+    name: str,
+    actual: torch.Tensor,
+    exact: torch.Tensor,
+    bound: torch.Tensor,
+    desc: str,
+    mask: torch.Tensor | None = None,
 ) -> TensorReport:
-    """Elementwise ``|actual - exact| <= bound`` (NaN anywhere fails)."""
-    rep = compare_tensors(name, actual, exact, Tolerance("close", rtol=math.inf), check=CHECK)
+    """Elementwise ``|actual - exact| <= bound`` (NaN anywhere fails) where `mask` is set."""
+    rep = compare_tensors(
+        name, actual, exact, Tolerance("close", rtol=math.inf), check=CHECK, mask=mask
+    )
     diff = (actual - exact).abs()
     bad = ~(diff <= bound)
+    if mask is not None:
+        bad &= torch.broadcast_to(mask, bad.shape)
     rep.mismatches = int(bad.sum())
     rep.tolerance = desc
     rep.passed = rep.mismatches == 0
@@ -407,11 +424,24 @@ def check_bwd(
 ) -> list[TensorReport]:
     """The reference's bwd outputs against float64 autograd (module docstring bounds)."""
     exact = bwd_exact(inputs, kwargs, weights)
+    # the backward mixes all tokens: a NaN/Inf input explains any NaN/Inf output (and exact
+    # value), which are counted, not compared (`mxcli.verification.finite`)
+    explains = any_nonfinite_input(inputs)
     reports = []
     for name, ex in exact.items():
         if name not in outputs:
             continue
-        reports.append(compare_tensors(name, outputs[name].to(F64), ex, _BWD_TOL, check=CHECK))
+        actual = outputs[name].to(F64)
+        mask = None
+        if explains:
+            mask = torch.isfinite(actual) & torch.isfinite(ex)
+        rep = compare_tensors(name, actual, ex, _BWD_TOL, check=CHECK, mask=mask)
+        if mask is not None and not bool(mask.all()):
+            add_note(
+                rep,
+                f"{int((~mask).sum())} NaN/Inf value(s) explained by NaN/Inf inputs, not compared",
+            )
+        reports.append(rep)
     return reports
 
 

@@ -69,30 +69,48 @@ def unexplained_nonfinite(
         return dict(outputs) if rule.views is None else rule.views(outputs, kwargs, inputs)
 
     if rule.token_inputs is None:  # every output depends on every input
-        if any(sum(input_nonfinite(n, t)) for n, t in inputs.items()):
+        if any_nonfinite_input(inputs):
             return {}
         totals = {
             name: int(_nonfinite(v).sum()) for name, v in values().items() if v.is_floating_point()
         }
         return {name: c for name, c in totals.items() if c}
-    # per-token inputs explain their own token's outputs; any other input explains all
-    if any(
-        t is not None and t.is_floating_point() and bool(_nonfinite(t).any())
-        for n, t in inputs.items()
-        if n not in rule.token_inputs
-    ):
+    explained = explained_tokens(kernel, inputs)
+    if explained is None or bool(explained.all()):
         return {}
-    first = inputs[rule.token_inputs[0]]
-    T = first.numel() // int(first.shape[-1])
-    explained = torch.zeros(T, dtype=torch.bool)
-    for token_input in rule.token_inputs:
-        explained |= _rows_nonfinite(inputs.get(token_input), T)
+    T = explained.numel()
     counts = {}
     for name, v in values().items():
         bad = _nonfinite(v.reshape(T, -1)).cpu() & ~explained[:, None]
         if bool(bad.any()):
             counts[name] = int(bad.sum())
     return counts
+
+
+def explained_tokens(kernel: str, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor | None:
+    """``[T]`` bool: the tokens whose outputs a non-finite input explains (the kernel's
+    `NonfiniteRule`, see the module doc): a token's own non-finite row of a per-token input, or
+    every token when another input is non-finite. None for a kernel without per-token inputs."""
+    rule = get_spec(kernel).nonfinite
+    if rule.token_inputs is None:
+        return None
+    first = inputs[rule.token_inputs[0]]
+    T = first.numel() // int(first.shape[-1])
+    if any(
+        t is not None and t.is_floating_point() and bool(_nonfinite(t).any())
+        for n, t in inputs.items()
+        if n not in rule.token_inputs
+    ):
+        return torch.ones(T, dtype=torch.bool)
+    explained = torch.zeros(T, dtype=torch.bool)
+    for token_input in rule.token_inputs:
+        explained |= _rows_nonfinite(inputs.get(token_input), T)
+    return explained
+
+
+def any_nonfinite_input(inputs: Mapping[str, torch.Tensor]) -> bool:
+    """Whether any input holds a NaN or Inf (float values, or the codes of x4 weights)."""
+    return any(sum(input_nonfinite(n, t)) for n, t in inputs.items())
 
 
 def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
@@ -104,4 +122,11 @@ def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:
     ]
 
 
-__all__ = ["input_nonfinite", "nonfinite_counts", "nonfinite_warnings", "unexplained_nonfinite"]
+__all__ = [
+    "any_nonfinite_input",
+    "explained_tokens",
+    "input_nonfinite",
+    "nonfinite_counts",
+    "nonfinite_warnings",
+    "unexplained_nonfinite",
+]

@@ -19,10 +19,6 @@ from mxcli.weightprep.plan import Plan
 from mxcli.weightprep.reporter import Reporter
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.2f} GB"
-
-
 class RichReporter(Reporter):
     """Bar over the bf16 bytes of the layers to convert; a line per layer with its throughput.
 
@@ -31,7 +27,9 @@ class RichReporter(Reporter):
     """
 
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True, highlight=False)
+        from mxcli.streams import rich_console
+
+        self.console = console or rich_console(stderr=True, highlight=False)
         self.progress: Progress | None = None
         self.task: Any = None
         self.plan: Plan | None = None
@@ -66,10 +64,14 @@ class RichReporter(Reporter):
         assert self.plan is not None
         self._n += 1
         secs = max(float(record.get("seconds") or 0.0), 1e-9)
-        gbps = self.plan.source_bf16_bytes / secs / 1e9
         if self.progress is not None:
             self.progress.update(self.task, description=f"{self._n}/{self._total_layers} layers")
-        msg = f"layer {layer}: {_gb(self.plan.source_bf16_bytes)} in {secs:.1f} s, {gbps:.2f} GB/s"
+        from mxcli.memory import human_bytes
+
+        size = self.plan.source_bf16_bytes
+        msg = f"layer {layer}: {human_bytes(size)} in {secs:.1f} s"
+        if not record.get("check"):  # with --check the time includes the check: no rate
+            msg += f", {human_bytes(size / secs)}/s"
         if record.get("check"):
             from mxcli.weightprep.check import summarize
 

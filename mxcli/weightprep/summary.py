@@ -10,6 +10,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
 
 
+def _rate(bytes_per_s: float) -> str:
+    """A throughput in the unit that shows it (``4.80 MB/s``, never ``0.000 GB/s``)."""
+    from mxcli.memory import human_bytes
+
+    return f"{human_bytes(bytes_per_s)}/s"
+
+
 def _ranges(xs: list[int]) -> str:
     from mxcli.weightprep.plan import _ranges as r
 
@@ -119,9 +126,12 @@ def format_result(res: dict[str, Any], width: int = 80) -> str:
             + (f"; {res['fp8_clipped']} codes clipped" if res.get("fp8_clipped") else "")
         )
     if res.get("throughput_gbps"):
+        # a rate only where it measures the conversion: with --check the time includes the
+        # re-reading and the routing check
+        rate = "" if res.get("check") else f" ({_rate(res['throughput_gbps'] * 1e9)})"
         lines.append(
-            f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s "
-            f"({res['throughput_gbps']:.3f} GB/s), peak RSS {_gb(res['peak_rss_bytes'])}"
+            f"{_gb(res['source_bf16_bytes'])} of bf16 experts in {res['seconds']:.1f} s"
+            f"{rate or ' (with --check)'}, peak RSS {_gb(res['peak_rss_bytes'])}"
         )
     for L, s in (res.get("check") or {}).items():
         bad = [k for k, v in s.items() if not v["exact"] and "_mxfp8" not in k]
@@ -132,7 +142,8 @@ def format_result(res: dict[str, Any], width: int = 80) -> str:
             + ("bf16/router exact" if not bad else f"MISMATCH in {', '.join(bad)}")
             + (f"; MXFP8 SQNR min {min(sq):.2f} dB" if sq else "")
             + (
-                f"; MXFP8 changed {sum(c for c, _ in ch)} of {sum(n for _, n in ch)} values"
+                f"; {sum(c for c, _ in ch):,} of {sum(n for _, n in ch):,} MXFP8 values differ "
+                "from the source's"
                 if ch
                 else ""
             )

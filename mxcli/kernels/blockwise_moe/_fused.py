@@ -29,6 +29,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic
 
+from mxcli.jit import njit_cached
+
 # shared with mxcli.mx (re-exported for backward.py)
 from mxcli.mx._fused import enabled as enabled
 from mxcli.mx._fused import match_torch_threads as match_torch_threads
@@ -72,7 +74,7 @@ def _round_bf16(v, nan_bits):  # type: ignore[no-untyped-def]
     return nan_bits if (b & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else r
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def gather_gate_up(src, blocks, perm, out):  # type: ignore[no-untyped-def]
     """``out[k, c, i, j] = src[blocks[k], c, i, perm[j]]`` as fp32 (``src`` bf16 ``[N, 2, I, B]``)."""
     nb, C, F, B = out.shape
@@ -118,7 +120,7 @@ def _transpose32(src, sr, sc, dst, dr, dc):  # type: ignore[no-untyped-def]
             dst[dr + 4 * w + 3, dc + rg] = (t1 >> s32) | (t3 & ~_M32)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[no-untyped-def]
     """Token rows ``src[ids[r]]`` (zero where ``ids[r] >= n_src``, the padding id) of bf16
     patterns, all arrays as uint64 words (4 values each): ``rows [R, H/4]`` (if `want_rows`)
@@ -152,7 +154,7 @@ def gather_rows_t(src, ids, n_src, B, rows, rows_t, want_rows):  # type: ignore[
                 _transpose32(buf, r0, w0, rows_t[k], 4 * (c0 + w0), (j0 + r0) // 4)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def swiglu_bwd(  # type: ignore[no-untyped-def]
     gu, sig, d, ds, al, on_i,
     act_src, has_act, h_src, has_h, s_src, has_s, blocks, perm,
@@ -249,7 +251,7 @@ def swiglu_bwd(  # type: ignore[no-untyped-def]
                 _transpose32(dgu_t64[k], F + c0, j0 // 4, dgu_rows, k * B + j0, (F + c0) // 4)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def acc_block(acc, c, first, nan_bits):  # type: ignore[no-untyped-def]
     """``acc = bf16(c)`` (`first`) else ``acc = bf16(acc + bf16(c))``, on bf16 patterns."""
     M, N = c.shape
@@ -264,7 +266,7 @@ def acc_block(acc, c, first, nan_bits):  # type: ignore[no-untyped-def]
                 a[n] = _round_bf16(_f(a[n]) + _f(_round_bf16(cm[n], nan_bits)), nan_bits)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def round_rows(src, sel, dest, out, nan_bits):  # type: ignore[no-untyped-def]
     """``out[dest[m]] = bf16(src[sel[m]])`` (fp32 rows in, bf16 pattern rows out)."""
     H = src.shape[1]
@@ -275,7 +277,7 @@ def round_rows(src, sel, dest, out, nan_bits):  # type: ignore[no-untyped-def]
             o[h] = _round_bf16(s[h], nan_bits)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def ordered_scatter(out, ids, vals, accumulate, nan_bits):  # type: ignore[no-untyped-def]
     """Rows ``vals[j]`` into ``out[ids[j]]`` in the order of j, onto zeros: the first write to
     a row is a store, later ones ``bf16(out + v)`` (`accumulate`) or a store (the last wins).

@@ -24,6 +24,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from mxcli.jit import njit_cached
 from mxcli.mx import _simd as simd
 from mxcli.mx._fused import match_torch_threads
 from mxcli.mx._fused import torch_bf16_nan_bits as bf16_nan_bits
@@ -89,7 +90,7 @@ _chain_e5m2 = _chain_intrinsic(e5m2=True, want_a=False)
 _chain_e5m2_a = _chain_intrinsic(e5m2=True, want_a=True)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _squares_rows(x, out):  # type: ignore[no-untyped-def]
     n, H = x.shape
     for t in prange(n):
@@ -99,7 +100,7 @@ def _squares_rows(x, out):  # type: ignore[no-untyped-def]
             _square_group(xr, g * GROUP, orow)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _chain_rows(x, gamma, r, nan_bits, offset, e5m2, maxval, scale_pos, tail, rows, a_out, want_a):  # type: ignore[no-untyped-def]
     n, H = x.shape
     for t in prange(n):
@@ -205,7 +206,7 @@ def _top_k_hw(x, n, k, pad, pad_count, vals, idx):  # type: ignore[no-untyped-de
 _ROUTE_ROWS = 64  # tokens per parallel work item (its scratch buffers are allocated once)
 
 
-@njit(parallel=True, cache=True)
+@njit_cached(parallel=True)
 def _noaux_rows(score, bias, n_group, topk_group, top_k, scale, sentinel, lowest, eps, out, bad):  # type: ignore[no-untyped-def]
     T, E = score.shape
     epg = E // n_group
