@@ -24,10 +24,16 @@ stream per block, and its per-launch work is per token or per expert). The real 
 instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
 weights as inputs, 10-25 GB of memory.
 
-AWS's measured point: the backward at AWS's tuned shape (H 4096, I 1536, one block of B = T =
-4096 tokens of one expert, LNC 2; `mxcli.nkisim.measured.BWD_MXFP8`, from nki-library's
-tuned_blocking.py) is profiled in full (one block, no extrapolation) and printed beside AWS's
-measured 2.190 ms (PE transposes) and 2.342 ms (DMA transposes), with the ratios.
+AWS's tuned shape (H 4096, I 1536, one block of B = T = 4096 tokens of one expert, LNC 2;
+`mxcli.nkisim.measured.BWD_MXFP8`, from nki-library's tuned_blocking.py): mxcli's backward and
+AWS's (`--kernel nkilib`, when an nkilib with the MXFP8 backward is importable, e.g. from
+`--kernel-path`) are profiled in full on the same inputs under the same model, and the ratio
+ours / AWS's of the two estimates is printed. AWS's kernel runs with its own default phase
+blockings (mxcli has not got the tuned ones AWS measured with), so this is the model's view of
+that launch, nothing more. An estimate is only ever compared with an estimate of the same model:
+AWS's measured latencies (2.190 ms with PE transposes, 2.342 ms with DMA transposes) are printed
+as AWS's measurement of AWS's kernel, with no ratio to any estimate. The model has not been
+fitted to, or checked against, any MX kernel's measured latency.
 
 Last line: the minimum over kernels of the estimated Tensor-engine utilization at the
 bottleneck (useful PE time at peak / the lower bound), given the plan (padded positions count).
@@ -41,13 +47,16 @@ import sys
 import time
 from typing import Any
 
+from mxcli.errors import MxcliError
 from mxcli.kernels import profiling as prof
+from mxcli.kernels import selection
 from mxcli.nkisim import measured
 
 
 def _report(s: dict[str, Any], top: int) -> float:
     shape = ", ".join(f"{k}={v}" for k, v in s["shape"].items())
-    print(f"== {s['kernel']} ({shape}; LNC={s['lnc']}, {s['target']})")
+    who = s.get("nki_kernel", {}).get("kernel", "mxcli")
+    print(f"== {who} {s['kernel']} ({shape}; LNC={s['lnc']}, {s['target']})")
     print("   instructions: " + ", ".join(f"{k} {v}" for k, v in sorted(s["instructions"].items())))
     busy = ", ".join(f"{k} {v:.1f}" for k, v in s["busy_us"].items())
     print(f"   busy per engine (us, busiest core): {busy}")
@@ -91,7 +100,12 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=5, help="source lines listed per kernel")
     ap.add_argument("--skip-bwd", action="store_true")
     ap.add_argument("--skip-prefill", action="store_true")
-    ap.add_argument("--skip-aws", action="store_true", help="skip AWS's measured bwd point")
+    ap.add_argument("--skip-aws", action="store_true", help="skip AWS's tuned-shape bwd point")
+    ap.add_argument(
+        "--kernel-path",
+        help="folder holding AWS's nkilib (with experimental/moe_mxfp8), put first on the "
+        "import path to cost AWS's backward at its tuned shape",
+    )
     ap.add_argument("--json", help="also write every summary to this JSON file")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -111,32 +125,57 @@ def main() -> None:
                 s = prof.profile_bwd_scaled(prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc)
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
-    aws = None
+    ours_aws = theirs = None
+    theirs_missing = ""
     if not args.skip_aws:
         m = measured.BWD_MXFP8
         shape = prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
-        kp = prof.profile_kernel(
-            prof.BWD, *prof.bwd_inputs(shape), lnc=m.lnc, shape={"model": "AWS tuned shape",
-                                                                   **shape.__dict__},
-        )  # fmt: skip
-        aws = kp.summary(args.top)
-        summaries.append(aws)
+        label = {"model": "AWS tuned shape", **shape.__dict__}
+        tensors, kwargs = prof.bwd_inputs(shape)
+        kp = prof.profile_kernel(prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label)
+        ours_aws = kp.summary(args.top)
+        summaries.append(ours_aws)
+        try:
+            choice = selection.parse_kernel(selection.NKILIB, prof.BWD, args.kernel_path)
+            selection.describe(choice)  # not importable: one line, no run
+            kp = prof.profile_kernel(
+                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice
+            )
+            theirs = kp.summary(args.top)
+        except MxcliError as exc:
+            theirs_missing = str(exc)
     utils = [_report(s, args.top) for s in summaries]
-    if aws is not None:
+    if theirs is not None:
+        _report(theirs, args.top)  # AWS's kernel: not part of the utilization line below
+        summaries.append(theirs)
+    if ours_aws is not None:
         m = measured.BWD_MXFP8
-        est_ms = aws["schedule_us"] / 1e3
-        print(f"== AWS's measured MXFP8 MoE backward ({measured.BWD_SOURCE})")
         print(
-            f"   H={m.hidden} I={m.intermediate} B=T={m.tokens} E={m.experts} LNC={m.lnc}: AWS "
-            f"{m.us_pe_transposes / 1e3:.3f} ms (PE transposes), "
-            f"{m.us_dma_transposes / 1e3:.3f} ms (DMA transposes); mxcli estimate "
-            f"{est_ms:.3f} ms (lower bound {aws['lower_bound_us'] / 1e3:.3f} ms, "
-            f"{aws['bottleneck']})"
+            f"== AWS's tuned shape H={m.hidden} I={m.intermediate} B=T={m.tokens} E={m.experts} "
+            f"LNC={m.lnc}: both backwards under the same cost model (estimates)"
         )
         print(
-            f"   mxcli estimate / AWS measured: {est_ms * 1e3 / m.us_pe_transposes:.3f} (PE), "
-            f"{est_ms * 1e3 / m.us_dma_transposes:.3f} (DMA); schedule / lower bound "
-            f"{aws['schedule_us'] / aws['lower_bound_us']:.3f} (same run)"
+            f"   mxcli:  schedule {ours_aws['schedule_us'] / 1e3:.3f} ms, lower bound "
+            f"{ours_aws['lower_bound_us'] / 1e3:.3f} ms ({ours_aws['bottleneck']})"
+        )
+        if theirs is None:
+            print(f"   nkilib: not costed ({theirs_missing}); no ratio")
+        else:
+            print(
+                f"   nkilib: schedule {theirs['schedule_us'] / 1e3:.3f} ms, lower bound "
+                f"{theirs['lower_bound_us'] / 1e3:.3f} ms ({theirs['bottleneck']}); AWS's "
+                "default phase blockings, not the tuned ones AWS measured with"
+            )
+            print(
+                "   ours / AWS's, same model: schedule "
+                f"{ours_aws['schedule_us'] / theirs['schedule_us']:.3f}, lower bound "
+                f"{ours_aws['lower_bound_us'] / theirs['lower_bound_us']:.3f} (model not fitted "
+                "to or checked against any MX kernel measurement)"
+            )
+        print(
+            f"   AWS's measurement of AWS's kernel ({measured.BWD_SOURCE}, its tuned blockings): "
+            f"{m.us_pe_transposes / 1e3:.3f} ms (PE transposes), {m.us_dma_transposes / 1e3:.3f} "
+            "ms (DMA transposes); a measurement, compared with no estimate here"
         )
     if args.json:
         with open(args.json, "w") as f:
