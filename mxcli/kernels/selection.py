@@ -571,12 +571,7 @@ def _keyword_value(p: inspect.Parameter, v: Any, glb: Mapping[str, Any], where: 
     if isinstance(v, enum.Enum):
         target = type(p.default) if isinstance(p.default, enum.Enum) else glb.get(type(v).__name__)
         if isinstance(target, type) and issubclass(target, enum.Enum):
-            try:
-                return target[v.name]
-            except KeyError:
-                raise KernelUnsupportedError(
-                    f"{where}: {target.__qualname__} has no member {v.name}"
-                ) from None
+            return _enum_member(target, v, where)
         return v
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         cls = glb.get(type(v).__name__)  # the entry module's class of the same name
@@ -745,12 +740,7 @@ def _convert_field(v: Any, f: dataclasses.Field[Any], owner: type, where: str) -
             raw = v.value if isinstance(v.value, str) else v.name
             return raw if target is str else v
         if isinstance(target, type) and issubclass(target, enum.Enum):
-            try:
-                return target[v.name]
-            except KeyError:
-                raise KernelUnsupportedError(
-                    f"{where}: {target.__qualname__} has no member {v.name}"
-                ) from None
+            return _enum_member(target, v, where)
         return v
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         if target is None or not dataclasses.is_dataclass(target):
@@ -972,3 +962,13 @@ def resolve_for(spec: Any, kernels: list[str], kernel_path: Any = None) -> dict[
     if not any(isinstance(v, KernelChoice) for v in out.values()):
         raise KernelLoadError(f"kernel: {spec}: {next(iter(out.values()))}")
     return out
+
+
+def _enum_member(target: type[enum.Enum], v: enum.Enum, where: str) -> enum.Enum:
+    """The member of the kernel module's own enum `target` named as mxcli's `v`."""
+    try:
+        return target[v.name]
+    except KeyError:
+        raise KernelUnsupportedError(
+            f"{where}: {target.__qualname__} has no member {v.name}"
+        ) from None
