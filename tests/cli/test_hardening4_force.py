@@ -148,7 +148,7 @@ def test_export_force_replaces_its_own_export_only(ck: Path, tmp_path: Path) -> 
     out = tmp_path / "out"
     prepare_weights(ck, out, PrepOptions(output_format="nxdi", formats=("bf16",)))
     side = json.loads((out / "mxcli-export.json").read_text())
-    assert side["files"] == ["weights/tp0_sharded_checkpoint.safetensors"]
+    assert side["files"] == ["weights/tp0_moe_only.safetensors"]
     first = _snapshot(out)
     r = _mxcli("prep-weights", ck, out, "--output-format", "nxdi", "--force", "-q")
     assert r.returncode == 0, r.stderr
@@ -156,7 +156,7 @@ def test_export_force_replaces_its_own_export_only(ck: Path, tmp_path: Path) -> 
     empty = tmp_path / "empty"
     empty.mkdir()  # an empty folder holds nothing to lose
     prepare_weights(ck, empty, PrepOptions(output_format="nxdi", formats=("bf16",)), force=True)
-    w = "weights/tp0_sharded_checkpoint.safetensors"
+    w = "weights/tp0_moe_only.safetensors"
     assert _snapshot(empty)[w] == first[w]
     shutil.rmtree(empty)
     (out / "weights" / "extra.bin").write_bytes(b"\x01")
