@@ -42,12 +42,14 @@ from mxcli.kernels.blockwise_moe import (
 )
 from mxcli.kernels.blockwise_moe.config import ClampLimits
 from mxcli.kernels.blockwise_moe.contract import DIM_MULTIPLE
+from mxcli.kernels.blockwise_moe.spec import bwd_input_bytes
 from mxcli.kernels.blockwise_moe.upstream_cases import upstream_router_choices
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
 from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType, arrange_router_weights
 from mxcli.kernels.rmsnorm_mx_prefill.contract import validate as validate_prefill
+from mxcli.kernels.rmsnorm_mx_prefill.spec import prefill_input_bytes
 from mxcli.kernels.spec import get_spec
-from mxcli.memory import check_fits
+from mxcli.memory import check_input_memory
 from mxcli.weightprep.manifest import load_backward_weights, load_manifest, load_prefill_inputs
 
 
@@ -83,29 +85,6 @@ def _normal(
 
 def _uniform(g: torch.Generator, shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
     return torch.rand(shape, generator=g, dtype=torch.float32) * (high - low) + low
-
-
-def check_input_memory(what: str, need: int) -> None:
-    """Refuse sizes that cannot fit in memory before anything is drawn (`mxcli.memory`)."""
-    check_fits(f"tokens: {what}", need)
-
-
-def prefill_input_bytes(T: int, H: int, residual: bool) -> int:
-    """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
-    and kept in bf16 (6 bytes an element). Also one of ``profile prefill``'s from shapes (its
-    bf16 zeros, the packed rows and the interpreter's copies: 12.5 bytes an element measured
-    at H 7168, T 8192 and 32768)."""
-    return 6 * T * H * (2 if residual else 1)
-
-
-def bwd_input_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
-    """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
-    bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
-    hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
-    for `drawn` weights, the moment the gate/up stack exists in fp32 and bf16 beside the bf16
-    down stack."""
-    held = 6 * E * H * I + 6 * T * E + 4 * T * H + 4 * T * K * I
-    return max(held, 14 * E * H * I if drawn else 0)
 
 
 def _check_positive(**values: int | None) -> None:

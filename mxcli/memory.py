@@ -89,6 +89,11 @@ HUGE_MIN_BYTES = 8 << 20  # smaller buffers usually come back from the heap alre
 _madvise: Any = None
 
 
+def check_input_memory(what: str, need: int) -> None:
+    """Refuse sizes that cannot fit in memory before anything is drawn (`check_fits`)."""
+    check_fits(f"tokens: {what}", need)
+
+
 def _libc_madvise() -> Any:
     global _madvise
     if _madvise is None:

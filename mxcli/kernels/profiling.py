@@ -16,12 +16,14 @@ from typing import Any
 import torch
 
 from mxcli.errors import InputError
-from mxcli.inputs import bwd_input_bytes, check_input_memory, prefill_input_bytes
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig, build_block_plan
+from mxcli.kernels.blockwise_moe.spec import bwd_input_bytes
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL  # noqa: F401 (bench_nki: prof.PREFILL)
 from mxcli.kernels.rmsnorm_mx_prefill import RouterActFnType
+from mxcli.kernels.rmsnorm_mx_prefill.spec import prefill_input_bytes
 from mxcli.kernels.spec import get_spec, read_kernel_file
+from mxcli.memory import check_input_memory
 from mxcli.nkisim import cost, schedule, trace
 
 __all__ = [

@@ -169,3 +169,13 @@ __all__ = [
     "config_to_dict",
     "expert_intermediate_size",
 ]
+
+
+def bwd_input_bytes(T: int, H: int, I: int, E: int, K: int, drawn: bool) -> int:  # noqa: E741
+    """A lower bound of make-inputs' peak for bwd: the larger of what is held at the end (the
+    bf16 weight stacks, 3*E*H*I elements; the fp32 affinities and their bf16 [T*E] mask; bf16
+    hidden states and output gradient; the bf16 gate/up checkpoint of the T*K routed pairs) and,
+    for `drawn` weights, the moment the gate/up stack exists in fp32 and bf16 beside the bf16
+    down stack."""
+    held = 6 * E * H * I + 6 * T * E + 4 * T * H + 4 * T * K * I
+    return max(held, 14 * E * H * I if drawn else 0)

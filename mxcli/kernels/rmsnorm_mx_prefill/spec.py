@@ -234,3 +234,11 @@ SPEC = register_spec(
 )
 
 __all__ = ["MXCLI_KERNEL", "NKILIB_KERNEL", "SPEC", "decode_packed", "packed_geometry"]
+
+
+def prefill_input_bytes(T: int, H: int, residual: bool) -> int:
+    """A lower bound of make-inputs' peak for prefill: each [T, H] activation is drawn in fp32
+    and kept in bf16 (6 bytes an element). Also one of ``profile prefill``'s from shapes (its
+    bf16 zeros, the packed rows and the interpreter's copies: 12.5 bytes an element measured
+    at H 7168, T 8192 and 32768)."""
+    return 6 * T * H * (2 if residual else 1)
