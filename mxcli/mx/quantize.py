@@ -40,6 +40,16 @@ class ScaleRule(enum.Enum):
       ``E - 15``, the floor of ``log2(amax)`` minus the format's Emax; the group maximum lands
       in [256, 512) and values above 448 saturate.
 
+    - ``RCEIL`` (torchao's ``ScaleCalculationMode.RCEIL``, the default of its MoE training
+      recipes; the cuBLAS "round the scale up" rule of NVIDIA's MXFP8 recipe, Mishra et al. 2025,
+      arXiv 2506.08027): ``d = fp32(amax * fp32(1 / max_finite))``, ``byte = Ed + (Md != 0)``
+      with ``Ed``/``Md`` the exponent/mantissa fields of ``d`` (a subnormal ``d`` rounds up only
+      when ``Md > 0x400000``, as byte 0 is 2^-127); 255 (E8M0 NaN) for a non-finite group
+      (torchao ``mx_tensor._f32_to_e8m0_rceil`` and ``_to_mx_rceil``, pytorch/ao 36027d8). For a
+      bf16 ``amax`` this is ``OCP`` plus one when the significand of ``amax`` exceeds 1.75
+      (that of 448 and 57344), else ``OCP``: the group maximum lands in (224, 448] and never
+      saturates.
+
     The members are named after where each rule comes from; by the rule itself, ``NEURON`` is
     ``FLOOR`` plus one (a scale twice as large: the maximum never saturates), which is none of
     torchao's modes (FLOOR, CEIL, RCEIL, EVEN).
@@ -53,8 +63,10 @@ class ScaleRule(enum.Enum):
     NEURON = "neuron"
     OCP = "ocp"
     FLOOR = "ocp"  # the same rule, by its name in torchao
+    RCEIL = "rceil"
 
     def exponent_offset(self, elem: ElemFormat | str) -> int:
+        """``E - byte`` of the rule (RCEIL: of its OCP base, before the round-up)."""
         fmt = as_elem_format(elem)
         return fmt.emax - 1 if self is ScaleRule.NEURON else fmt.emax
 
@@ -89,7 +101,17 @@ def as_scheme(
 
 def as_rule(rule: Any) -> ScaleRule:
     """The enum from itself or its value or name (any case) (`coerce_enum`)."""
-    return coerce_enum(ScaleRule, rule, "rule", expected="'neuron' or 'ocp'")
+    return coerce_enum(ScaleRule, rule, "rule", expected="'neuron', 'ocp' or 'rceil'")
+
+
+def _rceil_bytes(amax: torch.Tensor, max_finite: float) -> torch.Tensor:
+    """RCEIL scale bytes (int32) of fp32 group maxima (see `ScaleRule`)."""
+    d = amax * torch.tensor(1.0 / max_finite, dtype=torch.float32, device=amax.device)
+    bits = d.view(torch.int32)
+    e = (bits >> 23) & 0xFF
+    m = bits & 0x7FFFFF
+    up = torch.where(e == 0, m > 0x400000, m != 0)
+    return torch.where(torch.isfinite(d), e + up.to(torch.int32), torch.full_like(e, 255))
 
 
 def wrapx_chunks(K: int, tile_k: int = 512) -> list[tuple[int, int]]:
@@ -248,6 +270,7 @@ def _quantize_block(
     scales_out: torch.Tensor,
     deq_out: torch.Tensor | None,
     work: dict[str, torch.Tensor],
+    rceil: bool = False,
 ) -> None:
     """Quantize one block of rows ``xb [r, K]`` (axis last) into the output slices given.
 
@@ -277,8 +300,11 @@ def _quantize_block(
             amax = lane_max.view(r, count, ng, 8).amax(dim=3)  # [r, count, ng]
         else:
             amax = mag.view(r, ng, GROUP_SIZE).amax(dim=2)  # [r, ng]
-        emax = (amax.view(torch.int32) >> 23) & 0xFF
-        byte = (emax - offset).clamp_(0, 255)
+        if rceil:
+            byte = _rceil_bytes(amax, m)
+        else:
+            emax = (amax.view(torch.int32) >> 23) & 0xFF
+            byte = (emax - offset).clamp_(0, 255)
         scales_out[:, g0 : g0 + count * ng] = byte.view(r, count * ng)
         elems = (r, count, 4, c // 4) if wrapped else (r, ng, GROUP_SIZE)
         # Multiplier 1/X = 2^(127 - byte): a normal power of two for every byte <= 253.
@@ -358,7 +384,8 @@ def _run(
     codes = memory.empty((R, K), torch.uint8, t.device) if want_codes else None
     scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, t.device)
     deq = memory.empty((R, K), torch.float32, t.device) if want_deq else None
-    fused = _fused_kernels(t)
+    # the fused kernels take a fixed exponent offset, which RCEIL has not: torch path
+    fused = None if as_rule(rule) is ScaleRule.RCEIL else _fused_kernels(t)
     if fused is not None:
         segments = _segments(K, scheme, tile_k, chunks)
         fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
@@ -383,6 +410,7 @@ def _run(
             scales[r0:r1],
             None if deq is None else deq[r0:r1],
             work,
+            as_rule(rule) is ScaleRule.RCEIL,
         )
     return _restore(codes, lead, ax), _restore(scales, lead, ax), _restore(deq, lead, ax), ax
 
