@@ -123,8 +123,8 @@ def emulate(
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise InputError(f"--device {device}: CUDA is not available on this machine")
         from mxcli.emulate.patch import PatchRefused
-        from mxcli.emulate.study import project_seconds, run_study
         from mxcli.emulate.study import plot as plot_png
+        from mxcli.emulate.study import project_seconds, run_study
 
         if dry_run:
             with Steps(quiet) as progress, progress.step("timing a few steps per arm"):

@@ -386,6 +386,12 @@ def run_study(
     vocab = int(model.config.vocab_size)
     if tokens.numel() and int(tokens.max()) >= vocab:
         raise ValueError(f"data: token id {int(tokens.max())} >= the model's vocab_size {vocab}")
+    need = 10 * (opts.seq_len + 3)  # the held-out tenth must hold one window of seq_len + 2
+    if tokens.numel() < need:
+        raise ValueError(
+            f"data: expected at least {need} tokens for --seq-len {opts.seq_len} (a tenth is "
+            f"held out), got {tokens.numel()} (use a longer --data file or a shorter --seq-len)"
+        )
     split = int(tokens.numel() * 0.9)
     held_out = batches(
         tokens, opts.eval_batches, opts.batch, opts.seq_len, HELD_OUT_SEED, (split, tokens.numel())
@@ -598,7 +604,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         if arm == "bf16" or arm not in curves:
             continue
         cv = curves[arm]
-        x = list(range(1, len(cv["mean"]) + 1))
+        xs = list(range(1, len(cv["mean"]) + 1))
         nan = float("nan")
         m = [nan if v is None else v for v in cv["mean"]]
         lo = [nan if v is None else v for v in cv["low"]]
@@ -606,8 +612,8 @@ def plot(report: dict[str, Any], path: Path) -> None:
         c = colors.get(arm, None)
         g = gaps[arm]
         label = f"{names.get(arm, arm)}: held-out gap {fmt_iv(g, sign=True)} ({g['verdict']})"
-        ax2.plot(x, m, color=c, lw=1.8, label=label)
-        ax2.fill_between(x, lo, hi, color=c, alpha=0.15)
+        ax2.plot(xs, m, color=c, lw=1.8, label=label)
+        ax2.fill_between(xs, lo, hi, color=c, alpha=0.15)
     ax2.set_xlabel(f"optimizer step ({tokens_per_step} tokens each)")
     ax2.set_ylabel("paired training-loss gap to bf16 (nats/token)")
     ax2.set_title(f"Arm − bf16 on the same batch, EMA α={EMA_ALPHA}, 95% band over seeds")
