@@ -90,7 +90,7 @@ PRESETS: dict[str, Preset] = {
     # for tests and CI: seconds on one CPU core
     "tiny": Preset(_cfg(128, 2, 4, 128, 2, 2), 4, 2, 32, 3e-3, 2, 1, "tests and CI"),
     # about 10 minutes on 2 CPU cores (README: measured)
-    "default": Preset(_cfg(128, 3, 8, 128, 2, 2), 150, 8, 128, 2e-3, 5, 8, "2 CPU cores"),
+    "default": Preset(_cfg(128, 3, 8, 128, 2, 2), 60, 8, 128, 2e-3, 5, 8, "2 CPU cores"),
     # about 100M parameters, tens of millions of tokens per run: one GPU (--device cuda)
     "cuda-small": Preset(
         _cfg(512, 8, 16, 512, 8, 4), 2000, 32, 512, 6e-4, 5, 16, "one GPU, --device cuda"

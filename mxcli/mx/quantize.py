@@ -384,8 +384,13 @@ def _run(
     codes = memory.empty((R, K), torch.uint8, t.device) if want_codes else None
     scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, t.device)
     deq = memory.empty((R, K), torch.float32, t.device) if want_deq else None
-    # the fused kernels take a fixed exponent offset, which RCEIL has not: torch path
-    fused = None if as_rule(rule) is ScaleRule.RCEIL else _fused_kernels(t)
+    fused = _fused_kernels(t)
+    if fused is not None and as_rule(rule) is ScaleRule.RCEIL:
+        got = _rceil_fused(fused, x2, fmt, scheme, tile_k, chunks, want_codes, want_deq)
+        if got is not None:
+            c, s, d = got
+            return _restore(c, lead, ax), _restore(s, lead, ax), _restore(d, lead, ax), ax
+        fused = None  # a non-finite or tiny group maximum: the torch path below
     if fused is not None:
         segments = _segments(K, scheme, tile_k, chunks)
         fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
@@ -413,6 +418,44 @@ def _run(
             as_rule(rule) is ScaleRule.RCEIL,
         )
     return _restore(codes, lead, ax), _restore(scales, lead, ax), _restore(deq, lead, ax), ax
+
+
+def _rceil_fused(
+    fused: Any,
+    x2: torch.Tensor,
+    fmt: ElemFormat,
+    scheme: QuantScheme | str,
+    tile_k: int,
+    chunks: Chunks | None,
+    want_codes: bool,
+    want_deq: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """RCEIL with the fused kernels, which take a fixed exponent offset: every finite group's
+    RCEIL byte is its NEURON byte or its OCP byte (`ScaleRule`), so quantize under both and keep,
+    per group, the one RCEIL's byte names. None when a group is neither (a non-finite or tiny
+    maximum): the caller then runs the torch path."""
+    R, K = x2.shape
+    # fp32 first: bf16 abs/max are many times slower on CPUs (and bf16 -> fp32 is exact)
+    mag = to_group_order(x2.to(torch.float32).abs_(), -1, scheme, tile_k, chunks)
+    amax = mag.reshape(R, K // GROUP_SIZE, GROUP_SIZE).amax(-1)
+    want = _rceil_bytes(amax, fmt.max_finite)
+    segments = _segments(K, scheme, tile_k, chunks)
+    outs = []
+    for r in (ScaleRule.NEURON, ScaleRule.OCP):
+        codes = memory.empty((R, K), torch.uint8, x2.device) if want_codes else None
+        scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, x2.device)
+        deq = memory.empty((R, K), torch.float32, x2.device) if want_deq else None
+        offset = r.exponent_offset(fmt)
+        fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
+        outs.append((codes, scales, deq))
+    (cn, sn, dn), (co, so, do) = outs
+    up = want == sn.to(torch.int32)
+    if not bool((up | (want == so.to(torch.int32))).all()):
+        return None
+    per_elem = up.index_select(1, group_index(K, scheme, tile_k, chunks).to(x2.device))
+    codes = None if cn is None or co is None else torch.where(per_elem, cn, co)
+    deq = None if dn is None or do is None else torch.where(per_elem, dn, do)
+    return codes, torch.where(up, sn, so), deq
 
 
 def quantize_mx(

@@ -73,3 +73,24 @@ def test_rceil_never_saturates_and_other_rules_unchanged() -> None:
     E = (x.abs().reshape(64, 8, 32).amax(-1).view(torch.int32) >> 23) & 0xFF
     assert torch.equal(quantize_mx(x, -1, rule="neuron")[1].int(), E - 7)
     assert torch.equal(quantize_mx(x, -1, rule="ocp")[1].int(), E - 8)
+
+
+@pytest.mark.parametrize("scheme", ["1x32", "wrapx"])
+def test_rceil_fused_path_equals_torch_path(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RCEIL through the fused kernels (NEURON or OCP per group) gives the torch path's bytes,
+    codes and values; a non-finite group falls back to the torch path."""
+    import mxcli.mx.quantize as q
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(16, 512, generator=g) * torch.logspace(-4, 4, 512)
+    x[0, :32] = 0
+    x[1, 7] = math.inf
+    for t in (x, x.bfloat16()):
+        fused = (quantize_mx(t, -1, rule="rceil", scheme=scheme),
+                 q.fake_quantize_mx(t, -1, rule="rceil", scheme=scheme))  # fmt: skip
+        monkeypatch.setenv("MXCLI_FUSED", "0")
+        plain = (quantize_mx(t, -1, rule="rceil", scheme=scheme),
+                 q.fake_quantize_mx(t, -1, rule="rceil", scheme=scheme))  # fmt: skip
+        monkeypatch.delenv("MXCLI_FUSED")
+        assert torch.equal(fused[0][0], plain[0][0]) and torch.equal(fused[0][1], plain[0][1])
+        assert torch.equal(fused[1].nan_to_num(), plain[1].nan_to_num())
