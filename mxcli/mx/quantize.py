@@ -436,7 +436,7 @@ def _rceil_fused(
     maximum): the caller then runs the torch path."""
     R, K = x2.shape
     # fp32 first: bf16 abs/max are many times slower on CPUs (and bf16 -> fp32 is exact)
-    mag = to_group_order(x2.to(torch.float32).abs_(), -1, scheme, tile_k, chunks)
+    mag = to_group_order(torch.abs(x2.to(torch.float32)), -1, scheme, tile_k, chunks)
     amax = mag.reshape(R, K // GROUP_SIZE, GROUP_SIZE).amax(-1)
     want = _rceil_bytes(amax, fmt.max_finite)
     segments = _segments(K, scheme, tile_k, chunks)
