@@ -52,3 +52,13 @@ def test_missing_values_and_too_few() -> None:
     one = interval([0.5])
     assert one["mean"] == 0.5 and one["low"] is None and verdict(one).startswith("undetermined")
     assert interval([])["mean"] is None
+
+
+def test_ema_hand_worked() -> None:
+    from mxcli.emulate.study import ema, ema_two_way
+
+    assert ema([1.0, 3.0, 3.0], 0.5) == [1.0, 2.0, 2.5]
+    # backward over [1, 2, 2.5]: 2.5, 2.5 + 0.5 (2 - 2.5) = 2.25, 2.25 + 0.5 (1 - 2.25) = 1.625
+    assert ema_two_way([1.0, 3.0, 3.0], 0.5) == [1.625, 2.25, 2.5]
+    assert ema([1.0, None, 3.0], 0.5) == [1.0, None, None]
+    assert ema_two_way([1.0, 3.0, None], 0.5) == [1.5, 2.0, None]
