@@ -6,7 +6,8 @@ mode (bwd spec §4, §6), both on the block plan built from this step's routing 
 gate rows first; ``down_proj [E, H, I]``); every step reads them rounded to bf16 and the kernels
 quantize them on the fly, exactly as they quantize bf16 weights on the device.
 
-Modes (`Mode`): ``neuron`` (Trn3's scale rule), ``ocp`` (OCP / torchao FLOOR rule), ``bf16`` (the
+Modes (`Mode`): ``neuron`` (Trn3's scale rule), ``ocp`` (OCP / torchao FLOOR rule), ``rceil``
+(torchao MoE training's and cuBLAS's round-up rule; all three are `ScaleRule`), ``bf16`` (the
 same kernel chain with every bf16 rounding point but no MX quantization: the like-for-like
 baseline) and ``exact`` (fp32, no rounding at all: equals autograd of the plain layer).
 
@@ -38,6 +39,7 @@ __all__ = ["MODES", "Mode", "MxExperts", "experts_forward"]
 class Mode(str, enum.Enum):
     NEURON = "neuron"
     OCP = "ocp"
+    RCEIL = "rceil"
     BF16 = "bf16"
     EXACT = "exact"
 
@@ -46,6 +48,7 @@ MODES = tuple(m.value for m in Mode)
 _RULE: dict[Mode, ScaleRule | None] = {
     Mode.NEURON: ScaleRule.NEURON,
     Mode.OCP: ScaleRule.OCP,
+    Mode.RCEIL: ScaleRule.RCEIL,
     Mode.BF16: None,
 }
 

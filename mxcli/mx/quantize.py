@@ -40,6 +40,16 @@ class ScaleRule(enum.Enum):
       ``E - 15``, the floor of ``log2(amax)`` minus the format's Emax; the group maximum lands
       in [256, 512) and values above 448 saturate.
 
+    - ``RCEIL`` (torchao's ``ScaleCalculationMode.RCEIL``, the default of its MoE training
+      recipes; the cuBLAS "round the scale up" rule of NVIDIA's MXFP8 recipe, Mishra et al. 2025,
+      arXiv 2506.08027): ``d = fp32(amax * fp32(1 / max_finite))``, ``byte = Ed + (Md != 0)``
+      with ``Ed``/``Md`` the exponent/mantissa fields of ``d`` (a subnormal ``d`` rounds up only
+      when ``Md > 0x400000``, as byte 0 is 2^-127); 255 (E8M0 NaN) for a non-finite group
+      (torchao ``mx_tensor._f32_to_e8m0_rceil`` and ``_to_mx_rceil``, pytorch/ao 36027d8). For a
+      bf16 ``amax`` this is ``OCP`` plus one when the significand of ``amax`` exceeds 1.75
+      (that of 448 and 57344), else ``OCP``: the group maximum lands in (224, 448] and never
+      saturates.
+
     The members are named after where each rule comes from; by the rule itself, ``NEURON`` is
     ``FLOOR`` plus one (a scale twice as large: the maximum never saturates), which is none of
     torchao's modes (FLOOR, CEIL, RCEIL, EVEN).
@@ -53,11 +63,9 @@ class ScaleRule(enum.Enum):
     NEURON = "neuron"
     OCP = "ocp"
     FLOOR = "ocp"  # the same rule, by its name in torchao
-    # Rounding rules (issue 30): the byte is OCP's or one more, by the group maximum's mantissa.
-    # RCEIL (torchao's ScaleCalculationMode.RCEIL, pytorch/ao@36027d82
-    # torchao/prototype/mx_formats/mx_tensor.py:185 and :111-127): ``d = fl32(amax * fl32(1 /
-    # max))``, byte = the exponent field of ``d``, plus one when ``d`` is not a power of two
-    # (for a subnormal ``d``: when above 2^-127); 255 for a non-finite ``amax``.
+    # Rounding rules: the byte is OCP's or one more, by the group maximum's mantissa.
+    # RCEIL: see the docstring (torchao's ScaleCalculationMode.RCEIL, pytorch/ao@36027d82
+    # torchao/prototype/mx_formats/mx_tensor.py:185 and :111-127).
     RCEIL = "rceil"
     # CT (compressed-tensors' MX rule, what llm-compressor writes: compressed_tensors 0.20.1
     # quantization/utils/mxfp_utils.py, generate_mx_scales and round_to_power_2): ``amax`` is
@@ -399,7 +407,13 @@ def _run(
     codes = memory.empty((R, K), torch.uint8, t.device) if want_codes else None
     scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, t.device)
     deq = memory.empty((R, K), torch.float32, t.device) if want_deq else None
-    fused = None if rule.rounds else _fused_kernels(t)  # the numba kernels take an offset
+    fused = _fused_kernels(t)
+    if fused is not None and rule.rounds:
+        got = _rounding_fused(fused, x2, rule, fmt, scheme, tile_k, chunks, want_codes, want_deq)
+        if got is not None:
+            c, s, d = got
+            return _restore(c, lead, ax), _restore(s, lead, ax), _restore(d, lead, ax), ax
+        fused = None  # a non-finite or tiny group maximum: the torch path below
     if fused is not None:
         segments = _segments(K, scheme, tile_k, chunks)
         fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
@@ -427,6 +441,45 @@ def _run(
             work,
         )
     return _restore(codes, lead, ax), _restore(scales, lead, ax), _restore(deq, lead, ax), ax
+
+
+def _rounding_fused(
+    fused: Any,
+    x2: torch.Tensor,
+    rule: ScaleRule,
+    fmt: ElemFormat,
+    scheme: QuantScheme | str,
+    tile_k: int,
+    chunks: Chunks | None,
+    want_codes: bool,
+    want_deq: bool,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None] | None:
+    """A rounding rule (RCEIL, CT) with the fused kernels, which take a fixed exponent offset:
+    every finite group's byte is its OCP byte or one more, its NEURON byte (`ScaleRule`), so
+    quantize under both and keep, per group, the one the rule's byte names. None when a group is
+    neither (a non-finite or tiny maximum): the caller then runs the torch path."""
+    R, K = x2.shape
+    # fp32 first: bf16 abs/max are many times slower on CPUs (and bf16 -> fp32 is exact)
+    mag = to_group_order(torch.abs(x2.to(torch.float32)), -1, scheme, tile_k, chunks)
+    amax = mag.reshape(R, K // GROUP_SIZE, GROUP_SIZE).amax(-1)
+    want = rule.scale_bytes(amax, fmt)
+    segments = _segments(K, scheme, tile_k, chunks)
+    outs = []
+    for r in (ScaleRule.NEURON, ScaleRule.OCP):
+        codes = memory.empty((R, K), torch.uint8, x2.device) if want_codes else None
+        scales = memory.empty((R, K // GROUP_SIZE), torch.uint8, x2.device)
+        deq = memory.empty((R, K), torch.float32, x2.device) if want_deq else None
+        offset = r.exponent_offset(fmt)
+        fused.quantize_2d(x2, segments, offset, fmt.torch_dtype, fmt.max_finite, codes, scales, deq)
+        outs.append((codes, scales, deq))
+    (cn, sn, dn), (co, so, do) = outs
+    up = want == sn.to(torch.int32)
+    if not bool((up | (want == so.to(torch.int32))).all()):
+        return None
+    per_elem = up.index_select(1, group_index(K, scheme, tile_k, chunks).to(x2.device))
+    codes = None if cn is None or co is None else torch.where(per_elem, cn, co)
+    deq = None if dn is None or do is None else torch.where(per_elem, dn, do)
+    return codes, torch.where(up, sn, so), deq
 
 
 def quantize_mx(
