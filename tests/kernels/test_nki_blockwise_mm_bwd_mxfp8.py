@@ -375,6 +375,80 @@ def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyP
     assert "wdq" in scratch and "wguq" not in scratch
 
 
+@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_late_x_rows_and_one_window_of_dy_rows_ahead(
+    monkeypatch: pytest.MonkeyPatch, overlap: bool
+) -> None:
+    """The SBUF-saving plan AWS's shape takes (`SBUF_BUDGET`): phase 3's X rows of window w+1
+    gathered after window w's are last read instead of with its phase-2 loads, and phase 1's
+    dY rows gathered one window ahead instead of two. Two 512-token windows per block, routed
+    top-2, with and without block overlap: outputs equal, byte for byte, to the default plan's
+    (only buffer lifetimes and instruction order change), and every later window's phase-2
+    loads were issued without its X rows."""
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    args = case(512, 1024, 2, 1024, 2, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
+    if not overlap:
+        monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
+        monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
+    default = run_sim(**args, config=cfg, lnc=2)
+    monkeypatch.setattr(mod, "X_AHEAD_BUDGET", 0)
+    monkeypatch.setattr(mod, "ROWS_AHEAD_BUDGET", 0)
+    with_x: list[tuple[int, bool]] = []
+    real = mod._phase2_loads
+    monkeypatch.setattr(
+        mod,
+        "_phase2_loads",
+        lambda *a: with_x.append((a[5], a[6])) or real(*a),  # type: ignore[func-returns-value]
+    )
+    late = run_sim(**args, config=cfg, lnc=2)
+    for name, a, d in zip(NAMES, late, default, strict=False):
+        assert a.dtype == d.dtype and torch.equal(a, d), name
+    compare(late, blockwise_mm_bwd_mxfp8(**args, config=cfg))
+    assert {w for w, x in with_x if not x} == {1} and all(x for w, x in with_x if w == 0)
+
+
+def _sbuf_budget() -> int:
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    return int(mod.SBUF_BUDGET)
+
+
+def test_sbuf_budget_is_aws_margin() -> None:
+    """The kernel plans to AWS's margin (212472 B per partition, below Trn3's 245752)."""
+    assert _sbuf_budget() == 212472
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # AWS's tuned shape: H 4096, I 1536, one block of B = T = 4096 tokens, one expert
+        (4096, 4096, 1536, 1, 1, 4096, 1),
+        # the README's shapes (scripts/bench_nki.py), as its profile samples them: 2 blocks
+        (4096, 2048, 768, 2, 8, 512, 2),
+        (4096, 2048, 768, 2, 8, 1024, 2),
+        (4096, 7168, 2048, 2, 2, 512, 2),
+        (4096, 7168, 2048, 2, 2, 1024, 2),
+    ],
+    ids=["aws", "qwen3-b512", "qwen3-b1024", "deepseek-b512", "deepseek-b1024"],
+)
+def test_peak_sbuf_within_aws_margin(shape: tuple[int, ...]) -> None:
+    """Check-only at LNC 2: every program's SBUF peak stays within `SBUF_BUDGET`, AWS's own
+    backward's margin (at AWS's shape the kernel used to peak at 240392 B)."""
+    from mxcli.kernels import profiling as prof
+
+    T, H, I, E, K, B, nb = shape  # noqa: E741
+    tensors, kwargs = prof._sample_bwd_inputs(prof.BwdShape(T, H, I, E, K, B), nb, E)
+    res = launch_sim(**tensors, **kwargs, lnc=2, check_only=True)
+    budget = _sbuf_budget()
+    for prog in res.report.programs:
+        assert 0 < prog.peak_sbuf_bytes <= budget
+
+
 def _mx_matmuls(mod: Any, fns: tuple[str, ...], recorders: list[Any]) -> int:
     """MX matmuls recorded at the source lines of the kernel functions `fns`."""
     sites = set()
