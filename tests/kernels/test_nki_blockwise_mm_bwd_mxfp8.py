@@ -375,39 +375,51 @@ def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyP
     assert "wdq" in scratch and "wguq" not in scratch
 
 
-@pytest.mark.parametrize("overlap", [True, pytest.param(False, marks=pytest.mark.slow)])
-def test_late_x_rows_and_one_window_of_dy_rows_ahead(
-    monkeypatch: pytest.MonkeyPatch, overlap: bool
+@pytest.mark.parametrize(
+    "plan",
+    ["late_x", "late_x_no_overlap", "rows_ahead_no_pipeline"],
+)
+def test_sbuf_saving_plans_change_no_output_byte(
+    monkeypatch: pytest.MonkeyPatch, plan: str
 ) -> None:
-    """The SBUF-saving plan AWS's shape takes (`SBUF_BUDGET`): phase 3's X rows of window w+1
-    gathered after window w's are last read instead of with its phase-2 loads, and phase 1's
-    dY rows gathered one window ahead instead of two. Two 512-token windows per block, routed
-    top-2, with and without block overlap: outputs equal, byte for byte, to the default plan's
-    (only buffer lifetimes and instruction order change), and every later window's phase-2
-    loads were issued without its X rows."""
+    """The SBUF-saving plans AWS's shape takes (`SBUF_BUDGET`), at a small shape: phase 3's X
+    rows of window w+1 gathered after window w's are last read instead of with its phase-2
+    loads (with and without block overlap), and phase 1's dY rows gathered two windows ahead
+    without the operands' one-window pipeline. Four 512-token windows, routed: outputs equal,
+    byte for byte, to the default plan's (only buffer lifetimes and instruction order change),
+    and the plan ran (later windows' phase-2 loads without X rows; phase 1's rows two ahead)."""
     mod = nki_runtime.load_kernel_module(
         "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
     )
-    args = case(512, 1024, 2, 1024, 2, 256)
-    cfg = MXFP8MOEBwdConfig.routed(top_k=2)
-    if not overlap:
+    args = case(2048, 512, 1, 2048, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1)
+    if plan == "late_x_no_overlap":
         monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
         monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
     default = run_sim(**args, config=cfg, lnc=2)
-    monkeypatch.setattr(mod, "X_AHEAD_BUDGET", 0)
-    monkeypatch.setattr(mod, "ROWS_AHEAD_BUDGET", 0)
     with_x: list[tuple[int, bool]] = []
-    real = mod._phase2_loads
-    monkeypatch.setattr(
-        mod,
-        "_phase2_loads",
-        lambda *a: with_x.append((a[5], a[6])) or real(*a),  # type: ignore[func-returns-value]
-    )
-    late = run_sim(**args, config=cfg, lnc=2)
-    for name, a, d in zip(NAMES, late, default, strict=False):
+    depth: list[tuple[bool, int]] = []
+    if plan == "rows_ahead_no_pipeline":
+        monkeypatch.setattr(
+            mod, "_pipeline_depth", lambda *a: depth.append((False, 2)) or (False, 2)
+        )
+    else:
+        monkeypatch.setattr(mod, "X_AHEAD_BUDGET", 0)
+        real = mod._phase2_loads
+        monkeypatch.setattr(
+            mod,
+            "_phase2_loads",
+            lambda *a: with_x.append((a[5], a[6])) or real(*a),  # type: ignore[func-returns-value]
+        )
+    out = run_sim(**args, config=cfg, lnc=2)
+    for name, a, d in zip(NAMES, out, default, strict=False):
         assert a.dtype == d.dtype and torch.equal(a, d), name
-    compare(late, blockwise_mm_bwd_mxfp8(**args, config=cfg))
-    assert {w for w, x in with_x if not x} == {1} and all(x for w, x in with_x if w == 0)
+    compare(out, blockwise_mm_bwd_mxfp8(**args, config=cfg))
+    if plan == "rows_ahead_no_pipeline":
+        assert depth
+    else:
+        assert {w for w, x in with_x if not x} == {1, 2, 3}
+        assert all(x for w, x in with_x if w == 0)
 
 
 def _sbuf_budget() -> int:

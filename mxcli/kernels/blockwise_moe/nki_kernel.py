@@ -145,9 +145,8 @@ W_AHEAD_FLY_X_BUDGET = 64 * 1024
 # latter to be gathered a window ahead (`_hsg_old`).
 OLD_AHEAD_BUDGET = 32 * 1024
 # SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
-# ahead of their use (three windows' rows live) instead of one (AWS's shape, 3 x 32 KB, would
-# peak 28 KB past `SBUF_BUDGET`).
-ROWS_AHEAD_BUDGET = 64 * 1024
+# ahead of their use (three windows' rows live) instead of one.
+ROWS_AHEAD_BUDGET = 96 * 1024
 # SBUF bytes per partition the resident phase-2 W_gu, the resident phase-3 X and two windows'
 # X rows may take together for window w+1's X rows to be gathered with its phase-2 loads (a
 # window ahead); else right after window w's X rows are last read (AWS's shape: 160 KB, whose
@@ -1114,7 +1113,8 @@ def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
     """Phase 1's software pipeline (`_block_phase1`): whether window w+1's loads and operands are
     issued before window w's compute (where they fit `PIPELINE_BUDGET`; else the operands just
     before their compute), and how many windows ahead the dY rows are gathered (two where
-    they fit `ROWS_AHEAD_BUDGET`)."""
+    they fit `ROWS_AHEAD_BUDGET` and, with the operands' pipeline or without it, the
+    `PIPELINE_BUDGET`)."""
     Wn, bpe = cfg.W, 2
     dy_bytes = (Wn // P) * cfg.H * bpe
     win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
@@ -1125,8 +1125,15 @@ def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
         w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
     q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
     ahead = 1
-    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
-        ahead = 2
+    if 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
+        if 2 * win_bytes + 3 * dy_bytes + w_bytes <= PIPELINE_BUDGET:
+            ahead = 2
+        elif q_ahead and win_bytes + 3 * dy_bytes + w_bytes <= PIPELINE_BUDGET:
+            # the rows two windows ahead rather than the operands one window ahead (AWS's
+            # shape: the cost model puts the operands' pipeline at 1% of the schedule, the
+            # rows' second window at 7%; both would peak 28 KB past `SBUF_BUDGET`)
+            ahead = 2
+            q_ahead = False
     return q_ahead, ahead
 
 
