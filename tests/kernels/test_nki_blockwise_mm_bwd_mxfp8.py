@@ -375,6 +375,92 @@ def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyP
     assert "wdq" in scratch and "wguq" not in scratch
 
 
+@pytest.mark.parametrize(
+    "plan",
+    ["late_x", "late_x_no_overlap", "rows_ahead_no_pipeline"],
+)
+def test_sbuf_saving_plans_change_no_output_byte(
+    monkeypatch: pytest.MonkeyPatch, plan: str
+) -> None:
+    """The SBUF-saving plans AWS's shape takes (`SBUF_BUDGET`), at a small shape: phase 3's X
+    rows of window w+1 gathered after window w's are last read instead of with its phase-2
+    loads (with and without block overlap), and phase 1's dY rows gathered two windows ahead
+    without the operands' one-window pipeline. Four 512-token windows, routed: outputs equal,
+    byte for byte, to the default plan's (only buffer lifetimes and instruction order change),
+    and the plan ran (later windows' phase-2 loads without X rows; phase 1's rows two ahead)."""
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    args = case(2048, 512, 1, 2048, 1, 256)
+    cfg = MXFP8MOEBwdConfig.routed(top_k=1)
+    if plan == "late_x_no_overlap":
+        monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
+        monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
+    default = run_sim(**args, config=cfg, lnc=2)
+    with_x: list[tuple[int, bool]] = []
+    depth: list[tuple[bool, int]] = []
+    if plan == "rows_ahead_no_pipeline":
+        monkeypatch.setattr(
+            mod, "_pipeline_depth", lambda *a: depth.append((False, 2)) or (False, 2)
+        )
+    else:
+        monkeypatch.setattr(mod, "X_AHEAD_BUDGET", 0)
+        real = mod._phase2_loads
+        monkeypatch.setattr(
+            mod,
+            "_phase2_loads",
+            lambda *a: with_x.append((a[5], a[6])) or real(*a),  # type: ignore[func-returns-value]
+        )
+    out = run_sim(**args, config=cfg, lnc=2)
+    for name, a, d in zip(NAMES, out, default, strict=False):
+        assert a.dtype == d.dtype and torch.equal(a, d), name
+    compare(out, blockwise_mm_bwd_mxfp8(**args, config=cfg))
+    if plan == "rows_ahead_no_pipeline":
+        assert depth
+    else:
+        assert {w for w, x in with_x if not x} == {1, 2, 3}
+        assert all(x for w, x in with_x if w == 0)
+
+
+def _sbuf_budget() -> int:
+    mod = nki_runtime.load_kernel_module(
+        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
+    )
+    return int(mod.SBUF_BUDGET)
+
+
+def test_sbuf_budget_is_aws_margin() -> None:
+    """The kernel plans to AWS's margin (212472 B per partition, below Trn3's 245752)."""
+    assert _sbuf_budget() == 212472
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # AWS's tuned shape: H 4096, I 1536, one block of B = T = 4096 tokens, one expert
+        pytest.param((4096, 4096, 1536, 1, 1, 4096, 1), id="aws"),
+        # the README's shapes (scripts/bench_nki.py), as its profile samples them: 2 blocks
+        pytest.param((4096, 2048, 768, 2, 8, 512, 2), id="qwen3-b512", marks=pytest.mark.slow),
+        pytest.param((4096, 2048, 768, 2, 8, 1024, 2), id="qwen3-b1024", marks=pytest.mark.slow),
+        pytest.param((4096, 7168, 2048, 2, 2, 512, 2), id="deepseek-b512", marks=pytest.mark.slow),
+        pytest.param(
+            (4096, 7168, 2048, 2, 2, 1024, 2), id="deepseek-b1024", marks=pytest.mark.slow
+        ),
+    ],
+)
+def test_peak_sbuf_within_aws_margin(shape: tuple[int, ...]) -> None:
+    """Check-only at LNC 2: every program's SBUF peak stays within `SBUF_BUDGET`, AWS's own
+    backward's margin (at AWS's shape the kernel used to peak at 240392 B)."""
+    from mxcli.kernels import profiling as prof
+
+    T, H, I, E, K, B, nb = shape  # noqa: E741
+    tensors, kwargs = prof._sample_bwd_inputs(prof.BwdShape(T, H, I, E, K, B), nb, E)
+    res = launch_sim(**tensors, **kwargs, lnc=2, check_only=True)
+    budget = _sbuf_budget()
+    for prog in res.report.programs:
+        assert 0 < prog.peak_sbuf_bytes <= budget
+
+
 def _mx_matmuls(mod: Any, fns: tuple[str, ...], recorders: list[Any]) -> int:
     """MX matmuls recorded at the source lines of the kernel functions `fns`."""
     sites = set()

@@ -111,6 +111,14 @@ QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadra
 # data / 1 KiB scale runs (nki-dma-bandwidth-guide.rst: ~89% / ~67% of peak, against ~80% /
 # ~50% for one 512-column matmul group), in 5 KiB of SBUF per partition.
 SPILL_COLS = 1024
+# SBUF bytes per partition the kernel plans to stay within, below the Trn3 capacity (245752):
+# the margin AWS's own MXFP8 backward keeps at its tuned shape (issue #29's figure). AWS's
+# tuned_blocking.py (aws-neuron/nki-library, SHAPE_TUNED_CONFIGS, the B=4096 H=4096 I_TP=1536
+# entry) halves its phase-2 M-blocking from 32 to 16 because 32 "overflow SBUF during
+# QuantizeMx (NCC_IBIR229)"; the byte figure itself is not a literal in AWS's code. The
+# `*_BUDGET` figures below keep the peak within it at AWS's shape and at the README's shapes
+# (tests/kernels/test_nki_blockwise_mm_bwd_mxfp8.py::test_peak_sbuf_within_aws_margin).
+SBUF_BUDGET = 212472
 # SBUF bytes per partition the resident quantized weights may take (of 245752 on Trn3; the
 # rest of the kernel peaks near 60 KB at the production shape).
 RESIDENT_BUDGET = 96 * 1024
@@ -139,6 +147,11 @@ OLD_AHEAD_BUDGET = 32 * 1024
 # SBUF bytes per partition phase 1's gathered dY rows may take to be gathered two windows
 # ahead of their use (three windows' rows live) instead of one.
 ROWS_AHEAD_BUDGET = 96 * 1024
+# SBUF bytes per partition the resident phase-2 W_gu, the resident phase-3 X and two windows'
+# X rows may take together for window w+1's X rows to be gathered with its phase-2 loads (a
+# window ahead); else right after window w's X rows are last read (AWS's shape: 160 KB, whose
+# phase 2 would peak 16 KB past `SBUF_BUDGET`).
+X_AHEAD_BUDGET = 144 * 1024
 # SBUF bytes per partition (resident phase-1/2 weights + two windows' phase-1 loads and
 # operands + one window's dY rows) under which phase 1 runs as a software pipeline.
 PIPELINE_BUDGET = 230 * 1024
@@ -246,6 +259,7 @@ class Geometry(nl.NKIObject):
     overlap: bool
     overlap4: bool
     w2_ahead: bool
+    x_ahead: bool
     k1: tuple[Any, ...]
     k2: tuple[Any, ...]
     k3: tuple[Any, ...]
@@ -338,9 +352,11 @@ def _geometry(cfg: BwdKernelConfig, lnc: int, pid: int) -> Geometry:
     x_res = x_bytes if res_x else 0
     fly = _streams_gu_on_chip(cfg, res_gu)
     w2_ahead = not res_gu and (x_res <= W_AHEAD_X_BUDGET or (fly and x_res <= W_AHEAD_FLY_X_BUDGET))
+    # phase 3's X rows gathered a window ahead where they fit beside the resident operands
+    x_ahead = (wgu_bytes if res_gu else 0) + x_res + 2 * (cfg.W // P) * Hc * 2 <= X_AHEAD_BUDGET
     return Geometry(
         pid, lnc, i_lo, n_i, h_lo, n_h, h_lo * P, Hc, d_cols, res_gu, res_d, res_x, res_s,
-        res_moving, overlap, overlap4, w2_ahead,
+        res_moving, overlap, overlap4, w2_ahead, x_ahead,
         _ktiles(cfg.k1), _ktiles(cfg.k2), _ktiles(cfg.k3), _ktiles(cfg.k4),
     )  # fmt: skip
 
@@ -1097,7 +1113,8 @@ def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
     """Phase 1's software pipeline (`_block_phase1`): whether window w+1's loads and operands are
     issued before window w's compute (where they fit `PIPELINE_BUDGET`; else the operands just
     before their compute), and how many windows ahead the dY rows are gathered (two where
-    they fit `ROWS_AHEAD_BUDGET`)."""
+    they fit `ROWS_AHEAD_BUDGET` and, with the operands' pipeline or without it, the
+    `PIPELINE_BUDGET`)."""
     Wn, bpe = cfg.W, 2
     dy_bytes = (Wn // P) * cfg.H * bpe
     win_bytes = geo.n_i * Wn * bpe * 5 + Wn * 4 + _packed_bytes(len(geo.k1), Wn)
@@ -1108,8 +1125,15 @@ def _pipeline_depth(cfg: BwdKernelConfig, geo: Geometry) -> tuple[bool, int]:
         w_bytes = w_bytes + _packed_bytes(len(geo.k2), geo.Hc)
     q_ahead = 2 * win_bytes + dy_bytes + w_bytes <= PIPELINE_BUDGET
     ahead = 1
-    if q_ahead and 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
-        ahead = 2
+    if 3 * dy_bytes <= ROWS_AHEAD_BUDGET:
+        if 2 * win_bytes + 3 * dy_bytes + w_bytes <= PIPELINE_BUDGET:
+            ahead = 2
+        elif q_ahead and win_bytes + 3 * dy_bytes + w_bytes <= PIPELINE_BUDGET:
+            # the rows two windows ahead rather than the operands one window ahead (AWS's
+            # shape: the cost model puts the operands' pipeline at 1% of the schedule, the
+            # rows' second window at 7%; both would peak 28 KB past `SBUF_BUDGET`)
+            ahead = 2
+            q_ahead = False
     return q_ahead, ahead
 
 
@@ -1265,16 +1289,19 @@ def _block_phase2(
     # model, `scripts/bench_nki.py`: Qwen3-30B-A3B 1.29 / 1.26 of the bound against 1.33 /
     # 1.37 the other way).
     pipelined = not geo.overlap
-    nxt = _phase2_loads(cfg, geo, t, blk, b, 0)
+    nxt = _phase2_loads(cfg, geo, t, blk, b, 0, True)
     nxt_q = _phase2_quant(cfg, geo, nxt) if geo.Hc and pipelined else None
     for win in range(nwin):
         pre, q = nxt, nxt_q
         if win + 1 < nwin:
-            nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1)
+            nxt = _phase2_loads(cfg, geo, t, blk, b, win + 1, geo.x_ahead)
         nz = len(zero_jobs)
         _run_zeros(t, zero_jobs[(win * nz) // nwin : ((win + 1) * nz) // nwin])
         if pipelined:
             _phase34_operands(cfg, geo, t, blk, b, win, pre)
+            if win + 1 < nwin and not geo.x_ahead:
+                # window w+1's X rows once window w's are last read (`X_AHEAD_BUDGET`)
+                nxt["x"] = _phase3_x_rows(cfg, geo, t, blk, b, win + 1)
             _phase2(cfg, geo, t, blk, w, b, win, pre, q)
             if win + 1 < nwin and geo.Hc:
                 nxt_q = _phase2_quant(cfg, geo, nxt)
@@ -1282,6 +1309,8 @@ def _block_phase2(
             q = _phase2_quant(cfg, geo, pre) if geo.Hc else None
             _phase2(cfg, geo, t, blk, w, b, win, pre, q)
             _phase34_operands(cfg, geo, t, blk, b, win, pre)
+            if win + 1 < nwin and not geo.x_ahead:
+                nxt["x"] = _phase3_x_rows(cfg, geo, t, blk, b, win + 1)
         if win == 0 and not geo.overlap:
             # the affinity grad (core 0 reads both cores' partials) once window 0 is under
             # way: right after the hand-over its small dependent DMAs would hold the queue
@@ -1697,11 +1726,18 @@ def _p2_write(
 
 
 def _phase2_loads(
-    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+    cfg: BwdKernelConfig,
+    geo: Geometry,
+    t: dict[str, Any],
+    blk: dict[str, Any],
+    b: int,
+    win: int,
+    with_x: bool,
 ) -> dict[str, Any]:
     """What phases 2 and 3/4's operands read from HBM for window `win`, issued one window
     ahead (see `_phase1_loads`): ``[dG|dU]^T`` row tiles (one ``[v, 4, W]`` per 2I chunk, also
-    phase 3's operand) and X rows (``[P, W/P, Hc]``)."""
+    phase 3's operand) and, with `with_x`, X rows (`_phase3_x_rows`; else the caller gathers
+    them later)."""
     Wn, nTw, w0 = cfg.W, cfg.W // P, win * cfg.W
     bf = cfg.compute_dtype
     out: dict[str, Any] = {"rows": [], "x": None}
@@ -1719,17 +1755,26 @@ def _phase2_loads(
         src = t["dgu_s"].ap([[cfg.B, v], [v * cfg.B, 4], [1, Wn]], offset=kt.k0 * cfg.B + w0)
         _load(rows[0:v, :, :], src)
         out["rows"].append(rows)
-    x = nl.ndarray((P, nTw, geo.Hc), dtype=bf, buffer=nl.sbuf, name="p3_x_rows")
+    if with_x:
+        out["x"] = _phase3_x_rows(cfg, geo, t, blk, b, win)
+    out["hsg_old"] = None
+    if cfg.accumulate and blk["tok"] is not None and 4 * nTw * geo.Hc * 2 <= OLD_AHEAD_BUDGET:
+        out["hsg_old"] = _hsg_old(cfg, geo, t, blk, b, win)
+    return out
+
+
+def _phase3_x_rows(
+    cfg: BwdKernelConfig, geo: Geometry, t: dict[str, Any], blk: dict[str, Any], b: int, win: int
+) -> Any:
+    """Window `win`'s X rows (``[P, W/P, Hc]``, gathered), phase 3's stationary operand."""
+    nTw = cfg.W // P
+    x = nl.ndarray((P, nTw, geo.Hc), dtype=cfg.compute_dtype, buffer=nl.sbuf, name="p3_x_rows")
     for j in range(nTw):
         _gather_rows(
             cfg, blk, x[:, j, :], t["hidden_states"], b, win * nTw + j, geo.h0, geo.Hc,
             nisa.engine.gpsimd,
         )  # fmt: skip
-    out["x"] = x
-    out["hsg_old"] = None
-    if cfg.accumulate and blk["tok"] is not None and 4 * nTw * geo.Hc * 2 <= OLD_AHEAD_BUDGET:
-        out["hsg_old"] = _hsg_old(cfg, geo, t, blk, b, win)
-    return out
+    return x
 
 
 def _hsg_old(
