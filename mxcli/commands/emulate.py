@@ -104,7 +104,7 @@ def emulate(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Measure what MXFP8 does to a MoE model's training loss, with confidence intervals.
+    """Measure what MXFP8 does to a MoE training loss.
 
     For each seed, every arm (fp32, bf16, MXFP8 NEURON / OCP floor / RCEIL) starts from the
     same weights and sees the same batches. Prints per arm the held-out loss gap to bf16 with

@@ -532,10 +532,16 @@ def test_numba_cache_falls_back_when_no_folder_is_writable(monkeypatch) -> None:
     assert fn(41) == 42 and type(fn._cache).__name__ == "NullCache"
 
 
-def test_numba_compile_is_said_once_on_a_terminal(monkeypatch) -> None:
+def test_numba_compile_is_said_once_on_a_terminal(monkeypatch, tmp_path) -> None:
     import io
 
+    import numba
+
     from mxcli import jit
+
+    # a fresh on-disk cache: these throwaway functions must compile here, not load an earlier
+    # run's entry (numba reads CACHE_DIR when it locates a function's cache)
+    monkeypatch.setattr(numba.config, "CACHE_DIR", str(tmp_path))
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
