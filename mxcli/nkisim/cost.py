@@ -42,13 +42,28 @@ _ISA226 = "v2.26.0:general/nki/api/nki/isa/__init__.py"  # per-op costs (dropped
 
 @dataclass(frozen=True)
 class Figure:
-    """One documented (or assumed) hardware figure, per target."""
+    """One hardware figure, per target, with where it comes from (issue 29 item 3).
+
+    ``kind``: ``"documented"`` (``source`` cites the doc), ``"fitted"`` (``source`` names the
+    measurement it was fitted to) or ``"assumed"`` (``source`` says why). ``low`` / ``high``: the
+    plausible range of the trn3 value for an assumed figure (for a fitted one, the range the
+    fit's residual allows); None for a documented figure, which has no range.
+    """
 
     key: str
     trn2: float
     trn3: float
     unit: str
-    source: str  # doc path (+ section), or "ASSUMED: why"
+    source: str  # doc path (+ section), the measurement fitted to, or "ASSUMED: why"
+    kind: str = "documented"
+    low: float | None = None
+    high: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("documented", "fitted", "assumed"):
+            raise ValueError(f"Figure {self.key}: kind {self.kind!r}")
+        if self.kind != "documented" and (self.low is None or self.high is None):
+            raise ValueError(f"Figure {self.key}: a {self.kind} figure needs a low..high range")
 
 
 FIGURES: tuple[Figure, ...] = (
@@ -132,6 +147,7 @@ FIGURES: tuple[Figure, ...] = (
         f"ASSUMED: per contiguous run (descriptor) an overhead worth 512 B of transfer, fitted to "
         f"{_DMA_BW} ('< 256 B severely overhead-bound', '>= 2 KiB approaches peak', '>= 4 KiB "
         "saturates': 33% / 80% / 89% efficiency); no per-descriptor time is documented",
+        kind="assumed", low=256, high=1024,
     ),
     Figure(
         "dma_latency_ns", 1300, 1300, "ns",
