@@ -361,7 +361,7 @@ def to_torch(a: Any) -> torch.Tensor:
 
 def _nl_module(engine: SimEngine) -> Any:
     if engine is SimEngine.INTERPRETER:
-        from mxcli.nkisim import language
+        from mxcli.nkisim.nki import language
 
         return language
     return importlib.import_module("nki.language")
@@ -453,7 +453,7 @@ def run_sim(
 
 def _serialized(kern: Any) -> Callable[..., Any]:
     """The kernel body made to run program by program (program p waits for p - 1 to finish)."""
-    from mxcli.nkisim import language
+    from mxcli.nkisim.nki import language
 
     fn = getattr(kern, "fn", kern)
     done = [threading.Event() for _ in range(8)]

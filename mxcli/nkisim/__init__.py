@@ -1,10 +1,10 @@
 """mxcli's NKI interpreter: run NKI 0.6 kernels on a plain CPU with the hardware rules checked.
 
-Nothing is installed on import. `activate()` (or ``with installed():``) puts this package's
-``nki``, ``nki.language``, ``nki.isa``, ``nki.isa.constants`` and ``nki.dtype`` modules into
-``sys.modules`` — only when no real ``nki`` is importable, so a Neuron SDK installation is never
-shadowed. `simulate` runs a kernel on the interpreter (with target, check-only mode and counters);
-see README.md beside this file.
+Nothing is installed on import. `activate()` (or ``with installed():``) puts the kernel-facing
+modules of the subpackage ``mxcli.nkisim.nki`` (``nki``, ``nki.language``, ``nki.isa``,
+``nki.isa.constants``, ``nki.dtype``) into ``sys.modules`` — only when no real ``nki`` is
+importable, so a Neuron SDK installation is never shadowed. `simulate` runs a kernel on the
+interpreter (with target, check-only mode and counters); see README.md beside this file.
 """
 
 from __future__ import annotations
@@ -70,11 +70,12 @@ _real_cache: dict[str, bool] = {}
 
 
 def _shim_modules() -> dict[str, types.ModuleType]:
-    from mxcli.nkisim import dtype, isa, language, nki_module
-    from mxcli.nkisim.isa import constants
+    from mxcli.nkisim import nki
+    from mxcli.nkisim.nki import dtype, isa, language
+    from mxcli.nkisim.nki.isa import constants
 
     return {
-        "nki": nki_module,
+        "nki": nki,
         "nki.language": language,
         "nki.isa": isa,
         "nki.isa.constants": constants,

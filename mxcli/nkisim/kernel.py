@@ -25,6 +25,7 @@ from mxcli.nkisim.dtypes import DType, dtype_of_numpy
 from mxcli.nkisim.errors import NkiValidationError
 from mxcli.nkisim.frontend import assert_frontend
 from mxcli.nkisim.machine import Program, Run, RunConfig, RunReport, UninitPolicy
+from mxcli.nkisim.races import RaceTracker
 from mxcli.nkisim.target import Target, nc_version, resolve_target
 from mxcli.nkisim.tensor import MemoryRegion, NkiTensor, resolve, wrap_array
 
@@ -258,7 +259,7 @@ def run_kernel(
         uninit=UninitPolicy(uninit),
         check_capacity=check_capacity,
     )
-    run = Run(config)
+    run = Run(config, race=RaceTracker() if n > 1 else None)
     buffer = MemoryRegion.shared_hbm if n > 1 else MemoryRegion.private_hbm
     wrapped: list[_Arg] = []
 

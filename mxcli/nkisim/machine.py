@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -29,7 +29,6 @@ from mxcli.nkisim.errors import (
     NkiUninitializedReadError,
     NkiValidationError,
 )
-from mxcli.nkisim.races import RaceTracker
 from mxcli.nkisim.target import Target
 
 __all__ = [
@@ -174,10 +173,30 @@ class AllocRecord:
     last_t: float
 
 
+class RaceDetector(Protocol):
+    """What a launch asks of its LNC race detector (`races.RaceTracker`). The launcher hands one
+    in: the detector reads tensor accesses, and tensor stands on this module, so this module
+    does not import it (no import circle)."""
+
+    enabled: bool
+
+    def clear(self, st: Any) -> None: ...
+
+    def record(
+        self,
+        acc: Any,
+        program: int,
+        write: bool,
+        mask: np.ndarray | None,
+        values: np.ndarray | None = None,
+        commit: Any = None,
+    ) -> None: ...
+
+
 class Run:
     """State shared by the programs of one launch."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(self, config: RunConfig, race: RaceDetector | None = None) -> None:
         self.config = config
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
@@ -188,7 +207,7 @@ class Run:
         self.barrier_count = [0] * config.lnc
         # the data tensor (storage) each program's n-th core_barrier synchronizes on
         self.barrier_data: dict[int, dict[int, Any]] = defaultdict(dict)
-        self.race: RaceTracker | None = RaceTracker() if config.lnc > 1 else None
+        self.race = race  # LNC > 1 only: the shared-HBM race detector (races.py)
         self.warned: set[str] = set()
         # (site, op, operand, tensor) -> [instructions, unwritten elements], in first-seen order
         self.uninit: dict[tuple[str, str, str, str], list[int]] = {}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -90,11 +90,20 @@ class OpToken:
         params.append(P("dtype", P.POSITIONAL_OR_KEYWORD, default=None))
         return inspect.Signature(params)
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        # high-level experimental wrappers (api spec §4.8), built on the ISA ops
-        from mxcli.nkisim import highlevel
+    # The high-level call ``nl.add(x, y)`` (api spec §4.8) is built on the ISA instructions,
+    # which stand above this module and use its tokens: ``nki/highlevel.py`` hands its
+    # implementation in here when it is imported (``nki.language`` imports it), so that no
+    # import runs back up from the tokens to the instructions.
+    high_level_call: ClassVar[Callable[..., Any] | None] = None
 
-        return highlevel.call_token(self, *args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = OpToken.high_level_call
+        if call is None:
+            raise TypeError(
+                f"nl.{self.name}(...): the high-level call needs nki.language imported "
+                "(mxcli.nkisim.nki.language)"
+            )
+        return call(self, *args, **kwargs)
 
 
 def _cmp(f: Callable[[np.ndarray, np.ndarray], np.ndarray]) -> Callable[..., np.ndarray]:

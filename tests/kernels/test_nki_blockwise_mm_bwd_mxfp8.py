@@ -622,7 +622,7 @@ FRONTEND_CASES = _frontend_cases()
 def _as_kernel_arguments(kw: dict[str, Any]) -> dict[str, Any]:
     """The launcher's kernel kwargs as the interpreter receives them (NumPy arrays, the
     kernel's own `BwdKernelConfig` instance with interpreter dtypes)."""
-    from mxcli.nkisim import language
+    from mxcli.nkisim.nki import language
 
     out: dict[str, Any] = {}
     for k, v in kw.items():

@@ -34,8 +34,8 @@ from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config, launch_sim, run_sim
 from mxcli.mx import fake_quantize_mx
 from mxcli.nkisim import kernel as nkisim_kernel
-from mxcli.nkisim import language
 from mxcli.nkisim.dtypes import DType
+from mxcli.nkisim.nki import language
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
 
 A = RouterActFnType

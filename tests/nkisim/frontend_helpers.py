@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mxcli.nkisim import language as nl
+from mxcli.nkisim.nki import language as nl
 
 
 def checked_size(n):

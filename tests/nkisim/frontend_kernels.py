@@ -13,9 +13,9 @@ import math
 
 import numpy as np
 
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
 from mxcli.nkisim.kernel import jit
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from tests.nkisim import frontend_helpers as helpers
 
 P = 8

@@ -11,8 +11,8 @@ import functools
 from dataclasses import dataclass, field
 from enum import Enum
 
-import mxcli.nkisim.language as nl
-from mxcli.nkisim import isa as nisa
+import mxcli.nkisim.nki.language as nl
+from mxcli.nkisim.nki import isa as nisa
 
 _state = {"owner": None}
 

@@ -10,10 +10,10 @@ import inspect
 import pytest
 
 import mxcli.nkisim as nkisim
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
-from mxcli.nkisim import nki_module
+from mxcli.nkisim import nki as nki_module
 from mxcli.nkisim.dtypes import DType
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from mxcli.nkisim.ops import OpToken
 
 # Pinned from the spec's signatures (nki_api_subset.md), parameter order and defaults.

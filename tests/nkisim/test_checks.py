@@ -10,9 +10,9 @@ import pytest
 
 import mxcli.nkisim as nkisim
 from mxcli.nkisim import NkiCapacityError, NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
 from mxcli.nkisim.kernel import jit
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from tests.nkisim.conftest import DUMMY, run, run_report
 
 

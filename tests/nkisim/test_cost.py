@@ -16,8 +16,8 @@ import pytest
 
 from mxcli import nkisim
 from mxcli.nkisim import cost, schedule, trace
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from tests.nkisim.conftest import DUMMY
 
 

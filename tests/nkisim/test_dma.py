@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 
 from mxcli.nkisim import NkiOutOfBoundsError, NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
-from mxcli.nkisim.isa.constants import dge_mode, oob_mode
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
+from mxcli.nkisim.nki.isa.constants import dge_mode, oob_mode
 from tests.nkisim.conftest import run, run_report
 
 

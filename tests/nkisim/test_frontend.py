@@ -104,7 +104,7 @@ def test_list_argument_rejected_tuple_accepted() -> None:
 def test_torch_dtype_argument_rejected_nki_dtype_accepted() -> None:
     with pytest.raises(NkiFrontendError, match=r"argument 'dtype'.*\[torch-numpy\]"):
         run(fk.dtype_argument, X, torch.float32)
-    run(fk.dtype_argument, X, nkisim.language.float32)
+    run(fk.dtype_argument, X, nkisim.nki.language.float32)
 
 
 def test_function_without_source_is_rejected() -> None:

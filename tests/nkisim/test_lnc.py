@@ -7,9 +7,9 @@ import pytest
 
 from mxcli import nkisim
 from mxcli.nkisim import NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
 from mxcli.nkisim.kernel import jit
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 
 
 def _exchange_kernel(x):

@@ -9,8 +9,8 @@ import torch
 
 from mxcli import mx
 from mxcli.nkisim import NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from tests.nkisim.conftest import run, run_report
 
 BF16 = ml_dtypes.bfloat16

@@ -11,10 +11,10 @@ import pytest
 
 from mxcli import nkisim
 from mxcli.nkisim import NkiRuleError, Rule
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
-from mxcli.nkisim.isa.constants import oob_mode
 from mxcli.nkisim.kernel import jit
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
+from mxcli.nkisim.nki.isa.constants import oob_mode
 from tests.nkisim.conftest import DUMMY, run
 
 BF16 = ml_dtypes.bfloat16

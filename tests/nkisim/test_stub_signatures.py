@@ -14,9 +14,9 @@ import inspect
 
 import pytest
 
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
 from mxcli.nkisim.dtypes import DType
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.tensor import MemoryRegion
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mxcli.nkisim import NkiUninitializedReadError, NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from mxcli.nkisim.tensor import resolve
 from tests.nkisim.conftest import DUMMY, run
 
@@ -227,7 +227,7 @@ def test_dtype_objects() -> None:
     assert nl.float32 == nl.float32 and nl.float32 != nl.bfloat16
     assert nl.bfloat16 == "bfloat16"  # spec §12.3 decision
     assert len({nl.float32, nl.float32, nl.int32}) == 2
-    from mxcli.nkisim import dtype as nki_dtype
+    from mxcli.nkisim.nki import dtype as nki_dtype
 
     assert nki_dtype.float8_e4m3fn_x4 is nl.float8_e4m3fn_x4
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mxcli.nkisim import NkiValidationError
-from mxcli.nkisim import isa as nisa
-from mxcli.nkisim import language as nl
+from mxcli.nkisim.nki import isa as nisa
+from mxcli.nkisim.nki import language as nl
 from tests.nkisim.conftest import DUMMY, run, run_report
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa import constants
-from mxcli.nkisim.isa._common import NkiInstruction
-from mxcli.nkisim.isa.control import (
+from mxcli.nkisim.nki.isa import constants
+from mxcli.nkisim.nki.isa._common import NkiInstruction
+from mxcli.nkisim.nki.isa.control import (
     get_nc_sub_version,
     get_nc_version,
     register_alloc,
@@ -15,8 +15,8 @@ from mxcli.nkisim.isa.control import (
     register_move,
     register_store,
 )
-from mxcli.nkisim.isa.dma import core_barrier, dma_compute, dma_copy, dma_transpose, sendrecv
-from mxcli.nkisim.isa.enums import (
+from mxcli.nkisim.nki.isa.dma import core_barrier, dma_compute, dma_copy, dma_transpose, sendrecv
+from mxcli.nkisim.nki.isa.enums import (
     dge_mode,
     dma_engine,
     engine,
@@ -25,8 +25,8 @@ from mxcli.nkisim.isa.enums import (
     oob_mode,
     reduce_cmd,
 )
-from mxcli.nkisim.isa.pe import nc_matmul, nc_matmul_mx, nc_transpose, quantize_mx
-from mxcli.nkisim.isa.vector import (
+from mxcli.nkisim.nki.isa.pe import nc_matmul, nc_matmul_mx, nc_transpose, quantize_mx
+from mxcli.nkisim.nki.isa.vector import (
     activate2,
     activation,
     activation_reduce,

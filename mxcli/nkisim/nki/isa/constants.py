@@ -4,7 +4,7 @@ same as ``nki.isa.<name>``."""
 
 from __future__ import annotations
 
-from mxcli.nkisim.isa.enums import (
+from mxcli.nkisim.nki.isa.enums import (
     dge_mode,
     dma_engine,
     engine,

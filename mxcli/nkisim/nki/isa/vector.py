@@ -16,7 +16,7 @@ from mxcli.nkisim import machine
 from mxcli.nkisim import ops as T
 from mxcli.nkisim.dtypes import from_fp32
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa._common import (
+from mxcli.nkisim.nki.isa._common import (
     PSUM,
     SBUF,
     NkiInstruction,
@@ -36,7 +36,7 @@ from mxcli.nkisim.isa._common import (
     store_f32,
     store_int,
 )
-from mxcli.nkisim.isa.enums import as_enum, engine, reduce_cmd
+from mxcli.nkisim.nki.isa.enums import as_enum, engine, reduce_cmd
 from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.rules import Rule, rule_error
 from mxcli.nkisim.target import nc_version

@@ -8,7 +8,7 @@ import numpy as np
 
 from mxcli.nkisim import machine
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa._common import SBUF_HBM, NkiInstruction, isa_op, operand
+from mxcli.nkisim.nki.isa._common import SBUF_HBM, NkiInstruction, isa_op, operand
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import NkiTensor, VirtualRegister
 

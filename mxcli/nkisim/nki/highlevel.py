@@ -11,6 +11,7 @@ from typing import Any
 
 from mxcli.nkisim.dtypes import as_dtype
 from mxcli.nkisim.errors import NkiValidationError
+from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.tensor import MemoryRegion, NkiTensor, allocate
 
 
@@ -20,7 +21,7 @@ def _new_like(x: NkiTensor, dtype: Any) -> NkiTensor:
 
 
 def call_token(tok: Any, *args: Any, **kwargs: Any) -> NkiTensor:
-    from mxcli.nkisim import isa
+    from mxcli.nkisim.nki import isa
 
     try:  # the stub's parameter names: nl.add(x, y, dtype=None), nl.exp(x, dtype=None)
         bound = tok.__signature__.bind(*args, **kwargs)
@@ -56,7 +57,7 @@ def call_token(tok: Any, *args: Any, **kwargs: Any) -> NkiTensor:
 
 def load(src: NkiTensor, dtype: Any = None) -> NkiTensor:
     """A new SBUF tile holding an HBM view (cast through fp32 when `dtype` differs)."""
-    from mxcli.nkisim import isa
+    from mxcli.nkisim.nki import isa
 
     out = _new_like(src, dtype)
     isa.dma_copy(dst=out, src=src)
@@ -65,15 +66,19 @@ def load(src: NkiTensor, dtype: Any = None) -> NkiTensor:
 
 def store(dst: NkiTensor, value: NkiTensor) -> None:
     """HBM <- SBUF tile (PSUM values need a tensor_copy first)."""
-    from mxcli.nkisim import isa
+    from mxcli.nkisim.nki import isa
 
     isa.dma_copy(dst=dst, src=value)
 
 
 def copy(x: NkiTensor, dtype: Any = None) -> NkiTensor:
     """A new SBUF copy of an SBUF/PSUM tile (Vector tensor_copy; bit-exact for equal dtypes)."""
-    from mxcli.nkisim import isa
+    from mxcli.nkisim.nki import isa
 
     out = _new_like(x, dtype)
     isa.tensor_copy(dst=out, src=x)
     return out
+
+
+# the op tokens' high-level call (``nl.add(x, y)``) is this module's, handed down (ops.py)
+OpToken.high_level_call = call_token

@@ -13,7 +13,7 @@ import numpy as np
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import from_fp32, to_fp32
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa._common import (
+from mxcli.nkisim.nki.isa._common import (
     HBM,
     SBUF,
     SBUF_HBM,
@@ -22,7 +22,7 @@ from mxcli.nkisim.isa._common import (
     isa_op,
     operand,
 )
-from mxcli.nkisim.isa.enums import as_enum, dge_mode, dma_engine, engine, oob_mode
+from mxcli.nkisim.nki.isa.enums import as_enum, dge_mode, dma_engine, engine, oob_mode
 from mxcli.nkisim.ops import add as _nl_add
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import Access, MemoryRegion, NkiTensor

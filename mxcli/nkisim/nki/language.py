@@ -10,12 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from mxcli.nkisim import dtype as _dtype
 from mxcli.nkisim import machine
-from mxcli.nkisim.dtype import *  # noqa: F403 - nki.language re-exports every nki.dtype name
 from mxcli.nkisim.dtypes import as_dtype, dtype_of_numpy, from_fp32, uint8
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.highlevel import load, store
+from mxcli.nkisim.nki import dtype as _dtype
+from mxcli.nkisim.nki.dtype import *  # noqa: F403 - nki.language re-exports every nki.dtype name
+from mxcli.nkisim.nki.highlevel import load, store
 from mxcli.nkisim.ops import (
     abs,  # noqa: A004 - NKI's name
     abs_max,

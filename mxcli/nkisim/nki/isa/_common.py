@@ -12,7 +12,7 @@ import numpy as np
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, from_fp32
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa.enums import as_enum, engine
+from mxcli.nkisim.nki.isa.enums import as_enum, engine
 from mxcli.nkisim.ops import OpToken
 from mxcli.nkisim.tensor import Access, MemoryRegion, NkiTensor, resolve
 

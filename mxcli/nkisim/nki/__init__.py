@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mxcli.nkisim import dtype, isa, language
 from mxcli.nkisim.kernel import Kernel, jit, simulate
+from mxcli.nkisim.nki import dtype, isa, language
 
 __mxcli_nkisim__ = True
 __version__ = "0.6.0+mxcli.nkisim"

@@ -18,7 +18,7 @@ from mxcli import mx
 from mxcli.nkisim import machine
 from mxcli.nkisim.dtypes import DType, bfloat16, float32, to_fp32
 from mxcli.nkisim.errors import NkiValidationError
-from mxcli.nkisim.isa._common import (
+from mxcli.nkisim.nki.isa._common import (
     PSUM,
     SBUF,
     NkiInstruction,
@@ -30,7 +30,7 @@ from mxcli.nkisim.isa._common import (
     skip_arithmetic,
     store_f32,
 )
-from mxcli.nkisim.isa.enums import as_enum, engine, matmul_perf_mode
+from mxcli.nkisim.nki.isa.enums import as_enum, engine, matmul_perf_mode
 from mxcli.nkisim.rules import Rule, rule_error
 from mxcli.nkisim.target import nc_version
 from mxcli.nkisim.tensor import Access, NkiTensor
