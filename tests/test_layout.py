@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import mxcli
@@ -221,3 +224,28 @@ def test_no_module_outside_a_kernel_package_compares_kernel_names() -> None:
                 if consts:
                     found.append(f"{mod}:{node.lineno}")
     assert found == []
+
+
+def test_op_tokens_import_alone_and_their_high_level_call_comes_from_nki_language() -> None:
+    """`ops` stands below the ISA instructions (no circle): imported alone, its tokens load
+    nothing above them, and their high-level call says what to import; with nki.language
+    imported, ``nl.add`` is that call."""
+    code = (
+        "import sys\n"
+        "from mxcli.nkisim.ops import add\n"
+        "assert not [m for m in sys.modules if m.startswith('mxcli.nkisim.nki')], 'nki loaded'\n"
+        "try:\n"
+        "    add(1, 2)\n"
+        "except TypeError as exc:\n"
+        "    print(exc)\n"
+        "from mxcli.nkisim.nki import highlevel, language\n"
+        "print(language.add is add, type(add).high_level_call is highlevel.call_token)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    ).stdout.splitlines()
+    assert out == [
+        "nl.add(...): the high-level call needs nki.language imported (mxcli.nkisim.nki.language)",
+        "True True",
+    ]
