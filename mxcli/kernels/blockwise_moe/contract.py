@@ -456,7 +456,7 @@ def blockwise_mm_bwd_mxfp8(
 
     name = backends.resolve_name(blockwise_mm_bwd_mxfp8.__name__, backend)
     fn = backends.get(blockwise_mm_bwd_mxfp8.__name__, name)
-    extra = selection.backend_kwargs(kernel, name, selection.BWD)
+    extra = selection.backend_kwargs(kernel, name, blockwise_mm_bwd_mxfp8.__name__)
     if name != "reference" and as_emulate(emulate) is not Emulate.KERNEL:
         raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
     return fn(validate(**arguments), **extra)  # type: ignore[no-any-return]

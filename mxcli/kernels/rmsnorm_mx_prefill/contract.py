@@ -492,5 +492,5 @@ def rmsnorm_mx_prefill(
 
     call = validate(**arguments)
     name = backends.resolve_name(rmsnorm_mx_prefill.__name__, backend)
-    extra = selection.backend_kwargs(kernel, name, selection.PREFILL)
+    extra = selection.backend_kwargs(kernel, name, rmsnorm_mx_prefill.__name__)
     return backends.get(rmsnorm_mx_prefill.__name__, name)(call, **extra)  # type: ignore[no-any-return]
