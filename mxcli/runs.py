@@ -121,8 +121,8 @@ def run_kernel(
     import warnings
 
     spec = get_spec(kernel)
-    name = resolve_backend(spec.name, backend)
-    extra = selection.backend_kwargs(nki_kernel, name, spec.name)
+    resolved = backends.resolve(spec.name, resolve_backend(spec.name, backend), nki_kernel)
+    name = resolved.backend
     dev = resolve_device(device)
     if name != "reference" and dev.type != "cpu":
         raise InputError(
@@ -130,12 +130,11 @@ def run_kernel(
         )
     moved = {k: v.to(dev) for k, v in tensors.items()}
     call = spec.call(moved, kwargs)
-    fn = backends.get(spec.name, name)
     t0 = time.perf_counter()
     with selection.recording() as launches, warnings.catch_warnings():
         # reads of never-written memory come back counted per site (RunOutcome.uninit_reads)
         warnings.filterwarnings("ignore", message=".*reads memory never written")
-        result = fn(call, **extra)
+        result = resolved.run(call)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0

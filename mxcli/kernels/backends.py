@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mxcli.errors import MxcliError
-from mxcli.kernels.spec import find_spec, load_target
+from mxcli.kernels.spec import find_spec, load_target, probe_reason
 
 
 class UnknownBackendError(MxcliError, ValueError):
@@ -100,13 +100,7 @@ def unavailable_reason(kernel: str, backend: str) -> str | None:
     entry = _REGISTRY.get(kernel, {}).get(backend)
     if entry is None:
         return f"backend {backend!r} is not registered for {kernel}"
-    if entry.probe is None:
-        return None
-    try:
-        reason: str | None = load_target(entry.probe, "probe")()
-        return reason
-    except Exception as exc:  # detection must never crash: treat as unavailable
-        return f"{type(exc).__name__}: {exc}"
+    return probe_reason(entry.probe)
 
 
 def availability(kernel: str) -> dict[str, str | None]:
@@ -136,3 +130,28 @@ def get(kernel: str, backend: str = "reference") -> Callable[..., Any]:
     if reason is not None:
         raise BackendUnavailableError(f"backend: {name!r} cannot run {kernel} here: {reason}")
     return _REGISTRY[kernel][name].load()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What runs a kernel call: the concrete backend, the callable taking the kernel's call
+    object, and the NKI implementation it launches (None for a backend that runs no NKI kernel,
+    or for mxcli's own kernel when none was chosen)."""
+
+    backend: str
+    run: Callable[..., Any]
+    implementation: Any = None  # a `selection.ImplementationChoice`
+
+
+def resolve(kernel: str, backend: str = "auto", implementation: Any = None) -> Resolved:
+    """The one resolution of a call: `backend` (``auto`` allowed) for `kernel`, available here,
+    and the NKI implementation the ``sim`` / ``neuron`` backends launch (``--kernel``: mxcli's
+    own when None, ``nkilib``, ``MODULE:FUNCTION`` or a parsed choice; `mxcli.kernels.selection`).
+    A non-default implementation with a backend that runs no NKI kernel is an error."""
+    from mxcli.kernels import selection
+
+    name = resolve_name(kernel, backend)
+    extra = selection.backend_kwargs(implementation, name, kernel)
+    fn = get(kernel, name)
+    choice = extra.get("implementation")
+    return Resolved(name, functools.partial(fn, **extra) if extra else fn, choice)

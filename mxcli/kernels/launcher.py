@@ -143,7 +143,8 @@ def _entry_arguments(choice: ImplementationChoice, args: Mapping[str, Any]) -> d
 
 
 def _jit(kern: Any) -> Any:
-    """A plain traced function (AWS's bwd entry is one) wrapped as the active nki's jit kernel."""
+    """A plain traced function (an nkilib entry point can be one) wrapped as the active nki's
+    jit kernel."""
     if hasattr(kern, "__getitem__"):
         return kern
     return importlib.import_module("nki").jit(kern)

@@ -341,7 +341,7 @@ def describe(choice: ImplementationChoice) -> dict[str, Any]:
 
 
 def describe_line(info: Mapping[str, Any]) -> str:
-    """One line naming a kernel: ``nkilib rmsnorm_mx_prefill (file, sha256 1a2b3c4d, 0.1.0)``."""
+    """One line naming what ran: ``nkilib <kernel> (file, sha256 1a2b3c4d, version 0.1.0)``."""
     extra = [str(info.get("file") or "?")]
     if info.get("sha256"):
         extra.append(f"sha256 {str(info['sha256'])[:12]}")
@@ -370,7 +370,7 @@ class Entry:
 
     @property
     def name(self) -> str:
-        """``nkilib's blockwise_mm_bwd_mxfp8``: the choice and the kernel it stands for."""
+        """``nkilib's <kernel>``: the choice and the kernel it stands for."""
         return describe_name(self.choice)
 
     @property

@@ -168,12 +168,7 @@ class Implementation:
 
     def unavailable_reason(self) -> str | None:
         """None when this implementation can run here, else why not (never raises)."""
-        if self.probe is None:
-            return None
-        try:
-            return load_target(self.probe, f"{self.name} probe")()  # type: ignore[no-any-return]
-        except Exception as exc:  # detection must never crash: treat as unavailable
-            return f"{type(exc).__name__}: {exc}"
+        return probe_reason(self.probe, f"{self.name} probe")
 
 
 @dataclass(frozen=True)
@@ -223,6 +218,18 @@ class NkiLaunch:
     def hook(self, name: str) -> Callable[..., Any]:
         """The hook `name` (``as_call``, ``prepare``, ``finish``), loaded."""
         return load_target(getattr(self, name), f"launch {name}")
+
+
+def probe_reason(probe: Callable[[], str | None] | str | None, what: str = "probe") -> str | None:
+    """What `probe` (a callable or ``"module:function"``; None: nothing to probe) says: None
+    when something can run here, else a one-line reason. Never raises: a probe that fails
+    reports its exception as the reason."""
+    if probe is None:
+        return None
+    try:
+        return load_target(probe, what)()  # type: ignore[no-any-return]
+    except Exception as exc:  # detection must never crash: treat as unavailable
+        return f"{type(exc).__name__}: {exc}"
 
 
 def load_target(target: Callable[..., Any] | str, what: str = "target") -> Callable[..., Any]:
@@ -607,6 +614,7 @@ __all__ = [
     "get_spec",
     "kernel_order",
     "load_target",
+    "probe_reason",
     "read_kernel_file",
     "register_spec",
 ]

@@ -464,3 +464,59 @@ def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Pat
     kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
     out = blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, backend="sim", kernel=spec)
     assert out[1][2, 0].item() == 1.0
+
+
+# ---- one mechanism, knowing no kernel (issue 32) ----------------------------------------------
+
+
+def test_resolve_for_returns_a_choice_or_why_not(forks: dict[str, ImplementationChoice]) -> None:
+    good = forks["good"]
+    out = selection.resolve_for(good.label, [PREFILL, BWD], good.path)
+    assert out[PREFILL] == good
+    skipped = out[BWD]
+    assert isinstance(skipped, selection.NotRunnable)
+    assert skipped.reason == (
+        f"not this kernel: {good.label} has no parameter expert_affinities_masked, "
+        "token_position_to_id of the blockwise_mm_bwd_mxfp8 API"
+    )
+    assert selection.resolve_for(None, [PREFILL, BWD]) == {
+        PREFILL: selection.parse_implementation("mxcli", PREFILL),
+        BWD: selection.parse_implementation("mxcli", BWD),
+    }
+
+
+def test_shared_launch_modules_name_no_kernel_and_no_tensor() -> None:
+    """The resolver, the launcher, the backend registry and the NKI runtime are shared: what
+    is a kernel's (its name, short name, tensors) lives in its folder and reaches them through
+    its spec."""
+    import mxcli.kernels.backends
+    import mxcli.kernels.launcher
+    import mxcli.kernels.nki_runtime
+    import mxcli.kernels.nkilib
+    from mxcli.kernels.spec import all_specs
+
+    words = {w for s in all_specs() for w in (s.name, s.short, *s.tensor_names)}
+    for mod in (
+        selection,
+        mxcli.kernels.launcher,
+        mxcli.kernels.backends,
+        mxcli.kernels.nki_runtime,
+        mxcli.kernels.nkilib,
+    ):
+        text = Path(mod.__file__ or "").read_text(encoding="utf-8")
+        named = sorted(w for w in words if w in text)
+        assert named == [], (mod.__name__, named)
+
+
+def test_each_kernel_registers_its_adapter_on_its_spec() -> None:
+    from mxcli.kernels.blockwise_moe import nkilib as bwd_nkilib
+    from mxcli.kernels.rmsnorm_mx_prefill import nkilib as prefill_nkilib
+    from mxcli.kernels.spec import get_spec
+
+    for name, adapter in ((PREFILL, prefill_nkilib), (BWD, bwd_nkilib)):
+        spec = get_spec(name)
+        assert spec.implementations["nkilib"] is adapter.NKILIB_KERNEL
+        assert spec.nki is not None and spec.nki.third_party is adapter.THIRD_PARTY
+        assert spec.implementations["nkilib"].unavailable_reason() == (
+            None if NKILIB_IMPORTABLE else "module 'nkilib' is not importable"
+        )
