@@ -116,13 +116,13 @@ def run_kernel(
     ``device`` places the tensors for the reference backend (CPU or CUDA); other backends get
     CPU tensors and run where they run (``neuron`` on the Trainium device). ``nki_kernel``: the
     NKI kernel the sim / neuron backends run (``mxcli``, ``nkilib``, ``MODULE:FUNCTION`` or a
-    `mxcli.kernels.selection.KernelChoice`).
+    `mxcli.kernels.selection.ImplementationChoice`).
     """
     import warnings
 
     spec = get_spec(kernel)
-    name = resolve_backend(spec.name, backend)
-    extra = selection.backend_kwargs(nki_kernel, name, spec.name)
+    resolved = backends.resolve(spec.name, resolve_backend(spec.name, backend), nki_kernel)
+    name = resolved.backend
     dev = resolve_device(device)
     if name != "reference" and dev.type != "cpu":
         raise InputError(
@@ -130,12 +130,11 @@ def run_kernel(
         )
     moved = {k: v.to(dev) for k, v in tensors.items()}
     call = spec.call(moved, kwargs)
-    fn = backends.get(spec.name, name)
     t0 = time.perf_counter()
     with selection.recording() as launches, warnings.catch_warnings():
         # reads of never-written memory come back counted per site (RunOutcome.uninit_reads)
         warnings.filterwarnings("ignore", message=".*reads memory never written")
-        result = fn(call, **extra)
+        result = resolved.run(call)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
@@ -147,7 +146,7 @@ def run_kernel(
         info = (
             launches[-1].kernel
             if launches
-            else selection.describe(selection.parse_kernel(nki_kernel, spec.name))
+            else selection.describe(selection.parse_implementation(nki_kernel, spec))
         )
     return RunOutcome(
         outputs=outputs,
@@ -493,15 +492,16 @@ def run_suite(
 
     ``nki_kernel``: the NKI kernel (``mxcli``, ``nkilib``, ``MODULE:FUNCTION``), or a mapping
     kernel -> choice or the reason it cannot run that kernel's cases
-    (`mxcli.kernels.selection.resolve_for`), which then are skipped."""
+    (`mxcli.kernels.selection.resolve_for`: a choice or a `NotRunnable`, whose kernel's cases
+    are skipped with its reason)."""
     names = resolve_backends(backend, cases)
     results = []
     for case in cases:
         if on_case is not None:
             on_case(case, None)
         choice = nki_kernel.get(case.kernel) if isinstance(nki_kernel, dict) else nki_kernel
-        if isinstance(choice, str) and choice.startswith("not "):
-            res = CaseResult(case=case.name, kernel=case.kernel, skipped=choice)
+        if isinstance(choice, selection.NotRunnable):
+            res = CaseResult(case=case.name, kernel=case.kernel, skipped=choice.reason)
         else:
             res = run_case(case, names[case.kernel], device=device, nki_kernel=choice)
         res.info["backend"] = names[case.kernel]

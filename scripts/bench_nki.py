@@ -136,7 +136,7 @@ def main() -> None:
         ours_aws = kp.summary(args.top)
         summaries.append(ours_aws)
         try:
-            choice = selection.parse_kernel(selection.NKILIB, prof.BWD, args.kernel_path)
+            choice = selection.parse_implementation("nkilib", prof.BWD, args.kernel_path)
             selection.describe(choice)  # not importable: one line, no run
             kp = prof.profile_kernel(
                 prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice

@@ -238,8 +238,10 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
 
     if top < 0:
         raise InputError(f"top: expected a non-negative integer, got {top}")
-    choices = [selection.parse_kernel(k, kernel, kernel_path) for k in (kernels or ["mxcli"])]
-    paths = _trace_paths(trace, [c.spec for c in choices])
+    choices = [
+        selection.parse_implementation(k, kernel, kernel_path) for k in (kernels or ["mxcli"])
+    ]
+    paths = _trace_paths(trace, [c.label for c in choices])
     for path in paths:
         if path is not None:
             check_output_path(path, force)  # fail before the (long) run

@@ -99,10 +99,10 @@ def _run(
     nki_kernel: str = "mxcli",
     kernel_path: str | None = None,
 ) -> None:
-    from mxcli.kernels.selection import parse_kernel
+    from mxcli.kernels.selection import parse_implementation
     from mxcli.runs import run_file
 
-    choice = parse_kernel(nki_kernel, kernel, kernel_path)
+    choice = parse_implementation(nki_kernel, kernel, kernel_path)
     with Steps(quiet) as steps:
         summary = run_file(
             kernel,

@@ -358,12 +358,14 @@ def _suite(
     names = resolve_backends(backend, cases)
     kernels = sorted({c.kernel for c in cases})
     for k in kernels:  # a non-default kernel needs a backend that runs NKI kernels
-        selection.backend_kwargs(selection.parse_kernel(nki_kernel, k, kernel_path), names[k], k)
+        selection.backend_kwargs(
+            selection.parse_implementation(nki_kernel, k, kernel_path), names[k], k
+        )
     choices = selection.resolve_for(nki_kernel, kernels, kernel_path)
     described = {
         k: selection.describe(c)
         for k, c in choices.items()
-        if isinstance(c, selection.KernelChoice)
+        if isinstance(c, selection.ImplementationChoice)
     }
     with Steps(quiet) as steps, steps.counted(f"verify --suite {suite}", len(cases)) as advance:
 

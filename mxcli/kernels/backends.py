@@ -1,4 +1,5 @@
-"""Backend registry: which implementation runs a kernel.
+"""Backend registry: which backend runs a kernel (which NKI implementation the ``sim`` and
+``neuron`` backends launch is `mxcli.kernels.selection`'s).
 
 A backend is a callable taking the kernel's validated call object (`PrefillCall`, `BwdCall`,
 see `mxcli.kernels.spec`). Backends are registered per kernel by name, either directly or lazily as a ``"module:function"`` string so
@@ -13,13 +14,13 @@ Names in use:
 
 from __future__ import annotations
 
-import importlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mxcli.errors import MxcliError
-from mxcli.kernels.spec import find_spec
+from mxcli.kernels.spec import find_spec, load_target, probe_reason
 
 
 class UnknownBackendError(MxcliError, ValueError):
@@ -30,14 +31,6 @@ class BackendUnavailableError(MxcliError, RuntimeError):
     """The backend is registered but cannot run here (missing SDK or device)."""
 
 
-def _load(target: Callable[..., Any] | str) -> Callable[..., Any]:
-    if callable(target):
-        return target
-    module_name, _, attr = target.partition(":")
-    fn: Callable[..., Any] = getattr(importlib.import_module(module_name), attr)
-    return fn
-
-
 @dataclass
 class _Entry:
     target: Callable[..., Any] | str
@@ -46,7 +39,7 @@ class _Entry:
     probe: Callable[[], str | None] | str | None = None
 
     def load(self) -> Callable[..., Any]:
-        self.target = _load(self.target)
+        self.target = load_target(self.target, "backend")
         return self.target
 
 
@@ -63,20 +56,25 @@ def register(
     _REGISTRY.setdefault(kernel, {})[backend] = _Entry(target, probe)
 
 
-def register_nki(kernel: str, package: str) -> None:
-    """Register the ``sim`` and ``neuron`` backends of `kernel`, lazily: ``run_sim`` and
-    ``run_neuron`` of ``{package}.nki_backend``. Nothing of the NKI stack is imported until one
-    of them is chosen or probed."""
+def _launcher(which: str, kernel: str, *args: Any, **kwargs: Any) -> Any:
+    """`mxcli.kernels.launcher`'s ``run_sim`` / ``run_neuron`` of `kernel`, imported now."""
+    return load_target(f"mxcli.kernels.launcher:{which}", "launcher")(kernel, *args, **kwargs)
+
+
+def register_nki(kernel: str) -> None:
+    """Register the ``sim`` and ``neuron`` backends of `kernel`: the one launcher
+    (`mxcli.kernels.launcher`) with the hooks of the kernel's spec (`NkiLaunch`). Nothing of the
+    NKI stack is imported until one of them is chosen or probed."""
     register(
         kernel,
         "sim",
-        f"{package}.nki_backend:run_sim",
+        functools.partial(_launcher, "run_sim", kernel),
         "mxcli.kernels.nki_runtime:sim_unavailable_reason",
     )
     register(
         kernel,
         "neuron",
-        f"{package}.nki_backend:run_neuron",
+        functools.partial(_launcher, "run_neuron", kernel),
         "mxcli.kernels.nki_runtime:neuron_unavailable_reason",
     )
 
@@ -102,13 +100,7 @@ def unavailable_reason(kernel: str, backend: str) -> str | None:
     entry = _REGISTRY.get(kernel, {}).get(backend)
     if entry is None:
         return f"backend {backend!r} is not registered for {kernel}"
-    if entry.probe is None:
-        return None
-    try:
-        reason: str | None = _load(entry.probe)()
-        return reason
-    except Exception as exc:  # detection must never crash: treat as unavailable
-        return f"{type(exc).__name__}: {exc}"
+    return probe_reason(entry.probe)
 
 
 def availability(kernel: str) -> dict[str, str | None]:
@@ -138,3 +130,28 @@ def get(kernel: str, backend: str = "reference") -> Callable[..., Any]:
     if reason is not None:
         raise BackendUnavailableError(f"backend: {name!r} cannot run {kernel} here: {reason}")
     return _REGISTRY[kernel][name].load()
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What runs a kernel call: the concrete backend, the callable taking the kernel's call
+    object, and the NKI implementation it launches (None for a backend that runs no NKI kernel,
+    or for mxcli's own kernel when none was chosen)."""
+
+    backend: str
+    run: Callable[..., Any]
+    implementation: Any = None  # a `selection.ImplementationChoice`
+
+
+def resolve(kernel: str, backend: str = "auto", implementation: Any = None) -> Resolved:
+    """The one resolution of a call: `backend` (``auto`` allowed) for `kernel`, available here,
+    and the NKI implementation the ``sim`` / ``neuron`` backends launch (``--kernel``: mxcli's
+    own when None, ``nkilib``, ``MODULE:FUNCTION`` or a parsed choice; `mxcli.kernels.selection`).
+    A non-default implementation with a backend that runs no NKI kernel is an error."""
+    from mxcli.kernels import selection
+
+    name = resolve_name(kernel, backend)
+    extra = selection.backend_kwargs(implementation, name, kernel)
+    fn = get(kernel, name)
+    choice = extra.get("implementation")
+    return Resolved(name, functools.partial(fn, **extra) if extra else fn, choice)

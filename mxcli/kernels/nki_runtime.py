@@ -1,7 +1,7 @@
 """Shared NKI runtime of mxcli's kernels: detection, kernel loading and launching.
 
-Both NKI kernels (``rmsnorm_mx_prefill``, ``blockwise_mm_bwd_mxfp8``) are written against the
-real NKI 0.6 API (``import nki``). This module runs them:
+mxcli's NKI kernels are written against the real NKI 0.6 API (``import nki``), and so are
+third-party ones. This module runs them (`mxcli.kernels.launcher` prepares each launch):
 
 - ``sim`` backend (`run_sim`): on the real ``nki.simulate`` when a real ``nki`` is importable
   (Neuron SDK), else on mxcli's interpreter `mxcli.nkisim`. Check-only mode (every hardware rule

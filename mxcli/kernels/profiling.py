@@ -220,10 +220,10 @@ def profile_kernel(
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
     `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
-    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`)."""
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.ImplementationChoice`)."""
     import warnings
 
-    from mxcli.kernels import selection
+    from mxcli.kernels import launcher, selection
 
     if target not in TARGETS:
         raise InputError(f"target: expected trn3 or trn2, got {target!r}")
@@ -235,15 +235,14 @@ def profile_kernel(
     if lnc not in (1, 2):
         raise InputError(f"lnc: expected 1 or 2, got {lnc}")
     spec = get_spec(kernel)
-    choice = selection.parse_kernel(nki_kernel, spec.name)
-    # mxcli's launcher adapts to the chosen implementation (its ``kernel=``)
-    launch_sim = spec.implementation("mxcli").load_launcher()
-    assert launch_sim is not None
+    choice = selection.parse_implementation(nki_kernel, spec)
     t0 = time.perf_counter()
     with trace.recording() as recorders, selection.recording() as launches:
         with warnings.catch_warnings():  # counted per site below instead
             warnings.filterwarnings("ignore", message=".*reads memory never written")
-            launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True, kernel=choice)
+            launcher.launch_sim(
+                spec, **tensors, **kwargs, lnc=lnc, check_only=True, implementation=choice
+            )
     secs = time.perf_counter() - t0
     prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
     padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding

@@ -15,7 +15,9 @@ Each kernel package defines its spec beside its public function (``rmsnorm_mx_pr
   zero-padded prepared weights;
 - the non-finite rule (`NonfiniteRule`): which NaN/Inf outputs the inputs explain;
 - the registered NKI implementations (`Implementation`): mxcli's own kernel, AWS's nkilib kernel or
-  any ``MODULE:FUNCTION``, each imported only when chosen.
+  any ``MODULE:FUNCTION``, each imported only when chosen, and the kernel-specific host side of
+  their launch (`NkiLaunch`: planning, argument conversion, the adaptation to third-party
+  entry points), which the one launcher (`mxcli.kernels.launcher`) calls.
 
 Consumers look a kernel up by name or short name (`get_spec`) and ask its spec; none of them
 compares kernel name strings.
@@ -132,38 +134,102 @@ class PackedOutput:
 
 @dataclass(frozen=True)
 class Implementation:
-    """An NKI implementation of a kernel that the ``sim`` and ``neuron`` backends can launch.
+    r"""An NKI implementation of a kernel that the ``sim`` and ``neuron`` backends launch (the
+    ``--kernel`` choice; `mxcli.kernels.selection` resolves it, `mxcli.kernels.launcher`
+    launches it).
 
-    ``kernel``: the jit function, a callable or ``"module:function"`` (imported when loaded).
-    ``launcher``: the host-side launcher (validation, planning, argument conversion, then the
-    launch), as ``"module:function"`` or a callable; None for a bare ``MODULE:FUNCTION`` target
-    that takes the kernel's arguments as they are. ``probe``: returns None when the
-    implementation can run here, else a one-line reason (for an optional package such as
-    nkilib).
+    ``kernel``: the entry point, ``"module:function"``, imported only when chosen. ``own``:
+    mxcli's own kernel, launched with its planned arguments (`NkiLaunch.prepare`); any other
+    takes the API reference's arguments (`ThirdParty`). ``probe``: None when the implementation
+    can run here, else a one-line reason (an optional package such as nkilib), checked before
+    importing it. ``modules``: further modules where ``function`` may live (newer layouts of
+    the same package). ``refusal``: (API-named arguments) -> why the implementation refuses
+    them (its own ``kernel_assert``\ s, known ahead), or None. ``install_hint``: how to make
+    it importable. ``distributions``: package names its version is looked up under.
     """
 
     name: str
-    kernel: Callable[..., Any] | str
-    launcher: Callable[..., Any] | str | None = None
+    kernel: str
+    own: bool = False
     probe: Callable[[], str | None] | str | None = None
+    modules: tuple[str, ...] = ()
+    refusal: Callable[[Mapping[str, Any]], str | None] | None = None
+    install_hint: str = "put its package on PYTHONPATH or pass --kernel-path DIR"
+    distributions: tuple[str, ...] = ()
     doc: str = ""
 
-    def load_kernel(self) -> Callable[..., Any]:
-        return load_target(self.kernel, f"{self.name} kernel")
+    @property
+    def module(self) -> str:
+        return self.kernel.partition(":")[0]
 
-    def load_launcher(self) -> Callable[..., Any] | None:
-        return (
-            None if self.launcher is None else load_target(self.launcher, f"{self.name} launcher")
-        )
+    @property
+    def function(self) -> str:
+        return self.kernel.partition(":")[2]
 
     def unavailable_reason(self) -> str | None:
         """None when this implementation can run here, else why not (never raises)."""
-        if self.probe is None:
-            return None
-        try:
-            return load_target(self.probe, f"{self.name} probe")()  # type: ignore[no-any-return]
-        except Exception as exc:  # detection must never crash: treat as unavailable
-            return f"{type(exc).__name__}: {exc}"
+        return probe_reason(self.probe, f"{self.name} probe")
+
+
+@dataclass(frozen=True)
+class ThirdParty:
+    """How a kernel's validated call reaches a third-party entry point written against the API
+    reference (``nkilib`` or any ``MODULE:FUNCTION``); the generic adaptation (only the entry's
+    parameters, enums as its own) is `mxcli.kernels.selection`'s.
+
+    ``arguments``: call -> the API reference's arguments by name, as NKI takes them (dtypes
+    as `mxcli.kernels.nki_runtime.DTypeName`, scalars that are tensors in the API as tensors).
+    ``signature_keys``: parameters that tell an entry point of this kernel from another's.
+    ``mxcli_only``: mxcli's arguments the API reference lacks, with their defaults (dropped
+    at the default, refused otherwise). ``convert``: ``(entry, name, value) -> {keyword:
+    value}`` or None (not this hook's argument), for arguments that need the entry's own
+    classes (the backward's config). ``interpreter_arguments``: ``(API arguments, keyword
+    arguments)``, adjusting the latter in place for mxcli's interpreter (typed x4 data).
+    """
+
+    arguments: Callable[[Any], dict[str, Any]] | str
+    signature_keys: tuple[str, ...] = ()
+    mxcli_only: tuple[tuple[str, Any], ...] = ()
+    convert: Callable[[Any, str, Any], dict[str, Any] | None] | str | None = None
+    interpreter_arguments: Callable[[Mapping[str, Any], dict[str, Any]], None] | str | None = None
+
+
+@dataclass(frozen=True)
+class NkiLaunch:
+    """The kernel-specific host side of an NKI launch, which the one launcher
+    (`mxcli.kernels.launcher`) calls for every implementation on ``sim`` and ``neuron``. Hooks
+    are callables or ``"module:function"`` (imported at the first launch).
+
+    ``as_call``: the kernel's call object, given as such or as the public function's arguments
+    (validated). ``prepare``: call -> ``(args, kwargs)`` of mxcli's own kernel, planned and
+    converted on the host before tracing. ``finish``: ``(call, outputs)`` -> the reference's
+    outputs (dtype views, the caller's device). ``result``: the reference's sequence type.
+    ``lnc``: the simulator's default LNC degree. ``third_party``: the adaptation to other
+    implementations (None: only mxcli's kernel).
+    """
+
+    as_call: Callable[..., Any] | str
+    prepare: Callable[[Any], tuple[Sequence[Any], Mapping[str, Any]]] | str
+    finish: Callable[[Any, list[torch.Tensor]], Sequence[torch.Tensor]] | str
+    result: type = list
+    lnc: int = 1
+    third_party: ThirdParty | None = None
+
+    def hook(self, name: str) -> Callable[..., Any]:
+        """The hook `name` (``as_call``, ``prepare``, ``finish``), loaded."""
+        return load_target(getattr(self, name), f"launch {name}")
+
+
+def probe_reason(probe: Callable[[], str | None] | str | None, what: str = "probe") -> str | None:
+    """What `probe` (a callable or ``"module:function"``; None: nothing to probe) says: None
+    when something can run here, else a one-line reason. Never raises: a probe that fails
+    reports its exception as the reason."""
+    if probe is None:
+        return None
+    try:
+        return load_target(probe, what)()  # type: ignore[no-any-return]
+    except Exception as exc:  # detection must never crash: treat as unavailable
+        return f"{type(exc).__name__}: {exc}"
 
 
 def load_target(target: Callable[..., Any] | str, what: str = "target") -> Callable[..., Any]:
@@ -229,6 +295,7 @@ class KernelSpec:
         packed: PackedOutput | None = None,
         geometry: Callable[[Mapping[str, torch.Tensor]], dict[str, Any]] | None = None,
         implementations: Iterable[Implementation] = (),
+        nki: NkiLaunch | None = None,
     ) -> None:
         self.api = api
         self.name: str = api.__name__
@@ -270,6 +337,7 @@ class KernelSpec:
         self.implementations: dict[str, Implementation] = {}
         for impl in implementations:
             self.register_implementation(impl)
+        self.nki = nki
 
     def __repr__(self) -> str:
         return f"KernelSpec({self.name})"
@@ -457,6 +525,11 @@ class KernelSpec:
             f"kernel: unknown implementation {name!r} of {self.name}; expected {known}"
         )
 
+    @property
+    def own_implementation(self) -> Implementation | None:
+        """mxcli's own NKI kernel (``own``), if it has one."""
+        return next((i for i in self.implementations.values() if i.own), None)
+
 
 # --------------------------------------------------------------------------------------------
 # The registry of specs
@@ -528,17 +601,20 @@ __all__ = [
     "Implementation",
     "KernelCall",
     "KernelSpec",
+    "NkiLaunch",
     "NonfiniteRule",
     "PackedOutput",
     "PaddedDims",
     "ScalarArg",
     "TensorArg",
+    "ThirdParty",
     "all_specs",
     "bind_arguments",
     "find_spec",
     "get_spec",
     "kernel_order",
     "load_target",
+    "probe_reason",
     "read_kernel_file",
     "register_spec",
 ]

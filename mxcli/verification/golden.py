@@ -18,7 +18,7 @@ from typing import Any
 from mxcli.errors import InputError
 from mxcli.io.files import TensorFile, tensor_sha256
 from mxcli.io.metadata import INPUTS_FORMAT, OUTPUTS_FORMAT
-from mxcli.kernels.spec import find_spec, get_spec, read_kernel_file
+from mxcli.kernels.spec import all_specs, find_spec, get_spec, read_kernel_file
 from mxcli.verification.compare import TensorReport, fail_report, missing_report
 from mxcli.verification.exact import CHECK as EXACT_CHECK
 from mxcli.verification.exact import check_exact
@@ -219,21 +219,22 @@ def recorded_kernel(
     f = read_kernel_file(path)
     meta = f.meta_json("nki_kernel")
     info = dict(meta) if isinstance(meta, Mapping) else None
-    choice = selection.parse_kernel(expected, f.kernel or selection.PREFILL, kernel_path)
+    kernel = f.kernel or all_specs()[0].name  # a file of no recorded kernel: the first's
+    choice = selection.parse_implementation(expected, kernel, kernel_path)
     if choice.is_own:
         return info
     if info is None:
         raise InputError(
             f"{path}: records no NKI kernel (a reference run), not --kernel {expected}"
         )
-    if info.get("kernel") != choice.spec:
+    if info.get("kernel") != choice.label:
         raise InputError(
-            f"{path}: was made by kernel {info.get('kernel')}, not --kernel {choice.spec}"
+            f"{path}: was made by kernel {info.get('kernel')}, not --kernel {choice.label}"
         )
     here = selection.describe(choice)
     if info.get("sha256") and here.get("sha256") and info["sha256"] != here["sha256"]:
         raise InputError(
             f"{path}: was made by {info.get('file')} (sha256 {str(info['sha256'])[:12]}), "
-            f"--kernel {choice.spec} is {here.get('file')} (sha256 {str(here['sha256'])[:12]})"
+            f"--kernel {choice.label} is {here.get('file')} (sha256 {str(here['sha256'])[:12]})"
         )
     return info

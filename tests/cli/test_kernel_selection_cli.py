@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 
 from mxcli.errors import InputError
-from mxcli.kernels import selection
 from tests.kernels.forks import SCALE_TOKEN, SWAP_TOKEN, write_prefill_fork
 
-PREFILL = selection.PREFILL
+PREFILL = "rmsnorm_mx_prefill"
 NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
 
 
@@ -228,3 +227,32 @@ def test_profile_compares_two_kernels_side_by_side(tmp_path: Path, cli) -> None:
         assert json.loads(t.read_text())["traceEvents"]
     again = cli(*args)  # the traces exist: refused without --force, before any work
     assert again.exit_code == 2 and "--force" in again.stderr
+
+
+@pytest.mark.skipif(NKILIB_IMPORTABLE, reason="AWS's nki-library (nkilib) is importable here")
+def test_absent_nkilib_is_the_probe_s_one_line_in_verify_and_run(tmp_path: Path) -> None:
+    """Issue 32: ``--kernel nkilib`` without nkilib is the implementation's probe's reason, one
+    line and exit 2, before any work: for ``verify --suite`` (both kernels' cases) and ``run-bwd``."""
+    from mxcli.inputs import make_bwd_inputs, write_inputs
+
+    line = (
+        "kernel: nkilib: module 'nkilib' is not importable; install AWS's NKI Library (git clone "
+        "https://github.com/aws-neuron/nki-library && pip install -e nki-library) or pass "
+        "--kernel-path DIR (the folder holding nkilib/)"
+    )
+    suite = _mxcli(
+        "verify", "--suite", "quick", "--backend", "sim", "--kernel", "nkilib", cwd=tmp_path
+    )
+    assert suite.returncode == 2 and suite.stderr.strip().endswith(line), suite.stderr
+    assert suite.stderr.strip().count("\n") == 0 and suite.stdout == ""
+    write_inputs(
+        make_bwd_inputs(tokens=128, hidden=256, intermediate=128, experts=1, dense=True, seed=1),
+        tmp_path / "in.safetensors",
+    )
+    out = tmp_path / "o.safetensors"
+    run = _mxcli(
+        "run-bwd", "in.safetensors", "-o", out, "--backend", "sim", "--kernel", "nkilib",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stderr.strip().endswith(line), run.stderr
+    assert run.stderr.strip().count("\n") == 0 and not out.exists()

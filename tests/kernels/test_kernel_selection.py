@@ -9,17 +9,20 @@ import dataclasses
 import enum
 import hashlib
 import importlib.util
+import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 from mxcli.errors import InputError
-from mxcli.kernels import selection
-from mxcli.kernels.selection import KernelChoice, KernelLoadError, KernelUnsupportedError
+from mxcli.kernels import launcher, selection
+from mxcli.kernels.selection import ImplementationChoice, KernelLoadError, KernelUnsupportedError
 from tests.kernels.forks import SCALE_TOKEN, SWAP_TOKEN, write_prefill_fork
 
-PREFILL, BWD = selection.PREFILL, selection.BWD
+PREFILL, BWD = "rmsnorm_mx_prefill", "blockwise_mm_bwd_mxfp8"
 NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
 
 
@@ -38,30 +41,30 @@ def _run(tensors, kwargs, backend="sim", nki_kernel=None):
 
 
 @pytest.fixture(scope="module")
-def forks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, KernelChoice]:
+def forks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ImplementationChoice]:
     root = tmp_path_factory.mktemp("forks")
     specs = {
         "good": write_prefill_fork(root, "mxfork_good"),
         "scale": write_prefill_fork(root, "mxfork_scale", "scale"),
         "swap": write_prefill_fork(root, "mxfork_swap", "swap"),
     }
-    return {k: selection.parse_kernel(v, PREFILL, root) for k, v in specs.items()}
+    return {k: selection.parse_implementation(v, PREFILL, root) for k, v in specs.items()}
 
 
 # ---- parsing and loading ------------------------------------------------------------------
 
 
 def test_parse_kernel_forms(tmp_path: Path) -> None:
-    assert selection.parse_kernel(None, PREFILL).is_own
-    own = selection.parse_kernel("mxcli", BWD)
+    assert selection.parse_implementation(None, PREFILL).is_own
+    own = selection.parse_implementation("mxcli", BWD)
     assert (own.kind, own.kernel) == ("mxcli", BWD)
-    nk = selection.parse_kernel("nkilib", PREFILL)
+    nk = selection.parse_implementation("nkilib", PREFILL)
     assert (nk.kind, nk.module, nk.function) == (
         "nkilib",
         "nkilib.core.rmsnorm",
         "rmsnorm_mx_prefill",
     )
-    mod = selection.parse_kernel("my.fork:kern", BWD, tmp_path)
+    mod = selection.parse_implementation("my.fork:kern", BWD, tmp_path)
     assert (mod.kind, mod.module, mod.function, mod.path) == (
         "module",
         "my.fork",
@@ -70,13 +73,15 @@ def test_parse_kernel_forms(tmp_path: Path) -> None:
     )
     for bad in ("my.fork", "my fork:k", "pkg:", ":fn", "a..b:c"):
         with pytest.raises(InputError, match="expected mxcli, nkilib or MODULE:FUNCTION"):
-            selection.parse_kernel(bad, PREFILL)
+            selection.parse_implementation(bad, PREFILL)
     with pytest.raises(InputError, match="is not a folder"):
-        selection.parse_kernel("nkilib", PREFILL, tmp_path / "missing")
+        selection.parse_implementation("nkilib", PREFILL, tmp_path / "missing")
 
 
 def test_missing_module_is_one_line_naming_how_to_install() -> None:
-    choice = selection.parse_kernel("mxcli_no_such_fork.prefill:rmsnorm_mx_prefill", PREFILL)
+    choice = selection.parse_implementation(
+        "mxcli_no_such_fork.prefill:rmsnorm_mx_prefill", PREFILL
+    )
     with pytest.raises(KernelLoadError) as exc:
         selection.load(choice)
     msg = str(exc.value)
@@ -84,37 +89,59 @@ def test_missing_module_is_one_line_naming_how_to_install() -> None:
     assert "\n" not in msg
 
 
-def test_describe_names_module_file_and_sha256(forks: dict[str, KernelChoice]) -> None:
+def test_describe_names_module_file_and_sha256(forks: dict[str, ImplementationChoice]) -> None:
     info = selection.describe(forks["good"])
     path = Path(info["file"])
     assert path.name == "prefill.py" and path.parent.name == "mxfork_good"
     assert info["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
     assert (info["kernel"], info["name"], info["module"]) == (
-        forks["good"].spec,
+        forks["good"].label,
         "rmsnorm_mx_prefill",
         "mxfork_good.prefill",
     )
-    own = selection.describe(selection.parse_kernel("mxcli", PREFILL))
+    own = selection.describe(selection.parse_implementation("mxcli", PREFILL))
     assert own["module"] == "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel" and own["sha256"]
 
 
-def test_git_commit_is_read_from_the_checkout(tmp_path: Path) -> None:
-    git = tmp_path / ".git"
-    (git / "refs" / "heads").mkdir(parents=True)
-    (git / "HEAD").write_text("ref: refs/heads/main\n")
-    (git / "refs" / "heads" / "main").write_text("0123456789abcdef0123456789abcdef01234567\n")
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_git_commit_is_the_checkout_s_head(tmp_path: Path) -> None:
+    """``commit`` in describe(): git's own answer (``git rev-parse HEAD``) for the folder of the
+    kernel's file, also for a file in a subfolder of the checkout; None outside a checkout."""
     (tmp_path / "pkg").mkdir()
     f = tmp_path / "pkg" / "k.py"
     f.write_text("")
-    assert selection._git_commit(str(f)) == "0123456789abcdef0123456789abcdef01234567"
-    (git / "refs" / "heads" / "main").unlink()
-    (git / "packed-refs").write_text(
-        "# pack-refs\nfedcba9876543210fedcba9876543210fedcba98 refs/heads/main\n"
-    )
-    assert selection._git_commit(str(f)) == "fedcba9876543210fedcba9876543210fedcba98"
+    assert selection._git_commit(str(f)) is None  # not in a checkout
+    env = {
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(tmp_path),
+    }
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(tmp_path), *args], env=env, capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    git("init", "-q")
+    git("add", "pkg/k.py")
+    git("commit", "-q", "-m", "one")
+    first = git("rev-parse", "HEAD")
+    assert len(first) == 40 and selection._git_commit(str(f)) == first
+    git("pack-refs", "--all")  # the ref now lives in packed-refs only
+    f.write_text("x = 1\n")
+    git("commit", "-q", "-am", "two")
+    second = git("rev-parse", "HEAD")
+    assert second != first and selection._git_commit(str(f)) == second
 
 
-def test_reference_backend_refuses_a_third_party_kernel(forks: dict[str, KernelChoice]) -> None:
+def test_reference_backend_refuses_a_third_party_kernel(
+    forks: dict[str, ImplementationChoice],
+) -> None:
     tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
     with pytest.raises(InputError, match="backend 'reference' runs mxcli's torch reference"):
         _run(tensors, kwargs, backend="reference", nki_kernel=forks["good"])
@@ -124,7 +151,7 @@ def test_reference_backend_refuses_a_third_party_kernel(forks: dict[str, KernelC
 
 
 def test_fork_runs_with_its_own_enum_and_equals_mxcli_kernel(
-    forks: dict[str, KernelChoice],
+    forks: dict[str, ImplementationChoice],
 ) -> None:
     # SOFTMAX routes through the fork's own RouterActFnType (by member name), bit for bit
     tensors, kwargs = _inputs(
@@ -142,7 +169,7 @@ def test_fork_runs_with_its_own_enum_and_equals_mxcli_kernel(
         ), name
 
 
-def test_mxcli_only_argument_is_refused_by_name(forks: dict[str, KernelChoice]) -> None:
+def test_mxcli_only_argument_is_refused_by_name(forks: dict[str, ImplementationChoice]) -> None:
     tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
     with pytest.raises(KernelUnsupportedError, match="hidden_interleaved=True"):
         _run(tensors, {**kwargs, "hidden_interleaved": True}, nki_kernel=forks["good"])
@@ -157,9 +184,13 @@ def test_known_refusal_is_reported_before_launching() -> None:
         "router_act_fn": RouterActFnType.NOAUX_TC,
         "pack_affinities": True,
     }
-    why = selection._REFUSALS[("nkilib", PREFILL)](args)
+    from mxcli.kernels.spec import get_spec
+
+    refusal = get_spec(PREFILL).implementations["nkilib"].refusal  # the spec's registration
+    assert refusal is not None
+    why = refusal(args)
     assert why is not None and "NOAUX_TC with pack_affinities" in why
-    assert selection._REFUSALS[("nkilib", PREFILL)]({**args, "pack_affinities": False}) is None
+    assert refusal({**args, "pack_affinities": False}) is None
 
 
 def test_kernel_assert_is_a_refusal_and_hardware_rules_are_not() -> None:
@@ -170,7 +201,7 @@ def test_kernel_assert_is_a_refusal_and_hardware_rules_are_not() -> None:
     )
     assert not selection.is_kernel_refusal(NkiValidationError("nc_matmul: stationary too wide"))
     text = "[INTERNAL_ERROR] [NCC_INKI016] Kernel validation exception: top_k (9) must be <= 8 - Please check"
-    assert selection._short(text) == "top_k (9) must be <= 8"
+    assert launcher._short(text) == "top_k (9) must be <= 8"
 
 
 # ---- the bwd config as the module's own class -----------------------------------------------
@@ -210,8 +241,9 @@ class _TheirConfig:
 def test_module_config_rebuilds_fields_by_name_and_names_a_missing_one() -> None:
     from mxcli.kernels.blockwise_moe import MXFP8MOEBwdConfig
     from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig
+    from mxcli.kernels.blockwise_moe.nkilib import rebuild
 
-    theirs = selection._rebuild(MXFP8MOEBwdConfig(), _TheirConfig, "config")
+    theirs = rebuild(MXFP8MOEBwdConfig(), _TheirConfig, "config")
     assert isinstance(theirs, _TheirConfig)
     # enums by member name into the module's own enum; mxcli's values, not the module's defaults
     assert theirs.shard_option is _Opt.SHARD_ON_FREE
@@ -222,12 +254,12 @@ def test_module_config_rebuilds_fields_by_name_and_names_a_missing_one() -> None
         True,
     )
     nested = MXFP8MOEBwdConfig(phase1_config=MatmulMxfp8KernelConfig(tile_k=256))
-    built = selection._rebuild(nested, _TheirConfig, "config").phase1_config
+    built = rebuild(nested, _TheirConfig, "config").phase1_config
     assert (built.tile_k, built.quant_scheme) == (256, _Quant.WRAPX)
     with pytest.raises(
         KernelUnsupportedError, match=r"config\.phase1_config\.tile_n: .*no field tile_n"
     ):
-        selection._rebuild(
+        rebuild(
             MXFP8MOEBwdConfig(phase1_config=MatmulMxfp8KernelConfig(tile_n=128)),
             _TheirConfig,
             "config",
@@ -235,7 +267,7 @@ def test_module_config_rebuilds_fields_by_name_and_names_a_missing_one() -> None
     with pytest.raises(
         KernelUnsupportedError, match=r"config\.single_expert_dense: .*no field single_expert_dense"
     ):
-        selection._rebuild(
+        rebuild(
             MXFP8MOEBwdConfig(single_expert_dense=False, accumulate_hidden_states_grad=True),
             _TheirConfig,
             "config",
@@ -245,7 +277,9 @@ def test_module_config_rebuilds_fields_by_name_and_names_a_missing_one() -> None
 # ---- verify: the fork passes, the mutated forks fail naming tensor and index ----------------
 
 
-def test_mutated_forks_fail_naming_the_tensor_and_the_index(forks: dict[str, KernelChoice]) -> None:
+def test_mutated_forks_fail_naming_the_tensor_and_the_index(
+    forks: dict[str, ImplementationChoice],
+) -> None:
     from mxcli.verification.policy import compare_outputs
 
     tensors, kwargs = _inputs(
@@ -271,25 +305,23 @@ def test_mutated_forks_fail_naming_the_tensor_and_the_index(forks: dict[str, Ker
 
 
 def test_neuron_backend_names_the_chosen_kernel_when_unavailable(
-    forks: dict[str, KernelChoice],
+    forks: dict[str, ImplementationChoice],
 ) -> None:
     from mxcli.kernels import nki_runtime
     from mxcli.kernels.backends import BackendUnavailableError
 
     if nki_runtime.neuron_unavailable_reason() is None:
         pytest.skip("a Trainium host: the neuron backend can run")
-    from mxcli.kernels.blockwise_moe import nki_backend as bwd_backend
-    from mxcli.kernels.rmsnorm_mx_prefill import nki_backend
 
     tensors, kwargs = _inputs(seq=8, hidden=512, experts=None, seed=1)
     # the same launch path as mxcli's kernels: detection first, naming the chosen kernel
     fork = r"mxfork_good\.prefill:rmsnorm_mx_prefill's rmsnorm_mx_prefill"
     with pytest.raises(BackendUnavailableError, match=rf"cannot run {fork} here: missing .*nki"):
-        nki_backend.run_neuron(**tensors, **kwargs, kernel=forks["good"])
+        launcher.run_neuron(PREFILL, **tensors, **kwargs, implementation=forks["good"])
     with pytest.raises(
         BackendUnavailableError, match=r"cannot run nkilib's blockwise_mm_bwd_mxfp8"
     ):
-        bwd_backend.run_neuron(*([None] * 7), kernel="nkilib")
+        launcher.run_neuron(BWD, *([None] * 7), implementation="nkilib")
 
 
 def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -> None:
@@ -300,7 +332,7 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
-    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
+    spec = selection.parse_implementation(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
     ki = inputs.make_bwd_inputs(
         tokens=128,
         hidden=256,
@@ -357,7 +389,9 @@ def test_entry_without_config_gets_the_config_as_its_own_keywords(tmp_path: Path
     from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig, SkipMode
     from tests.kernels.forks import write_bwd_kernel
 
-    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_kw", "kwargs"), BWD, tmp_path)
+    spec = selection.parse_implementation(
+        write_bwd_kernel(tmp_path, "mxbwd_kw", "kwargs"), BWD, tmp_path
+    )
     tensors, kw, cfg = _bwd_case()
     cfg = MXFP8MOEBwdConfig.routed(top_k=1, phase1_config=MatmulMxfp8KernelConfig(tile_k=256))
     assert cfg.skip_dma == SkipMode(skip_token=True) and not cfg.accumulate_hidden_states_grad
@@ -393,7 +427,9 @@ def test_entry_without_config_or_its_knobs_refuses_the_config(tmp_path: Path) ->
     from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
     from tests.kernels.forks import write_bwd_kernel
 
-    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_bare", "bare"), BWD, tmp_path)
+    spec = selection.parse_implementation(
+        write_bwd_kernel(tmp_path, "mxbwd_bare", "bare"), BWD, tmp_path
+    )
     tensors, kw, cfg = _bwd_case()
     with pytest.raises(
         KernelUnsupportedError,
@@ -412,7 +448,7 @@ def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Pat
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
-    spec = selection.parse_kernel(write_bwd_kernel(tmp_path, "mxbwd_x4"), BWD, tmp_path)
+    spec = selection.parse_implementation(write_bwd_kernel(tmp_path, "mxbwd_x4"), BWD, tmp_path)
     ki = inputs.make_bwd_inputs(
         tokens=128,
         hidden=256,
@@ -428,3 +464,59 @@ def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Pat
     kw = get_spec(BWD).resolve_kwargs(ki.kwargs)
     out = blockwise_mm_bwd_mxfp8(**ki.tensors, **kw, backend="sim", kernel=spec)
     assert out[1][2, 0].item() == 1.0
+
+
+# ---- one mechanism, knowing no kernel (issue 32) ----------------------------------------------
+
+
+def test_resolve_for_returns_a_choice_or_why_not(forks: dict[str, ImplementationChoice]) -> None:
+    good = forks["good"]
+    out = selection.resolve_for(good.label, [PREFILL, BWD], good.path)
+    assert out[PREFILL] == good
+    skipped = out[BWD]
+    assert isinstance(skipped, selection.NotRunnable)
+    assert skipped.reason == (
+        f"not this kernel: {good.label} has no parameter expert_affinities_masked, "
+        "token_position_to_id of the blockwise_mm_bwd_mxfp8 API"
+    )
+    assert selection.resolve_for(None, [PREFILL, BWD]) == {
+        PREFILL: selection.parse_implementation("mxcli", PREFILL),
+        BWD: selection.parse_implementation("mxcli", BWD),
+    }
+
+
+def test_shared_launch_modules_name_no_kernel_and_no_tensor() -> None:
+    """The resolver, the launcher, the backend registry and the NKI runtime are shared: what
+    is a kernel's (its name, short name, tensors) lives in its folder and reaches them through
+    its spec."""
+    import mxcli.kernels.backends
+    import mxcli.kernels.launcher
+    import mxcli.kernels.nki_runtime
+    import mxcli.kernels.nkilib
+    from mxcli.kernels.spec import all_specs
+
+    words = {w for s in all_specs() for w in (s.name, s.short, *s.tensor_names)}
+    for mod in (
+        selection,
+        mxcli.kernels.launcher,
+        mxcli.kernels.backends,
+        mxcli.kernels.nki_runtime,
+        mxcli.kernels.nkilib,
+    ):
+        text = Path(mod.__file__ or "").read_text(encoding="utf-8")
+        named = sorted(w for w in words if w in text)
+        assert named == [], (mod.__name__, named)
+
+
+def test_each_kernel_registers_its_adapter_on_its_spec() -> None:
+    from mxcli.kernels.blockwise_moe import nkilib as bwd_nkilib
+    from mxcli.kernels.rmsnorm_mx_prefill import nkilib as prefill_nkilib
+    from mxcli.kernels.spec import get_spec
+
+    for name, adapter in ((PREFILL, prefill_nkilib), (BWD, bwd_nkilib)):
+        spec = get_spec(name)
+        assert spec.implementations["nkilib"] is adapter.NKILIB_KERNEL
+        assert spec.nki is not None and spec.nki.third_party is adapter.THIRD_PARTY
+        assert spec.implementations["nkilib"].unavailable_reason() == (
+            None if NKILIB_IMPORTABLE else "module 'nkilib' is not importable"
+        )

@@ -16,6 +16,7 @@ rounding, MX quantization) under the tolerance model of `mxcli.verification.mxch
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from mxcli import mx
-from mxcli.kernels import backends, nki_runtime
+from mxcli.kernels import backends, launcher, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
 from mxcli.kernels.blockwise_moe import (
@@ -42,13 +43,17 @@ from mxcli.kernels.blockwise_moe import (
     prequantize_weights,
 )
 from mxcli.kernels.blockwise_moe.config import AffinityOption
-from mxcli.kernels.blockwise_moe.nki_backend import launch_sim, run_neuron, run_sim
 from mxcli.kernels.blockwise_moe.numerics import silu
 from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
 from mxcli.nkisim import trace
 from mxcli.verification.compare import compare_tensors
 from mxcli.verification.policy import tolerance_for
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
+
+# the one launcher (`mxcli.kernels.launcher`) with this kernel's hooks
+launch_sim = functools.partial(launcher.launch_sim, BWD_SPEC)
+run_sim = functools.partial(launcher.run_sim, BWD_SPEC)
+run_neuron = functools.partial(launcher.run_neuron, BWD_SPEC)
 
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
 KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"

@@ -11,6 +11,7 @@ the tests demand bit equality.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from mxcli import nkisim
-from mxcli.kernels import backends, nki_runtime
+from mxcli.kernels import backends, launcher, nki_runtime
 from mxcli.kernels.backends import BackendUnavailableError
 from mxcli.kernels.rmsnorm_mx_prefill import (
     PrefillValidationError,
@@ -31,12 +32,16 @@ from mxcli.kernels.rmsnorm_mx_prefill import (
     validate,
 )
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
-from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config, launch_sim, run_sim
+from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import KERNEL, kernel_config
 from mxcli.mx import fake_quantize_mx
 from mxcli.nkisim import kernel as nkisim_kernel
 from mxcli.nkisim.dtypes import DType
 from mxcli.nkisim.nki import language
 from tests.kernels._nki_helpers import kernel_source_usage, rel_l2
+
+# the one launcher (`mxcli.kernels.launcher`) with this kernel's hooks
+launch_sim = functools.partial(launcher.launch_sim, rmsnorm_mx_prefill.__name__)
+run_sim = functools.partial(launcher.run_sim, rmsnorm_mx_prefill.__name__)
 
 A = RouterActFnType
 REL_L2 = 1e-3  # fp32 accumulation order / transcendental approximations (module docstring)

@@ -10,20 +10,22 @@ affinity bits (here worked out by hand: every tied logit is 0, so sigmoid 0.5, s
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 
+from mxcli.kernels.launcher import run_sim as _run_sim
 from mxcli.kernels.rmsnorm_mx_prefill import (
     RouterActFnType,
     arrange_router_weights,
     rmsnorm_mx_prefill,
 )
-from mxcli.kernels.rmsnorm_mx_prefill.nki_backend import run_sim
 
 A = RouterActFnType
 T, H, E = 4, 512, 16
+run_sim = functools.partial(_run_sim, rmsnorm_mx_prefill.__name__)
 NOAUX_KW = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)
 
 

@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from mxcli.errors import InputError
-from mxcli.kernels import backends
+from mxcli.kernels import backends, selection
 from mxcli.kernels.blockwise_moe import SPEC as BWD
 from mxcli.kernels.blockwise_moe import BwdCall, blockwise_mm_bwd_mxfp8
 from mxcli.kernels.blockwise_moe.upstream_cases import make_upstream_case
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL
 from mxcli.kernels.rmsnorm_mx_prefill import PrefillCall, rmsnorm_mx_prefill
 from mxcli.kernels.rmsnorm_mx_prefill import contract as prefill_contract
+from mxcli.kernels.selection import KernelLoadError
 from mxcli.kernels.spec import Implementation, KernelSpec, ScalarArg, TensorArg, get_spec
 
 
@@ -112,8 +113,8 @@ def test_implementations_registry_is_lazy() -> None:
     )
     adhoc = BWD.implementation("no_such_pkg.kernels:bwd")  # MODULE:FUNCTION: nothing imported yet
     assert adhoc.kernel == "no_such_pkg.kernels:bwd" and "no_such_pkg" not in sys.modules
-    with pytest.raises(ModuleNotFoundError):
-        adhoc.load_kernel()
+    with pytest.raises(KernelLoadError, match="'no_such_pkg' is not importable"):
+        selection.load(selection.parse_implementation("no_such_pkg.kernels:bwd", BWD))
     with pytest.raises(InputError, match="unknown implementation 'nkilibx'.*expected mxcli"):
         PREFILL.implementation("nkilibx")
     probe_calls: list[int] = []
@@ -122,5 +123,10 @@ def test_implementations_registry_is_lazy() -> None:
     try:
         assert BWD.implementation("probe-test").unavailable_reason() == "not here"
         assert probe_calls == [1]
+        # the resolver asks the probe before importing anything: its reason is the error
+        choice = selection.parse_implementation("probe-test", BWD)
+        with pytest.raises(KernelLoadError, match=r"^kernel: probe-test: not here; put its"):
+            selection.load(choice)
+        assert probe_calls == [1, 1]
     finally:
         BWD.implementations.pop("probe-test")

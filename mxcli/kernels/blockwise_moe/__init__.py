@@ -42,7 +42,7 @@ from mxcli.kernels.blockwise_moe.spec import SPEC
 from mxcli.mx import QuantScheme
 
 backends.register(SPEC.name, "reference", blockwise_mm_bwd_mxfp8_reference)
-backends.register_nki(SPEC.name, __name__)
+backends.register_nki(SPEC.name)
 
 __all__ = [
     "ActFnType",

@@ -452,11 +452,8 @@ def blockwise_mm_bwd_mxfp8(
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
     arguments.pop("kernel")
-    from mxcli.kernels import selection
-
-    name = backends.resolve_name(blockwise_mm_bwd_mxfp8.__name__, backend)
-    fn = backends.get(blockwise_mm_bwd_mxfp8.__name__, name)
-    extra = selection.backend_kwargs(kernel, name, selection.BWD)
+    resolved = backends.resolve(blockwise_mm_bwd_mxfp8.__name__, backend, kernel)
+    name = resolved.backend
     if name != "reference" and as_emulate(emulate) is not Emulate.KERNEL:
         raise BwdValidationError(f"emulate: only 'kernel' is meaningful for backend {name!r}")
-    return fn(validate(**arguments), **extra)  # type: ignore[no-any-return]
+    return resolved.run(validate(**arguments))  # type: ignore[no-any-return]

@@ -1,9 +1,7 @@
-"""The ``sim`` and ``neuron`` backends of ``blockwise_mm_bwd_mxfp8``: the launcher of the NKI
-kernel (`nki_kernel.blockwise_mm_bwd_mxfp8_nki`), run through `mxcli.kernels.nki_runtime`.
-
-`run_sim` and `run_neuron` take the validated `BwdCall` (or the arguments of
-`blockwise_mm_bwd_mxfp8`, validated into one) and return the reference's tuple of torch tensors
-on the device of ``hidden_states``.
+"""The host side of ``blockwise_mm_bwd_mxfp8``'s NKI launch: the hooks of its spec's `NkiLaunch`,
+which the one launcher (`mxcli.kernels.launcher`) calls on the ``sim`` and ``neuron`` backends
+with the validated `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`, validated into one);
+the outputs are the reference's tuple of torch tensors on the device of ``hidden_states``.
 
 Everything that is not device work happens on the host, once, before the kernel is traced (as
 upstream NKI Library launchers do; nki_python_subset.md): the contract has validated the inputs
@@ -26,7 +24,6 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime, selection
 from mxcli.kernels.blockwise_moe.config import (
     AffinityOption,
     BwdValidationError,
@@ -35,17 +32,17 @@ from mxcli.kernels.blockwise_moe.config import (
 from mxcli.kernels.blockwise_moe.contract import BwdCall, as_call
 from mxcli.kernels.blockwise_moe.numerics import Grouping
 from mxcli.kernels.blockwise_moe.spec import MXCLI_KERNEL
-from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
+from mxcli.kernels.nki_runtime import DTypeName, KernelObject
 from mxcli.mx import QuantScheme, wrapx_chunks
 
 __all__ = [
     "KERNEL",
     "NkiKernelUnsupportedError",
+    "api_arguments",
+    "finish",
+    "kernel_arguments",
     "kernel_config",
-    "launch_sim",
     "prepare",
-    "run_neuron",
-    "run_sim",
 ]
 
 KERNEL = str(MXCLI_KERNEL.kernel)  # the jit entry, "module:function"
@@ -209,15 +206,15 @@ _CALL_FIELDS = {
 
 def api_arguments(call: BwdCall) -> dict[str, Any]:
     """A validated call's arguments by the API reference's names, for a third-party kernel
-    (`mxcli.kernels.selection`, which rebuilds the config as the module's own class)."""
+    (`mxcli.kernels.spec.ThirdParty.arguments`; `nkilib.convert` rebuilds the config as the
+    module's own class): ``num_valid_tokens`` given as an int as the ``[1]`` int32 tensor the
+    API takes."""
     out = {k: getattr(call, f) for k, f in _CALL_FIELDS.items()}
     out.update(block_size=call.B, down_proj_act_checkpoint=call.ckpt_dys, config=call.config)
+    nv = out["num_valid_tokens"]
+    if isinstance(nv, int) and not isinstance(nv, bool):  # a tensor argument of the API
+        out["num_valid_tokens"] = torch.tensor([nv], dtype=torch.int32)
     return out
-
-
-def _third_party(kernel: Any) -> selection.KernelChoice | None:
-    choice = selection.parse_kernel(kernel, selection.BWD)
-    return None if choice.is_own else choice
 
 
 def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
@@ -263,82 +260,13 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     return out, call.x.device
 
 
-def launch_sim(
-    *args: Any,
-    lnc: int = 2,
-    check_only: bool = False,
-    engine: SimEngine | str = SimEngine.AUTO,
-    check_capacity: bool = True,
-    kernel: Any = selection.MXCLI,
-    **kwargs: Any,
-) -> SimResult:
-    """Run the NKI kernel on a simulator; the full `SimResult` (outputs in the reference's form,
-    the interpreter's counters, the engine that ran).
-
-    Arguments: a `BwdCall`, or those of `blockwise_mm_bwd_mxfp8`. `lnc`: 1 or 2 programs
-    (2, the API's launch, splits the free dims, SHARD_ON_FREE). `check_only` (interpreter only):
-    every hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs
-    are then meaningless). `kernel`: the NKI kernel (`mxcli.kernels.selection`).
-    """
-    choice = _third_party(kernel)
-    if choice is not None:
-        call = as_call(*args, **kwargs)
-        res = selection.launch_sim(
-            choice,
-            api_arguments(call),
-            lnc=lnc,
-            check_only=check_only,
-            check_capacity=check_capacity,
-        )
-        res.outputs = [t.to(call.x.device) for t in res.outputs]
-        return res
-    kw, device = prepare(*args, **kwargs)
-    res = nki_runtime.run_sim(
-        KERNEL, (), kw, lnc=lnc, check_only=check_only, engine=engine, check_capacity=check_capacity
-    )
-    selection.record(selection.parse_kernel(None, selection.BWD), res.engine.value, res.report)
-    res.outputs = [t.to(device) for t in res.outputs]
-    return res
+def kernel_arguments(call: BwdCall) -> tuple[tuple[()], dict[str, Any]]:
+    """The launch of mxcli's kernel (`mxcli.kernels.spec.NkiLaunch.prepare`): all by keyword
+    (`prepare`)."""
+    kw, _ = prepare(call)
+    return (), kw
 
 
-def launch_nkilib(*args: Any, **kwargs: Any) -> SimResult:
-    """`launch_sim` of AWS's NKI Library kernel (the spec's ``nkilib`` implementation)."""
-    return launch_sim(*args, kernel=selection.NKILIB, **kwargs)
-
-
-def run_sim(
-    *args: Any,
-    lnc: int = 2,
-    engine: SimEngine | str = SimEngine.AUTO,
-    kernel: Any = selection.MXCLI,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, ...]:
-    """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
-
-    Takes a `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`) and returns the
-    reference's outputs; `lnc` 2 (default, the API's launch) or 1; `engine` forces a simulator
-    (`SimEngine`).
-    """
-    return tuple(launch_sim(*args, lnc=lnc, engine=engine, kernel=kernel, **kwargs).outputs)
-
-
-def run_neuron(
-    *args: Any, lnc: int | None = None, kernel: Any = selection.MXCLI, **kwargs: Any
-) -> tuple[torch.Tensor, ...]:
-    """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device through torch-neuronx.
-
-    Takes a `BwdCall` (or the arguments of `blockwise_mm_bwd_mxfp8`). `lnc`: the launch's LNC
-    degree (default ``NEURON_LOGICAL_NC_CONFIG``, else 2). Raises `BackendUnavailableError`
-    listing what is missing (SDK packages, device) before touching any of it.
-    """
-    choice = _third_party(kernel)
-    nki_runtime.require_neuron(  # before validating anything
-        "blockwise_mm_bwd_mxfp8" if choice is None else selection.describe_name(choice)
-    )
-    if choice is not None:
-        call = as_call(*args, **kwargs)
-        outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
-        return tuple(t.to(call.x.device) for t in outs)
-    kw, device = prepare(*args, **kwargs)
-    outs = nki_runtime.run_neuron(KERNEL, (), kw, lnc=lnc)
-    return tuple(t.to(device) for t in outs)
+def finish(call: BwdCall, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The outputs on the device of ``hidden_states``."""
+    return [t.to(call.x.device) for t in outputs]

@@ -7,7 +7,6 @@ the tables below add only what a signature cannot say (stored dtypes, help, JSON
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +14,6 @@ import torch
 
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.kwargs import dataclass_from_dict, json_object, to_jsonable, typed
-from mxcli.kernels import selection
 from mxcli.kernels.blockwise_moe.config import MXFP8MOEBwdConfig
 from mxcli.kernels.blockwise_moe.contract import (
     OUTPUT_NAMES,
@@ -23,9 +21,11 @@ from mxcli.kernels.blockwise_moe.contract import (
     output_names,
     validate,
 )
+from mxcli.kernels.blockwise_moe.nkilib import NKILIB_KERNEL, THIRD_PARTY
 from mxcli.kernels.spec import (
     Implementation,
     KernelSpec,
+    NkiLaunch,
     NonfiniteRule,
     PaddedDims,
     ScalarArg,
@@ -38,20 +38,21 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 INTS = (torch.int32, torch.int64)
 
 
-# mxcli's own NKI kernel; `--kernel` registers others (nkilib, MODULE:FUNCTION) beside it
+# mxcli's own NKI kernel; AWS's (`nkilib.NKILIB_KERNEL`) and any MODULE:FUNCTION beside it
 MXCLI_KERNEL = Implementation(
     "mxcli",
     "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
-    "mxcli.kernels.blockwise_moe.nki_backend:launch_sim",
+    own=True,
     doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
 )
-# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
-NKILIB_KERNEL = Implementation(
-    "nkilib",
-    selection.NKILIB_TARGETS[selection.BWD],
-    "mxcli.kernels.blockwise_moe.nki_backend:launch_nkilib",
-    probe=functools.partial(selection.nkilib_probe, selection.BWD),
-    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
+# the host side of every NKI launch (`mxcli.kernels.launcher`): validation, planning, outputs
+NKI_LAUNCH = NkiLaunch(
+    as_call="mxcli.kernels.blockwise_moe.contract:as_call",
+    prepare="mxcli.kernels.blockwise_moe.nki_backend:kernel_arguments",
+    finish="mxcli.kernels.blockwise_moe.nki_backend:finish",
+    result=tuple,
+    lnc=2,  # the API's launch: two programs splitting the free dims (SHARD_ON_FREE)
+    third_party=THIRD_PARTY,
 )
 
 
@@ -158,12 +159,14 @@ SPEC = register_spec(
         # the backward mixes every token and expert: any non-finite input explains every output
         nonfinite=NonfiniteRule(token_inputs=None),
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
+        nki=NKI_LAUNCH,
     )
 )
 
 __all__ = [
     "MXCLI_KERNEL",
     "NKILIB_KERNEL",
+    "NKI_LAUNCH",
     "SPEC",
     "config_from_dict",
     "config_to_dict",

@@ -30,7 +30,7 @@ from mxcli.kernels.rmsnorm_mx_prefill.router_weights import (
 from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC
 
 backends.register(SPEC.name, "reference", rmsnorm_mx_prefill_reference)
-backends.register_nki(SPEC.name, __name__)
+backends.register_nki(SPEC.name)
 
 
 __all__ = [

@@ -488,9 +488,5 @@ def rmsnorm_mx_prefill(
     arguments = dict(locals())  # the parameters as given: this signature is the only one
     backend = arguments.pop("backend")
     arguments.pop("kernel")
-    from mxcli.kernels import selection
-
     call = validate(**arguments)
-    name = backends.resolve_name(rmsnorm_mx_prefill.__name__, backend)
-    extra = selection.backend_kwargs(kernel, name, selection.PREFILL)
-    return backends.get(rmsnorm_mx_prefill.__name__, name)(call, **extra)  # type: ignore[no-any-return]
+    return backends.resolve(rmsnorm_mx_prefill.__name__, backend, kernel).run(call)  # type: ignore[no-any-return]

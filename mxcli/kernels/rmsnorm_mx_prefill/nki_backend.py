@@ -1,12 +1,12 @@
-"""The ``sim`` and ``neuron`` backends of ``rmsnorm_mx_prefill``: the NKI kernel (`nki_kernel`)
-launched through `mxcli.kernels.nki_runtime`.
+"""The host side of ``rmsnorm_mx_prefill``'s NKI launch: the hooks of its spec's `NkiLaunch`,
+which the one launcher (`mxcli.kernels.launcher`) calls on the ``sim`` and ``neuron`` backends.
 
-Both take the validated `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`, validated
-with `contract.validate`) and return the reference's list of torch tensors (prefill spec §2.2):
-the packed rows as ``torch.float8_e4m3fn`` (the kernel writes raw bytes), then index /
-affinities / residual / norm as the reference does, on the device of ``hidden_states``. The
-launch is planned (`kernel_config`) here, on the host, once and before the kernel is traced: the
-kernel receives tensors and a `PrefillKernelConfig` NKIObject, as NKI 0.6 requires (issue 11).
+The launch of mxcli's kernel (`nki_kernel`) is planned (`kernel_config`) here, on the host, once
+and before the kernel is traced: the kernel receives tensors and a `PrefillKernelConfig`
+NKIObject, as NKI 0.6 requires (issue 11). A third-party kernel gets the API reference's
+arguments (`api_arguments`). Either returns the reference's list of torch tensors (prefill spec
+§2.2, `finish`): the packed rows as ``torch.float8_e4m3fn`` (the kernel writes raw bytes), then
+index / affinities / residual / norm as the reference does, on the device of ``hidden_states``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 
-from mxcli.kernels import nki_runtime, selection
-from mxcli.kernels.nki_runtime import DTypeName, KernelObject, SimEngine, SimResult
-from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType, as_call
+from mxcli.kernels.nki_runtime import DTypeName, KernelObject
+from mxcli.kernels.rmsnorm_mx_prefill.contract import PrefillCall, RouterActFnType
 from mxcli.kernels.rmsnorm_mx_prefill.kernel_types import RouterMode
 from mxcli.kernels.rmsnorm_mx_prefill.spec import MXCLI_KERNEL
 
@@ -76,7 +75,8 @@ def kernel_args(call: PrefillCall) -> list[Any]:
 
 def api_arguments(call: PrefillCall) -> dict[str, Any]:
     """A validated call's arguments by the API reference's names, for a third-party kernel
-    (`mxcli.kernels.selection`): the router mode as `RouterActFnType`, the MX dtype by name."""
+    (`mxcli.kernels.spec.ThirdParty.arguments`): the router mode as `RouterActFnType`, the MX
+    dtype as the ``nki`` dtype of its name."""
     return {
         "hidden_states": call.hidden_states,
         "gamma": call.gamma,
@@ -88,7 +88,7 @@ def api_arguments(call: PrefillCall) -> dict[str, Any]:
         "n_group": call.n_group,
         "topk_group": call.topk_group,
         "routed_scaling_factor": call.routed_scaling_factor,
-        "qmx_output_dtype": call.qmx.value,
+        "qmx_output_dtype": DTypeName(call.qmx.value),
         "pack_scales": call.pack_scales,
         "pack_affinities": call.pack_affinities,
         "unpadded_hidden_size": call.unpadded_hidden_size,
@@ -98,99 +98,16 @@ def api_arguments(call: PrefillCall) -> dict[str, Any]:
     }
 
 
-def _third_party(kernel: Any) -> selection.KernelChoice | None:
-    choice = selection.parse_kernel(kernel, selection.PREFILL)
-    return None if choice.is_own else choice
+def prepare(call: PrefillCall) -> tuple[list[Any], dict[str, Any]]:
+    """The launch of mxcli's kernel (`mxcli.kernels.spec.NkiLaunch.prepare`): all positional
+    (`kernel_args`)."""
+    return kernel_args(call), {}
 
 
-def _finish(outputs: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
-    """The packed rows as fp8 (the kernel's HBM tensor holds raw bytes), all on `device`."""
+def finish(call: PrefillCall, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The packed rows as fp8 (the kernel's HBM tensor holds raw bytes), all on the device of
+    ``hidden_states``."""
     first = outputs[0]
     if first.dtype != torch.float8_e4m3fn:
         first = first.contiguous().view(torch.uint8).view(torch.float8_e4m3fn)
-    return [t.to(device) for t in [first, *outputs[1:]]]
-
-
-def launch_sim(
-    *args: Any,
-    lnc: int = 1,
-    check_only: bool = False,
-    engine: SimEngine | str = SimEngine.AUTO,
-    check_capacity: bool = True,
-    kernel: Any = selection.MXCLI,
-    **kwargs: Any,
-) -> SimResult:
-    """Run the NKI kernel on a simulator and return the full `SimResult` (outputs in the
-    reference's form, the interpreter's counters, the engine that ran).
-
-    Arguments: a `PrefillCall`, or those of `rmsnorm_mx_prefill` (validated here, prefill spec
-    §2.3). `lnc`: 1 or 2 programs splitting the tokens. `check_only` (interpreter only): every
-    hardware rule and the SBUF/PSUM capacity are checked, arithmetic is skipped (outputs are
-    zeros). `kernel`: ``"mxcli"`` (default), ``"nkilib"``, ``"MODULE:FUNCTION"`` or a
-    `selection.KernelChoice`: the third-party ones take the API reference's arguments.
-    """
-    call = as_call(*args, **kwargs)
-    choice = _third_party(kernel)
-    if choice is not None:
-        res = selection.launch_sim(
-            choice,
-            api_arguments(call),
-            lnc=lnc,
-            check_only=check_only,
-            check_capacity=check_capacity,
-        )
-        res.outputs = _finish(res.outputs, call.hidden_states.device)
-        return res
-    res = nki_runtime.run_sim(
-        KERNEL,
-        kernel_args(call),
-        lnc=lnc,
-        check_only=check_only,
-        engine=engine,
-        check_capacity=check_capacity,
-    )
-    selection.record(selection.parse_kernel(None, selection.PREFILL), res.engine.value, res.report)
-    res.outputs = _finish(res.outputs, call.hidden_states.device)
-    return res
-
-
-def launch_nkilib(*args: Any, **kwargs: Any) -> SimResult:
-    """`launch_sim` of AWS's NKI Library kernel (the spec's ``nkilib`` implementation)."""
-    return launch_sim(*args, kernel=selection.NKILIB, **kwargs)
-
-
-def run_sim(
-    *args: Any,
-    lnc: int = 1,
-    engine: SimEngine | str = SimEngine.AUTO,
-    kernel: Any = selection.MXCLI,
-    **kwargs: Any,
-) -> list[torch.Tensor]:
-    """The ``sim`` backend: the NKI kernel on ``nki.simulate`` or mxcli's interpreter.
-
-    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`) and returns the
-    reference's outputs; `lnc` (1 or 2) splits the tokens over two programs, `engine` forces a
-    simulator (`SimEngine`), `kernel` picks the NKI kernel (`mxcli.kernels.selection`).
-    """
-    return launch_sim(*args, lnc=lnc, engine=engine, kernel=kernel, **kwargs).outputs
-
-
-def run_neuron(
-    *args: Any, lnc: int | None = None, kernel: Any = selection.MXCLI, **kwargs: Any
-) -> list[torch.Tensor]:
-    """The ``neuron`` backend: the NKI kernel on a Trainium (Trn3) device via torch-neuronx.
-
-    Takes a `PrefillCall` (or the arguments of `rmsnorm_mx_prefill`). `lnc` defaults to
-    ``NEURON_LOGICAL_NC_CONFIG`` (2 on Trn3). Raises `BackendUnavailableError` naming what is
-    missing when the Neuron SDK or a device is absent. `kernel` picks the NKI kernel
-    (`mxcli.kernels.selection`); the same launch path runs it.
-    """
-    choice = _third_party(kernel)
-    if choice is not None:
-        nki_runtime.require_neuron(selection.describe_name(choice))  # before validating anything
-        call = as_call(*args, **kwargs)
-        outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
-        return _finish(list(outs), call.hidden_states.device)
-    call = as_call(*args, **kwargs)
-    outputs = nki_runtime.run_neuron(KERNEL, kernel_args(call), lnc=lnc)
-    return _finish(outputs, call.hidden_states.device)
+    return [t.to(call.hidden_states.device) for t in [first, *outputs[1:]]]

@@ -7,7 +7,6 @@ the tables below add only what a signature cannot say (stored dtypes, help, JSON
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +14,6 @@ import torch
 
 from mxcli.errors import InputError
 from mxcli.io.kwargs import enum_dump, typed
-from mxcli.kernels import selection
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     QmxOutputDtype,
     RouterActFnType,
@@ -30,9 +28,11 @@ from mxcli.kernels.rmsnorm_mx_prefill.decode import (
     defined_bytes,
     packed_bytes,
 )
+from mxcli.kernels.rmsnorm_mx_prefill.nkilib import NKILIB_KERNEL, THIRD_PARTY
 from mxcli.kernels.spec import (
     Implementation,
     KernelSpec,
+    NkiLaunch,
     NonfiniteRule,
     PackedOutput,
     PaddedDims,
@@ -46,20 +46,21 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 PACKED = "norm_quant_packed"
 
 
-# mxcli's own NKI kernel; `--kernel` registers others (nkilib, MODULE:FUNCTION) beside it
+# mxcli's own NKI kernel; AWS's (`nkilib.NKILIB_KERNEL`) and any MODULE:FUNCTION beside it
 MXCLI_KERNEL = Implementation(
     "mxcli",
     "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel:rmsnorm_mx_prefill_kernel",
-    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_sim",
+    own=True,
     doc="mxcli's NKI kernel (mxcli/kernels/rmsnorm_mx_prefill/nki_kernel.py)",
 )
-# AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
-NKILIB_KERNEL = Implementation(
-    "nkilib",
-    selection.NKILIB_TARGETS[selection.PREFILL],
-    "mxcli.kernels.rmsnorm_mx_prefill.nki_backend:launch_nkilib",
-    probe=functools.partial(selection.nkilib_probe, selection.PREFILL),
-    doc="AWS's NKI Library kernel (nkilib, the API reference's import path)",
+# the host side of every NKI launch (`mxcli.kernels.launcher`): validation, planning, outputs
+NKI_LAUNCH = NkiLaunch(
+    as_call="mxcli.kernels.rmsnorm_mx_prefill.contract:as_call",
+    prepare="mxcli.kernels.rmsnorm_mx_prefill.nki_backend:prepare",
+    finish="mxcli.kernels.rmsnorm_mx_prefill.nki_backend:finish",
+    result=list,
+    lnc=1,
+    third_party=THIRD_PARTY,
 )
 
 
@@ -230,10 +231,18 @@ SPEC = register_spec(
         ),
         geometry=_geometry,
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
+        nki=NKI_LAUNCH,
     )
 )
 
-__all__ = ["MXCLI_KERNEL", "NKILIB_KERNEL", "SPEC", "decode_packed", "packed_geometry"]
+__all__ = [
+    "MXCLI_KERNEL",
+    "NKILIB_KERNEL",
+    "NKI_LAUNCH",
+    "SPEC",
+    "decode_packed",
+    "packed_geometry",
+]
 
 
 def prefill_input_bytes(T: int, H: int, residual: bool) -> int:
