@@ -80,7 +80,8 @@ class Counters:
     ``matmul_flops``: 2*K*M*N per ``nc_matmul`` (transposes excluded, counted in
     ``transpose_elements``); ``mx_matmul_flops``: 2*(4K)*M*N per ``nc_matmul_mx``.
     ``peak_sbuf_bytes`` / ``peak_psum_bytes``: peak live bytes per partition (PSUM in whole
-    2 KiB banks), live meaning from allocation to last use.
+    2 KiB banks), live meaning from the first instruction that touches an allocation to the
+    last (`Program.finish_capacity`), plus the software-DGE descriptor reserve.
     """
 
     instructions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -164,13 +165,33 @@ class RunReport:
 
 @dataclass
 class AllocRecord:
-    """Lifetime of one on-chip allocation, for the capacity sweep (kept after the data is freed)."""
+    """Lifetime of one on-chip allocation, for the capacity sweep (kept after the data is freed).
+
+    ``alloc_t``: when ``nl.ndarray`` ran; ``first_t`` / ``last_t``: the first and last
+    instruction that touched it (``first_t`` None while none has). The sweep charges
+    [first_t, last_t]: the compiler gives a tile its address at its first write and releases it
+    after its last read, whatever line declared it (see `Program.finish_capacity`).
+    """
 
     name: str
     buffer: str  # "sbuf" | "psum"
     bytes_pp: int  # bytes per partition charged against the budget
     alloc_t: float
     last_t: float
+    first_t: float | None = None
+
+
+# Software-DGE descriptor storage in SBUF, bytes per partition, charged from a program's first
+# software-DGE DMA (a `vector_offset` gather/scatter or ``dge_mode.swdge``) to its last.
+# ASSUMED: the DGE reference (aws-neuron-sdk nki/deep-dives/nki-dge.rst, 2026-03-31) says only
+# that the GpSimd engine generates swdge descriptors at run time; where they are kept and how
+# much room they take is not documented. 256 B is the reserve nki-library keeps below KLR's
+# usable size on Trn3 (experimental/mlp_mxfp8/common_utils.py MAX_AVAILABLE_SBUF_SIZE_TRN3 =
+# 256 KiB - 16384 - 8 - 256, "minus reserved regions", its purpose unstated); plausible range
+# 0-520 B (520: the reserve nki-library hard-codes on Trn2, nki_api_subset.md §2.1).
+SWDGE_DESCRIPTOR_BYTES = 256
+SWDGE_DESCRIPTOR_RANGE = (0, 520)
+SWDGE_RECORD_NAME = "<swdge descriptors>"
 
 
 class RaceDetector(Protocol):
@@ -257,6 +278,7 @@ class Program:
         self.counters = Counters()
         self.clock = 0  # instructions issued so far
         self.records: list[AllocRecord] = []
+        self.swdge_record: AllocRecord | None = None
         self.shared_index = 0
         self.scalar_acc = np.zeros(128, dtype=np.float32)  # api spec §5.4 ScalarE accumulator
         self.vector_acc = np.zeros(128, dtype=np.float32)  # api spec §5.4 VectorE accumulator
@@ -305,20 +327,46 @@ class Program:
         if first:
             self.run.warn_once(f"{key}@{site}", f"{message} at {site}")
 
-    def new_record(self, name: str, buffer: str, bytes_pp: int) -> AllocRecord:
-        rec = AllocRecord(name, buffer, bytes_pp, self.clock + 0.5, self.clock + 0.5)
+    def new_record(
+        self, name: str, buffer: str, bytes_pp: int, *, written: bool = False
+    ) -> AllocRecord:
+        """Record an on-chip allocation; `written`: filled where it is declared (``nl.zeros``
+        and friends write it there, so it is live from there)."""
+        at = self.clock + 0.5
+        rec = AllocRecord(name, buffer, bytes_pp, at, at, at if written else None)
         self.records.append(rec)
         return rec
 
+    def swdge_dma(self) -> None:
+        """A software-DGE DMA was issued (the current instruction): its descriptors are kept in
+        SBUF (`SWDGE_DESCRIPTOR_BYTES`, assumed) from the program's first such DMA to its last."""
+        rec = self.swdge_record
+        if rec is None:
+            rec = AllocRecord(SWDGE_RECORD_NAME, "sbuf", SWDGE_DESCRIPTOR_BYTES, self.clock, 0)
+            rec.first_t = self.clock
+            self.swdge_record = rec
+            self.records.append(rec)
+        rec.last_t = self.clock
+
     def finish_capacity(self) -> None:
-        """Sweep allocation lifetimes: peak live bytes per partition; raise past the budget."""
+        """Sweep allocation lifetimes: peak live bytes per partition; raise past the budget.
+
+        A tile is live from the first instruction that touches it to the last, not from the
+        line that declares it: nki.compiler.Allocation (NKI API reference) says the compiler
+        "assigns an address to a tile at its first write and releases the address after its
+        last read" (LINEAR; the default COLORING allocates the same traced live ranges by graph
+        colouring). So a buffer declared at the top of a phase and first written late in it
+        takes no room before that write, and a tile no instruction touches takes none. The
+        sum of live bytes is what any allocator needs at that instruction (an upper bound
+        would need fragmentation, which the docs do not describe).
+        """
         t = self.target
         budgets = {"sbuf": t.sbuf_fmax_bytes, "psum": t.psum_budget_bytes}
         for buf in ("sbuf", "psum"):
-            recs = [r for r in self.records if r.buffer == buf]
+            recs = [r for r in self.records if r.buffer == buf and r.first_t is not None]
             if not recs:
                 continue
-            starts = np.array([r.alloc_t for r in recs])
+            starts = np.array([r.first_t for r in recs])
             ends = np.array([r.last_t + 0.25 for r in recs])
             sizes = np.array([r.bytes_pp for r in recs], dtype=np.int64)
             times = np.concatenate([starts, ends])
@@ -333,7 +381,9 @@ class Program:
                 self.counters.peak_psum_bytes = peak
             if self.config.check_capacity and peak > budgets[buf]:
                 at = float(times[order][k])
-                alive = [r for r in recs if r.alloc_t <= at < r.last_t + 0.25]
+                alive = [
+                    r for r in recs if r.first_t is not None and r.first_t <= at < r.last_t + 0.25
+                ]
                 alive.sort(key=lambda r: -r.bytes_pp)
                 top = ", ".join(f"{r.name or '<unnamed>'}={r.bytes_pp}B" for r in alive[:6])
                 instr = int(at)

@@ -191,8 +191,13 @@ class Storage:
         return self.shape[0] if self.buffer.on_chip else 1
 
     def touch(self, clock: int) -> None:
-        if self.record is not None:
-            self.record.last_t = clock
+        """An instruction at `clock` uses this storage: it is live from its first use to its
+        last (the capacity sweep, `machine.Program.finish_capacity`)."""
+        rec = self.record
+        if rec is not None:
+            if rec.first_t is None:
+                rec.first_t = clock
+            rec.last_t = clock
 
 
 def _prod(xs: Sequence[int]) -> int:
@@ -278,7 +283,7 @@ def _new_tensor(
         if address is not None:
             _check_address(prog, st, address)
             st.address = (int(address[0]), int(address[1]))
-        st.record = prog.new_record(name or "", buffer.value, bpp)
+        st.record = prog.new_record(name or "", buffer.value, bpp, written=fill is not None)
     return NkiTensor(st, shp, _row_major(shp), 0, dt, name=name or "")
 
 

@@ -5,6 +5,7 @@ importable (e.g. the scratch closure the issue's recipe assembles, on PYTHONPATH
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 
@@ -91,3 +92,53 @@ def test_real_nkilib_bwd_refuses_what_its_own_asserts_refuse() -> None:
     (c,) = cases.select("quick", "bwd/dense-e1")
     result = run_case(c, "sim", nki_kernel="nkilib")
     assert result.skipped and "tile_f must be divisible by 128" in result.skipped
+
+
+def _aws_tuned_launch(p2_block_m: int) -> Any:
+    """AWS's backward at its tuned shape (H 4096, I_TP 1536, B = T = 4096, one expert, LNC 2)
+    with the tuned per-phase blocking of its measurement: aws-neuron/nki-library
+    tuned_blocking.py, SHAPE_TUNED_CONFIGS[B=4096, H=4096, I_TP=1536] (TILES_IN_LOAD_* as its
+    derive_load_tiles gives them), phase 2's M-blocking replaced by `p2_block_m`. Check-only,
+    the capacity check on."""
+    import dataclasses
+
+    from mxcli.kernels import profiling as prof
+    from mxcli.kernels import selection
+    from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig as M
+    from mxcli.kernels.blockwise_moe.config import TransposeMode
+    from mxcli.kernels.blockwise_moe.nki_backend import launch_sim
+
+    tensors, kwargs = prof.bwd_inputs(prof.BwdShape(4096, 4096, 1536, 1, 1, 4096))
+
+    def phase(m: int, n: int, k: int, load_m: int) -> Any:
+        return M(
+            TILES_IN_BLOCK_M=m, TILES_IN_BLOCK_N=n, TILES_IN_BLOCK_K=k, tile_n=512,
+            TILES_IN_LOAD_M=load_m, TILES_IN_LOAD_N=2,
+        )  # fmt: skip
+
+    cfg = dataclasses.replace(
+        kwargs["config"],
+        phase1_config=phase(16, 2, 4, 8),
+        phase2_config=phase(p2_block_m, 2, 6, 8),
+        phase3_config=phase(6, 4, 2, 6),
+        phase4_config=phase(8, 2, 2, 8),
+        phase3_transpose_mode=TransposeMode.NC,
+        phase4_transpose_mode=TransposeMode.NC,
+    )
+    choice = selection.parse_kernel("nkilib", "blockwise_mm_bwd_mxfp8")
+    return launch_sim(**tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True, kernel=choice)
+
+
+def test_real_nkilib_tuned_blocking_fits_and_the_one_the_compiler_refused_does_not() -> None:
+    """The capacity check accepts what AWS compiled and measured (its tuned blocking: 209,288 B
+    per partition at most, software-DGE descriptors included; under whole-tensor lifetimes it
+    needed 274,568 B and was refused) and refuses what AWS's compiler refused: phase-2
+    M-blocking 32, which tuned_blocking.py says overflows SBUF during QuantizeMx
+    (NCC_IBIR229), peaks at 369,032 B."""
+    from mxcli.nkisim import NkiCapacityError
+
+    res = _aws_tuned_launch(16)
+    peaks = [p.peak_sbuf_bytes for p in res.report.programs]
+    assert max(peaks) == 209288, peaks
+    with pytest.raises(NkiCapacityError, match=r"\(got 369032, expected <= 245752\)"):
+        _aws_tuned_launch(32)

@@ -43,6 +43,121 @@ def test_sbuf_capacity_live_bytes_per_partition() -> None:
     assert rep.counters.peak_sbuf_bytes == 65536
 
 
+def test_tiles_declared_together_but_used_in_turn_fit() -> None:
+    """A tile is live from its first write to its last use, not from the line declaring it
+    (nki.compiler.Allocation: an address "at its first write", released "after its last read"):
+    four 64 KiB tiles declared at the top of a phase and used one after another need 64 KiB, as
+    AWS's backward declares its phase buffers up front. The old sweep charged them from their
+    declaration: 262144 > 245752, rejected."""
+
+    def k(_):
+        tiles = []
+        for i in range(4):
+            tiles.append(nl.ndarray((128, 16384), nl.float32, name=f"t{i}"))
+        for t in tiles:
+            nisa.memset(t, 0.0)
+            nisa.tensor_copy(dst=t, src=t)
+
+    _, rep = run_report(k, DUMMY)
+    assert rep.counters.peak_sbuf_bytes == 65536
+
+
+def test_loop_scoped_tile_reused_across_iterations_fits() -> None:
+    """One tile declared in a loop body and written then read in each iteration: one tile's
+    bytes at any time, however many iterations (180 KiB x 8 would be 1.4 MiB)."""
+
+    def k(_):
+        for _i in range(8):
+            t = nl.ndarray((128, 46080), nl.float32, name="body")  # 180 KiB
+            nisa.memset(t, 0.0)
+            nisa.tensor_copy(dst=t, src=t)
+
+    _, rep = run_report(k, DUMMY)
+    assert rep.counters.peak_sbuf_bytes == 184320
+
+
+def test_two_live_tiles_over_the_budget_are_rejected_naming_peak_and_budget() -> None:
+    """Two 120 KiB tiles read by one instruction are live together: 245760 > 245752 (Trn3),
+    rejected; the message gives the peak, the budget and both tiles."""
+
+    def k(_):
+        a = nl.ndarray((128, 30720), nl.float32, name="a")
+        b = nl.ndarray((128, 30720), nl.float32, name="b")
+        nisa.memset(a, 0.0)
+        nisa.memset(b, 0.0)
+        nisa.tensor_tensor(dst=a, data1=a, data2=b, op=nl.add)
+
+    with pytest.raises(NkiCapacityError) as err:
+        run(k, DUMMY)
+    msg = str(err.value)
+    assert "(got 245760, expected <= 245752)" in msg
+    assert "a=122880B" in msg and "b=122880B" in msg
+
+
+def test_untouched_tile_takes_no_room_and_filled_tile_is_live_from_its_fill() -> None:
+    """A tile no instruction touches gets no address; ``nl.zeros`` writes its tile where it is
+    declared, so that tile is live from there."""
+
+    def unused(_):
+        nl.ndarray((128, 51200), nl.float32, name="never")  # 200 KiB, never touched
+        t = nl.ndarray((128, 16384), nl.float32, name="used")
+        nisa.memset(t, 0.0)
+
+    _, rep = run_report(unused, DUMMY)
+    assert rep.counters.peak_sbuf_bytes == 65536
+
+    def zeros(_):
+        z = nl.zeros((128, 16384), nl.float32, name="z")  # written here
+        t = nl.ndarray((128, 8192), nl.float32, name="t")
+        nisa.memset(t, 0.0)
+        nisa.tensor_copy(dst=t, src=z[:, :8192])
+
+    _, rep = run_report(zeros, DUMMY)
+    assert rep.counters.peak_sbuf_bytes == 65536 + 32768
+
+
+def _gather_kernel(x, idx, big_bytes, indirect):
+    P, F = x.shape
+    big = nl.ndarray((P, big_bytes), nl.uint8, name="big")
+    nisa.memset(big, 0)
+    it = nl.ndarray((P, 1), nl.int32, name="idx")
+    nisa.dma_copy(dst=it, src=idx)
+    rows = nl.ndarray((P, F), nl.float32, name="rows")
+    src = x
+    if indirect:
+        src = x.ap([[F, P], [1, F]], offset=0, vector_offset=it, indirect_dim=0)
+    nisa.dma_copy(dst=rows, src=src)
+    nisa.tensor_copy(dst=big[:, :4], src=big[:, :4])  # big stays live past the gather
+    out = nl.ndarray((P, F), nl.float32, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=out, src=rows)
+    return out
+
+
+def test_software_dge_descriptors_count_against_sbuf() -> None:
+    """A vector_offset gather is software DGE (nki-dge.rst): its descriptor storage is charged
+    (`SWDGE_DESCRIPTOR_BYTES`, an assumed 256 B) from the first such DMA to the last. The same
+    kernel with a static load charges none; 4 B short of the budget without the descriptors is
+    over it with them."""
+    from mxcli.nkisim.machine import SWDGE_DESCRIPTOR_BYTES
+
+    x = np.arange(128 * 64, dtype=np.float32).reshape(128, 64)
+    idx = np.arange(128, dtype=np.int32).reshape(128, 1)[::-1].copy()
+    tiles = 4 + 256  # idx (int32, read by the gather) + rows (64 fp32)
+    _, rep = run_report(_gather_kernel, x, idx, 1024, False)
+    assert rep.counters.peak_sbuf_bytes == 1024 + 256  # idx is dead once written here
+    out, rep = run_report(_gather_kernel, x, idx, 1024, True)
+    np.testing.assert_array_equal(out, x[::-1])
+    assert SWDGE_DESCRIPTOR_BYTES == 256
+    assert rep.counters.peak_sbuf_bytes == 1024 + tiles + 256
+    big = 245752 - tiles - 256 + 4  # fits without the descriptors, 4 B over with them
+    _, rep = run_report(_gather_kernel, x, idx, big, False)
+    assert rep.counters.peak_sbuf_bytes == big + 256
+    with pytest.raises(NkiCapacityError) as err:
+        run(_gather_kernel, x, idx, big, True)
+    assert "(got 245756, expected <= 245752)" in str(err.value)
+    assert "<swdge descriptors>=256B" in str(err.value)
+
+
 def test_psum_banks_and_explicit_address() -> None:
     def k(_, n):
         ps = []

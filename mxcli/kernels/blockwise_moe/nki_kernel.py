@@ -105,7 +105,12 @@ __all__ = [
 
 P = 128  # partitions (nl.tile_size.pmax)
 NMAX = 512  # moving free size of one matmul (one fp32 PSUM bank)
-ZCOLS = 2048  # columns of the zero tile used to initialise outputs
+# Columns of the zero tile used to initialise outputs (2 KiB runs: nki-dma-bandwidth-guide.rst,
+# ">= 2 KiB approaches peak"). 1024, not 2048: the zero tile is live for the whole kernel, and
+# with software-DGE descriptor storage counted (nkisim.machine.SWDGE_DESCRIPTOR_BYTES, assumed
+# 256 B) 2048 put AWS's shape 12 B past `SBUF_BUDGET` (212,484 B on core 0); 1024 peaks at
+# 210,436 B (cost model: 816 -> 858 us there, the README shapes within 0.5%).
+ZCOLS = 1024
 QUAD = 32  # partitions per SBUF quadrant (MX scales live in their data's quadrant)
 # Columns of a spilled phase-3/4 operand staged per write-back in phase 1 (`_rows_q`): 4 KiB
 # data / 1 KiB scale runs (nki-dma-bandwidth-guide.rst: ~89% / ~67% of peak, against ~80% /

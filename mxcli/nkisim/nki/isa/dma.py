@@ -133,6 +133,8 @@ def dma_copy(
             raise NkiValidationError(f"{op}: engine may only be given with dge_mode.hwdge")
         check_engine(op, eng, (_ENG.sync, _ENG.scalar))
     _check_priority(op, prog, priority)
+    if vs or vd or dm is _DGE.swdge:  # software DGE: descriptors in SBUF (capacity sweep)
+        prog.swdge_dma()
     s = _dma_operand(op, "src", src, skip)
     d = _dma_operand(op, "dst", dst, skip)
     if s.size != d.size:
@@ -209,6 +211,8 @@ def dma_compute(
             f"{op}: read-modify-write (vector_offset) needs exactly 2 srcs and unique_indices=True "
             f"(got {len(srcs)} srcs, unique_indices={unique_indices})"
         )
+    if rmw:  # read-modify-write through vector_offset is swdge only (api spec §6.2)
+        prog.swdge_dma()
     d = _dma_operand(op, "dst", dst, skip)
     accs = [_dma_operand(op, f"srcs[{i}]", s, skip) for i, s in enumerate(srcs)]
     for i, a in enumerate(accs):
@@ -315,6 +319,8 @@ def dma_transpose(
             raise NkiValidationError(
                 f"{op}: indirect src.shape[0] must be a multiple of 16 (got {src.shape[0]})"
             )
+    if vs or dm is _DGE.swdge:  # software DGE: descriptors in SBUF (capacity sweep)
+        prog.swdge_dma()
     s = _dma_operand(op, "src", src, skip)
     d = operand(op, "dst", dst, (SBUF,))
     if s.skip:
