@@ -188,30 +188,14 @@ def kernel_config(
 # -- validation and argument conversion ------------------------------------------------------------
 
 
-# kernel tensor parameter -> the call's field
-_CALL_FIELDS = {
-    "hidden_states": "x",
-    "expert_affinities_masked": "ea",
-    "gate_up_proj_weight": "wgu",
-    "down_proj_weight": "wd",
-    "token_position_to_id": "tpi",
-    "block_to_expert": "b2e",
-    "output_hidden_states_grad": "dy",
-    "gate_up_proj_act_checkpoint_T": "ckpt_gu",
-    "gate_act_checkpoint_T": "ckpt_act",
-    "intermediate_checkpoint_T": "ckpt_h",
-    "scaled_intermediate_checkpoint_T": "ckpt_s",
-    "gate_up_weight_scales": "gu_scales",
-    "down_weight_scales": "d_scales",
-    "num_valid_tokens": "num_valid_tokens",
-}
-
-
 def api_arguments(call: BwdCall) -> dict[str, Any]:
     """A validated call's arguments by the API reference's names, for a third-party kernel
     (`mxcli.kernels.selection`, which rebuilds the config as the module's own class)."""
-    out = {k: getattr(call, f) for k, f in _CALL_FIELDS.items()}
-    out.update(block_size=call.B, down_proj_act_checkpoint=call.ckpt_dys, config=call.config)
+    out = {k: getattr(call, k) for k in _KERNEL_TENSORS}
+    out.update(
+        block_size=call.B, down_proj_act_checkpoint=call.down_proj_act_checkpoint,
+        config=call.config,
+    )  # fmt: skip
     return out
 
 
@@ -230,14 +214,14 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     kernel does not implement.
     """
     call = as_call(*args, **kwargs)
-    if call.ckpt_gu is None:
+    if call.gate_up_proj_act_checkpoint_T is None:
         raise NkiKernelUnsupportedError(
             "gate_up_proj_act_checkpoint_T: the NKI kernel needs the gate/up checkpoint (no "
             "recompute from hidden_states), got None"
         )
     out: dict[str, Any] = {}
     for k in _KERNEL_TENSORS:
-        v = getattr(call, _CALL_FIELDS[k])
+        v = getattr(call, k)
         if v is None:
             out[k] = None
             continue
@@ -257,10 +241,10 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
         call,
         call.config,
         call.nv is not None,
-        call.gu_scales is not None,
-        call.d_scales is not None,
+        call.gate_up_weight_scales is not None,
+        call.down_weight_scales is not None,
     )
-    return out, call.x.device
+    return out, call.hidden_states.device
 
 
 def launch_sim(
@@ -290,7 +274,7 @@ def launch_sim(
             check_only=check_only,
             check_capacity=check_capacity,
         )
-        res.outputs = [t.to(call.x.device) for t in res.outputs]
+        res.outputs = [t.to(call.hidden_states.device) for t in res.outputs]
         return res
     kw, device = prepare(*args, **kwargs)
     res = nki_runtime.run_sim(
@@ -338,7 +322,7 @@ def run_neuron(
     if choice is not None:
         call = as_call(*args, **kwargs)
         outs = selection.launch_neuron(choice, api_arguments(call), lnc=lnc)
-        return tuple(t.to(call.x.device) for t in outs)
+        return tuple(t.to(call.hidden_states.device) for t in outs)
     kw, device = prepare(*args, **kwargs)
     outs = nki_runtime.run_neuron(KERNEL, (), kw, lnc=lnc)
     return tuple(t.to(device) for t in outs)
