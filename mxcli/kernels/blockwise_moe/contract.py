@@ -147,8 +147,14 @@ def validate(*args: Any, **kwargs: Any) -> BwdCall:
     ckpt_s = ckpts["scaled_intermediate_checkpoint_T"]
     nv = check_launch_rules(cfg, inp, a["num_valid_tokens"], ckpt_s is not None)
     return BwdCall(
-        config=cfg, emulate=emulate, **inp, **ckpts, num_valid_tokens=a["num_valid_tokens"], nv=nv
-    )
+        config=cfg, emulate=emulate, **inp,
+        gate_up_proj_act_checkpoint_T=ckpts["gate_up_proj_act_checkpoint_T"],
+        gate_act_checkpoint_T=ckpts["gate_act_checkpoint_T"],
+        intermediate_checkpoint_T=ckpts["intermediate_checkpoint_T"],
+        scaled_intermediate_checkpoint_T=ckpt_s,
+        down_proj_act_checkpoint=ckpts["down_proj_act_checkpoint"],
+        num_valid_tokens=a["num_valid_tokens"], nv=nv,
+    )  # fmt: skip
 
 
 def as_call(*args: Any, **kwargs: Any) -> BwdCall:

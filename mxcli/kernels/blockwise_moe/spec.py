@@ -43,7 +43,7 @@ MXCLI_KERNEL = Implementation(
     "mxcli",
     "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
     "mxcli.kernels.blockwise_moe.nki_backend:launch_sim",
-    doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
+    doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel/)",
 )
 # AWS's NKI Library kernel, at the API reference's import path (`mxcli.kernels.selection`)
 NKILIB_KERNEL = Implementation(
