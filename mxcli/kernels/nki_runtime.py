@@ -27,6 +27,7 @@ import enum
 import functools
 import glob
 import importlib
+import importlib.machinery
 import importlib.util
 import os
 import sys
@@ -236,11 +237,43 @@ def _interpreter_builtins() -> dict[str, Any]:
                 raise ModuleNotFoundError(f"No module named {name!r} in mxcli's NKI interpreter")
             # `import nki.isa` binds the top package; `from nki.isa import x` the submodule
             return shim[name] if fromlist else shim["nki"]
+        if level > 0 and globals is not None and globals.get("__builtins__") is table:
+            # a relative import inside a privately loaded kernel package: its modules are
+            # loaded privately too (same builtins), so that their `nki` is the interpreter
+            package = str(globals.get("__package__") or "")
+            base = importlib.util.resolve_name("." * level + name, package)
+            _private_submodule(base, table)
+            for item in fromlist or ():
+                if name == "":
+                    _private_submodule(f"{base}.{item}", table)
         return real_import(name, globals, locals, fromlist, level)
 
     table = dict(vars(builtins))
     table["__import__"] = _import
     return table
+
+
+def _private_submodule(fullname: str, table: dict[str, Any]) -> None:
+    """Load module `fullname` of a privately loaded package (`load_kernel_module`) with the
+    builtins `table`, registered under its private name; nothing when it is loaded already or
+    is not a module file of the package (the normal import then answers)."""
+    if fullname in sys.modules:
+        return
+    parent = sys.modules.get(fullname.rpartition(".")[0])
+    path = getattr(parent, "__path__", None)
+    if path is None:
+        return
+    spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+    if spec is None or spec.loader is None:
+        return
+    mod = importlib.util.module_from_spec(spec)
+    mod.__dict__["__builtins__"] = table
+    sys.modules[fullname] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[fullname]
+        raise
 
 
 def load_kernel_module(module: str, engine: SimEngine = SimEngine.AUTO) -> types.ModuleType:
@@ -249,7 +282,8 @@ def load_kernel_module(module: str, engine: SimEngine = SimEngine.AUTO) -> types
     ``REAL`` (or ``AUTO`` with the Neuron SDK installed): a normal import. ``INTERPRETER`` (or
     ``AUTO`` without it): a private copy of the module whose ``nki`` imports are the
     interpreter's, cached, registered in ``sys.modules`` only under a private alias
-    (``<module>.__nkisim__``) — ``nki`` itself is never installed there.
+    (``<module>.__nkisim__``) — ``nki`` itself is never installed there. A package's modules
+    reached by relative imports are loaded the same way, under ``<module>.__nkisim__.<name>``.
     """
     eng = _pick_engine(engine, check_only=False)
     key = (module, eng)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,32 @@ run_sim = functools.partial(launcher.run_sim, BWD_SPEC)
 run_neuron = functools.partial(launcher.run_neuron, BWD_SPEC)
 
 REL_L2 = 1e-3  # fp32 accumulation order (module docstring)
-KERNEL_FILE = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel.py"
+KERNEL_DIR = Path(__file__).parents[2] / "mxcli/kernels/blockwise_moe/nki_kernel"
+KERNEL_MODULE = "mxcli.kernels.blockwise_moe.nki_kernel"
+
+
+def _kernel_modules() -> list[Any]:
+    """The interpreter's private copy of the kernel package and of its modules."""
+    pkg = nki_runtime.load_kernel_module(KERNEL_MODULE, nki_runtime.SimEngine.INTERPRETER)
+    return [m for k, m in sorted(sys.modules.items()) if k.startswith(pkg.__name__)]
+
+
+def _kernel_attr(name: str) -> Any:
+    """The kernel's (private copy's) constant or helper `name`."""
+    for m in _kernel_modules():
+        if name in vars(m):
+            return vars(m)[name]
+    raise AssertionError(f"no kernel module binds {name}")
+
+
+def _patch(monkeypatch: pytest.MonkeyPatch, name: str, value: Any) -> None:
+    """Rebind `name` in every kernel module that binds it (its own, and those importing it)."""
+    hit = [m for m in _kernel_modules() if name in vars(m)]
+    assert hit, name
+    for m in hit:
+        monkeypatch.setattr(m, name, value)
+
+
 NAMES = ("hidden_states_grad", "affinity_grad", "gate_up_grad", "down_grad", "bias_gu", "bias_d")
 OUTPUT_NAMES = BWD_SPEC.outputs
 
@@ -343,11 +369,8 @@ def test_streamed_weights(monkeypatch: pytest.MonkeyPatch, prequantized: bool) -
     """With no SBUF budget for resident weights or phase-3/4 stationary operands, the quantized
     weights are spilled to the HBM scratch (or read from the pre-quantized inputs) and streamed
     per window, and X / S are loaded per output tile; same results."""
-    mod = nki_runtime.load_kernel_module(
-        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
-    )
-    monkeypatch.setattr(mod, "RESIDENT_BUDGET", 0)
-    monkeypatch.setattr(mod, "STATIONARY_BUDGET", 0)
+    _patch(monkeypatch, "RESIDENT_BUDGET", 0)
+    _patch(monkeypatch, "STATIONARY_BUDGET", 0)
     args = case(256, 512, 2, 256, 2, 256)
     cfg = MXFP8MOEBwdConfig.routed(top_k=2)
     if prequantized:
@@ -362,16 +385,13 @@ def test_streamed_gate_up_quantized_per_column_group(monkeypatch: pytest.MonkeyP
     column group from its DMA transpose, with no HBM scratch in between: two 512-token windows
     and two column groups per core (H=2048, LNC 2), three experts' blocks; bit-exact to the
     reference, and the kernel allocates no quantized-W_gu scratch."""
-    mod = nki_runtime.load_kernel_module(
-        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
-    )
-    monkeypatch.setattr(mod, "RESIDENT_BUDGET", 0)
+    _patch(monkeypatch, "RESIDENT_BUDGET", 0)
     args = case(512, 2048, 3, 1024, 2, 256)
     cfg = MXFP8MOEBwdConfig.routed(top_k=2)
     scratch: list[str] = []
-    real = mod._scratch_operand
-    monkeypatch.setattr(
-        mod,
+    real = _kernel_attr("_scratch_operand")
+    _patch(
+        monkeypatch,
         "_scratch_operand",
         lambda *a: scratch.append(a[-1]) or real(*a),  # type: ignore[func-returns-value]
     )
@@ -393,26 +413,21 @@ def test_sbuf_saving_plans_change_no_output_byte(
     without the operands' one-window pipeline. Four 512-token windows, routed: outputs equal,
     byte for byte, to the default plan's (only buffer lifetimes and instruction order change),
     and the plan ran (later windows' phase-2 loads without X rows; phase 1's rows two ahead)."""
-    mod = nki_runtime.load_kernel_module(
-        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
-    )
     args = case(2048, 512, 1, 2048, 1, 256)
     cfg = MXFP8MOEBwdConfig.routed(top_k=1)
     if plan == "late_x_no_overlap":
-        monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
-        monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
+        _patch(monkeypatch, "OVERLAP_BUDGET", 0)
+        _patch(monkeypatch, "OVERLAP4_BUDGET", 0)
     default = run_sim(**args, config=cfg, lnc=2)
     with_x: list[tuple[int, bool]] = []
     depth: list[tuple[bool, int]] = []
     if plan == "rows_ahead_no_pipeline":
-        monkeypatch.setattr(
-            mod, "_pipeline_depth", lambda *a: depth.append((False, 2)) or (False, 2)
-        )
+        _patch(monkeypatch, "_pipeline_depth", lambda *a: depth.append((False, 2)) or (False, 2))
     else:
-        monkeypatch.setattr(mod, "X_AHEAD_BUDGET", 0)
-        real = mod._phase2_loads
-        monkeypatch.setattr(
-            mod,
+        _patch(monkeypatch, "X_AHEAD_BUDGET", 0)
+        real = _kernel_attr("_phase2_loads")
+        _patch(
+            monkeypatch,
             "_phase2_loads",
             lambda *a: with_x.append((a[5], a[6])) or real(*a),  # type: ignore[func-returns-value]
         )
@@ -428,10 +443,25 @@ def test_sbuf_saving_plans_change_no_output_byte(
 
 
 def _sbuf_budget() -> int:
-    mod = nki_runtime.load_kernel_module(
-        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
-    )
-    return int(mod.SBUF_BUDGET)
+    return int(_kernel_attr("SBUF_BUDGET"))
+
+
+def test_kernel_package_loads_privately_module_by_module() -> None:
+    """The interpreter's private copy of the kernel package holds every module of the package
+    (its relative imports are loaded privately too), each importing the interpreter as
+    ``nki``; the public package's modules stay unimported (they would need a real ``nki``)."""
+    from mxcli import nkisim
+
+    mods = {m.__name__.rpartition(".")[2]: m for m in _kernel_modules()}
+    assert {p.stem for p in KERNEL_DIR.glob("*.py")} - {"__init__"} <= set(mods)
+    shim = nkisim.shim_modules()
+    for name, m in mods.items():
+        assert m.__name__.startswith(f"{KERNEL_MODULE}.__nkisim__"), name
+        if "nl" in vars(m):
+            assert vars(m)["nl"] is shim["nki.language"], name
+        if "nisa" in vars(m):
+            assert vars(m)["nisa"] is shim["nki.isa"], name
+    assert f"{KERNEL_MODULE}.plan" not in sys.modules
 
 
 def test_sbuf_budget_is_aws_margin() -> None:
@@ -466,12 +496,14 @@ def test_peak_sbuf_within_aws_margin(shape: tuple[int, ...]) -> None:
         assert 0 < prog.peak_sbuf_bytes <= budget
 
 
-def _mx_matmuls(mod: Any, fns: tuple[str, ...], recorders: list[Any]) -> int:
+def _mx_matmuls(fns: tuple[str, ...], recorders: list[Any]) -> int:
     """MX matmuls recorded at the source lines of the kernel functions `fns`."""
     sites = set()
     for fn in fns:
-        lines, first = inspect.getsourcelines(getattr(mod, fn))
-        sites |= {f"nki_kernel.py:{first + k}" for k in range(len(lines))}
+        f = _kernel_attr(fn)
+        lines, first = inspect.getsourcelines(f)
+        name = Path(inspect.getsourcefile(f) or "?").name
+        sites |= {f"{name}:{first + k}" for k in range(len(lines))}
     return sum(
         1 for r in recorders for i in r.instrs
         if i.op == "nc_matmul_mx" and i.source.rsplit("/", 1)[-1] in sites
@@ -485,24 +517,21 @@ def test_phases34_row_by_row(monkeypatch: pytest.MonkeyPatch, mode: str) -> None
     blocks per expert (the later ones read the old rows), and dense (block 0 writes, later
     blocks read back); bit-exact to the reference, and every phase-3/4 matmul of the tile-by-
     tile path ran in the row path instead."""
-    mod = nki_runtime.load_kernel_module(
-        "mxcli.kernels.blockwise_moe.nki_kernel", nki_runtime.SimEngine.INTERPRETER
-    )
     if mode == "dense":
         args, cfg = case(512, 1024, 1, 256, 1, 256, dense=True), MXFP8MOEBwdConfig()
     else:
         args, cfg = case(512, 1024, 2, 256, 2, 384), MXFP8MOEBwdConfig.routed(top_k=2)
     with trace.recording() as tiles_rec:  # default budgets: blocks overlap, tile by tile
         run_sim(**args, config=cfg, lnc=2)
-    monkeypatch.setattr(mod, "OVERLAP_BUDGET", 0)
-    monkeypatch.setattr(mod, "OVERLAP4_BUDGET", 0)
+    _patch(monkeypatch, "OVERLAP_BUDGET", 0)
+    _patch(monkeypatch, "OVERLAP4_BUDGET", 0)
     ref = blockwise_mm_bwd_mxfp8(**args, config=cfg)
     with trace.recording() as rows_rec:
         out = run_sim(**args, config=cfg, lnc=2)
     compare(out, ref)
-    per_tile = _mx_matmuls(mod, ("_phase3", "_phase4"), tiles_rec)
-    assert per_tile > 0 and _mx_matmuls(mod, ("_phase34_rows",), rows_rec) == per_tile
-    assert _mx_matmuls(mod, ("_phase3", "_phase4"), rows_rec) == 0
+    per_tile = _mx_matmuls(("_phase3", "_phase4"), tiles_rec)
+    assert per_tile > 0 and _mx_matmuls(("_phase34_rows",), rows_rec) == per_tile
+    assert _mx_matmuls(("_phase3", "_phase4"), rows_rec) == 0
 
 
 # -- validation -------------------------------------------------------------------------------
@@ -562,7 +591,12 @@ def test_neuron_backend_lists_what_is_missing() -> None:
 def test_kernel_source_is_plain_nki() -> None:
     """The kernel imports the real NKI modules (never the interpreter) and calls only ISA ops
     of the api spec §10 checklist for the MoE backward."""
-    imported, used = kernel_source_usage(KERNEL_FILE)
+    imported: set[str] = set()
+    used: set[str] = set()
+    for path in sorted(KERNEL_DIR.glob("*.py")):
+        got = kernel_source_usage(path)
+        imported |= got[0]
+        used |= got[1]
     assert {"nki", "nki.isa", "nki.language"} <= imported
     assert not any("nkisim" in m for m in imported)
     allowed = {

@@ -362,12 +362,15 @@ def blockwise_mm_bwd_mxfp8_reference(*args: Any, **kwargs: Any) -> tuple[torch.T
     on_i = cfg.affinity_option is AffinityOption.AFFINITY_ON_I
     p1, p2, p3, p4 = cfg.phase_configs()
 
-    x, dy, ea, wgu, wd, tpi, b2e = call.x, call.dy, call.ea, call.wgu, call.wd, call.tpi, call.b2e
-    gu_s, d_s = call.gu_scales, call.d_scales
+    x, dy = call.hidden_states, call.output_hidden_states_grad
+    ea, wgu, wd = call.expert_affinities_masked, call.gate_up_proj_weight, call.down_proj_weight
+    tpi, b2e = call.token_position_to_id, call.block_to_expert
+    gu_s, d_s = call.gate_up_weight_scales, call.down_weight_scales
     B, T, H, E, I, N = call.B, call.T, call.H, call.E, call.I, call.N  # noqa: E741
     dev = x.device
-    ckpt_gu, ckpt_act, ckpt_h = call.ckpt_gu, call.ckpt_act, call.ckpt_h
-    ckpt_s, ckpt_dys = call.ckpt_s, call.ckpt_dys
+    ckpt_gu, ckpt_act = call.gate_up_proj_act_checkpoint_T, call.gate_act_checkpoint_T
+    ckpt_h, ckpt_s = call.intermediate_checkpoint_T, call.scaled_intermediate_checkpoint_T
+    ckpt_dys = call.down_proj_act_checkpoint
     nv = call.nv
 
     # ---- path rules checked by the contract (spec §10 config/launch, §9) -----------------

@@ -71,20 +71,20 @@ class BwdCall:
 
     config: MXFP8MOEBwdConfig  # validated (phase configs filled)
     emulate: Emulate  # the reference's numerics; the NKI backends run KERNEL only
-    x: torch.Tensor  # hidden_states [T, H]
-    dy: torch.Tensor  # output_hidden_states_grad [T, H]
-    ea: torch.Tensor  # expert_affinities_masked [T*E, 1]
-    wgu: torch.Tensor  # [E, H, 2, I] or x4 [E, 2I/4, H]
-    wd: torch.Tensor  # [E, I, H] or x4 [E, H/4, I]
-    tpi: torch.Tensor  # token_position_to_id [N*B]
-    b2e: torch.Tensor  # block_to_expert [N, 1]
-    gu_scales: torch.Tensor | None
-    d_scales: torch.Tensor | None
-    ckpt_gu: torch.Tensor | None  # gate_up_proj_act_checkpoint_T [N, 2, I, B]
-    ckpt_act: torch.Tensor | None  # gate_act_checkpoint_T [N, I, B]
-    ckpt_h: torch.Tensor | None  # intermediate_checkpoint_T [N, I, B]
-    ckpt_s: torch.Tensor | None  # scaled_intermediate_checkpoint_T [N, I, B]
-    ckpt_dys: torch.Tensor | None  # down_proj_act_checkpoint [N, B, H]
+    hidden_states: torch.Tensor  # [T, H]
+    output_hidden_states_grad: torch.Tensor  # [T, H]
+    expert_affinities_masked: torch.Tensor  # [T*E, 1]
+    gate_up_proj_weight: torch.Tensor  # [E, H, 2, I] or x4 [E, 2I/4, H]
+    down_proj_weight: torch.Tensor  # [E, I, H] or x4 [E, H/4, I]
+    token_position_to_id: torch.Tensor  # [N*B]
+    block_to_expert: torch.Tensor  # [N, 1]
+    gate_up_weight_scales: torch.Tensor | None
+    down_weight_scales: torch.Tensor | None
+    gate_up_proj_act_checkpoint_T: torch.Tensor | None  # [N, 2, I, B]
+    gate_act_checkpoint_T: torch.Tensor | None  # [N, I, B]
+    intermediate_checkpoint_T: torch.Tensor | None  # [N, I, B]
+    scaled_intermediate_checkpoint_T: torch.Tensor | None  # [N, I, B]
+    down_proj_act_checkpoint: torch.Tensor | None  # [N, B, H]
     num_valid_tokens: Any  # as given (an int or a tensor), None when absent
     nv: int | None  # num_valid_tokens clamped to [0, T]
     B: int
@@ -142,15 +142,18 @@ def validate(*args: Any, **kwargs: Any) -> BwdCall:
     _check_combinations(
         cfg, on_i, ckpts["gate_up_proj_act_checkpoint_T"], ckpts["gate_act_checkpoint_T"],
         ckpts["intermediate_checkpoint_T"], ckpts["scaled_intermediate_checkpoint_T"],
-        ckpts["down_proj_act_checkpoint"], inp["gu_scales"],
+        ckpts["down_proj_act_checkpoint"], inp["gate_up_weight_scales"],
     )  # fmt: skip
     ckpt_s = ckpts["scaled_intermediate_checkpoint_T"]
     nv = check_launch_rules(cfg, inp, a["num_valid_tokens"], ckpt_s is not None)
     return BwdCall(
         config=cfg, emulate=emulate, **inp,
-        ckpt_gu=ckpts["gate_up_proj_act_checkpoint_T"], ckpt_act=ckpts["gate_act_checkpoint_T"],
-        ckpt_h=ckpts["intermediate_checkpoint_T"], ckpt_s=ckpt_s,
-        ckpt_dys=ckpts["down_proj_act_checkpoint"], num_valid_tokens=a["num_valid_tokens"], nv=nv,
+        gate_up_proj_act_checkpoint_T=ckpts["gate_up_proj_act_checkpoint_T"],
+        gate_act_checkpoint_T=ckpts["gate_act_checkpoint_T"],
+        intermediate_checkpoint_T=ckpts["intermediate_checkpoint_T"],
+        scaled_intermediate_checkpoint_T=ckpt_s,
+        down_proj_act_checkpoint=ckpts["down_proj_act_checkpoint"],
+        num_valid_tokens=a["num_valid_tokens"], nv=nv,
     )  # fmt: skip
 
 
@@ -178,8 +181,8 @@ def check_inputs(
     """The required tensors, weights and scales against bwd spec §10 "Inputs" (checkpoints
     excepted); `act_dtypes`: the allowed activation dtypes (None: any floating dtype).
 
-    Returns the `BwdCall` fields they give: the tensors (``x``, ``dy``, ``ea``, ``wgu``, ``wd``,
-    ``tpi``, ``b2e``, ``gu_scales``, ``d_scales``), the dims and the scale layouts."""
+    Returns the `BwdCall` fields they give: the tensors (by their argument names), the dims and
+    the scale layouts."""
     B = ck.check_block_size(block_size)
     x = ck.tensor("hidden_states", hidden_states)
     dy = ck.tensor("output_hidden_states_grad", output_hidden_states_grad)
@@ -232,8 +235,9 @@ def check_inputs(
     ck.check_shape("expert_affinities_masked", ea, (T * E, 1))
     ck.check_float("expert_affinities_masked", ea, None)
     return dict(
-        x=x, dy=dy, ea=ea, wgu=wgu, wd=wd, tpi=tpi, b2e=b2e, gu_scales=gu_s, d_scales=d_s,
-        B=B, T=T, H=H, E=E, I=I, N=N, gu_layout=gu_layout, d_layout=d_layout,
+        hidden_states=x, output_hidden_states_grad=dy, expert_affinities_masked=ea,
+        gate_up_proj_weight=wgu, down_proj_weight=wd, token_position_to_id=tpi,
+        block_to_expert=b2e, gate_up_weight_scales=gu_s, down_weight_scales=d_s, B=B, T=T, H=H, E=E, I=I, N=N, gu_layout=gu_layout, d_layout=d_layout,
     )  # fmt: skip
 
 
@@ -276,7 +280,7 @@ def check_launch_rules(
                 f"token_position_to_id: single_expert_dense requires N == T/B = {T // B} blocks, got {N}"
             )
         return nv
-    b2e, tpi = inp["b2e"], inp["tpi"]
+    b2e, tpi = inp["block_to_expert"], inp["token_position_to_id"]
     if N and (int(b2e.min()) < 0 or int(b2e.max()) >= E):
         raise BwdValidationError(
             f"block_to_expert: expected expert ids in [0, {E}), got "

@@ -185,32 +185,16 @@ def kernel_config(
 # -- validation and argument conversion ------------------------------------------------------------
 
 
-# kernel tensor parameter -> the call's field
-_CALL_FIELDS = {
-    "hidden_states": "x",
-    "expert_affinities_masked": "ea",
-    "gate_up_proj_weight": "wgu",
-    "down_proj_weight": "wd",
-    "token_position_to_id": "tpi",
-    "block_to_expert": "b2e",
-    "output_hidden_states_grad": "dy",
-    "gate_up_proj_act_checkpoint_T": "ckpt_gu",
-    "gate_act_checkpoint_T": "ckpt_act",
-    "intermediate_checkpoint_T": "ckpt_h",
-    "scaled_intermediate_checkpoint_T": "ckpt_s",
-    "gate_up_weight_scales": "gu_scales",
-    "down_weight_scales": "d_scales",
-    "num_valid_tokens": "num_valid_tokens",
-}
-
-
 def api_arguments(call: BwdCall) -> dict[str, Any]:
     """A validated call's arguments by the API reference's names, for a third-party kernel
     (`mxcli.kernels.spec.ThirdParty.arguments`; `nkilib.convert` rebuilds the config as the
     module's own class): ``num_valid_tokens`` given as an int as the ``[1]`` int32 tensor the
     API takes."""
-    out = {k: getattr(call, f) for k, f in _CALL_FIELDS.items()}
-    out.update(block_size=call.B, down_proj_act_checkpoint=call.ckpt_dys, config=call.config)
+    out = {k: getattr(call, k) for k in _KERNEL_TENSORS}
+    out.update(
+        block_size=call.B, down_proj_act_checkpoint=call.down_proj_act_checkpoint,
+        config=call.config,
+    )  # fmt: skip
     nv = out["num_valid_tokens"]
     if isinstance(nv, int) and not isinstance(nv, bool):  # a tensor argument of the API
         out["num_valid_tokens"] = torch.tensor([nv], dtype=torch.int32)
@@ -227,14 +211,14 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
     kernel does not implement.
     """
     call = as_call(*args, **kwargs)
-    if call.ckpt_gu is None:
+    if call.gate_up_proj_act_checkpoint_T is None:
         raise NkiKernelUnsupportedError(
             "gate_up_proj_act_checkpoint_T: the NKI kernel needs the gate/up checkpoint (no "
             "recompute from hidden_states), got None"
         )
     out: dict[str, Any] = {}
     for k in _KERNEL_TENSORS:
-        v = getattr(call, _CALL_FIELDS[k])
+        v = getattr(call, k)
         if v is None:
             out[k] = None
             continue
@@ -254,10 +238,10 @@ def prepare(*args: Any, **kwargs: Any) -> tuple[dict[str, Any], torch.device]:
         call,
         call.config,
         call.nv is not None,
-        call.gu_scales is not None,
-        call.d_scales is not None,
+        call.gate_up_weight_scales is not None,
+        call.down_weight_scales is not None,
     )
-    return out, call.x.device
+    return out, call.hidden_states.device
 
 
 def kernel_arguments(call: BwdCall) -> tuple[tuple[()], dict[str, Any]]:
@@ -269,4 +253,4 @@ def kernel_arguments(call: BwdCall) -> tuple[tuple[()], dict[str, Any]]:
 
 def finish(call: BwdCall, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The outputs on the device of ``hidden_states``."""
-    return [t.to(call.x.device) for t in outputs]
+    return [t.to(call.hidden_states.device) for t in outputs]

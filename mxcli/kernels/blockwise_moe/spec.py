@@ -43,7 +43,7 @@ MXCLI_KERNEL = Implementation(
     "mxcli",
     "mxcli.kernels.blockwise_moe.nki_kernel:blockwise_mm_bwd_mxfp8_jit",
     own=True,
-    doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel.py)",
+    doc="mxcli's NKI kernel (mxcli/kernels/blockwise_moe/nki_kernel/)",
 )
 # the host side of every NKI launch (`mxcli.kernels.launcher`): validation, planning, outputs
 NKI_LAUNCH = NkiLaunch(
