@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -99,6 +99,9 @@ class KernelProfile:
     # which NKI kernel ran (`mxcli.kernels.selection.describe`) and its never-written reads
     nki_kernel: dict[str, Any] | None = None
     uninit_reads: tuple[str, ...] = ()
+    # the recorded instruction streams (one per core): re-costed under other figures for the
+    # estimate's range and for calibration (`mxcli.kernels.calibrating`), with no second run
+    recorders: list[Any] = field(default_factory=list, repr=False)
 
     def summary(self, top: int = 10) -> dict[str, Any]:
         out: dict[str, Any] = {"kernel": self.kernel, "shape": self.shape}
@@ -216,11 +219,13 @@ def profile_kernel(
     target: str = "trn3",
     shape: dict[str, Any] | None = None,
     nki_kernel: Any = None,
+    hw: cost.Hardware | None = None,
 ) -> KernelProfile:
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
     `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
-    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`)."""
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`). `hw`: the figures
+    (default `cost.hardware(target)`; a calibration's: `mxcli.kernels.calibrating`)."""
     import warnings
 
     from mxcli.kernels import selection
@@ -245,13 +250,13 @@ def profile_kernel(
             warnings.filterwarnings("ignore", message=".*reads memory never written")
             launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True, kernel=choice)
     secs = time.perf_counter() - t0
-    prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
+    prof = schedule.build_profile(recorders, target, hw or cost.hardware(target), lnc)
     padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     info = launches[-1].kernel if launches else selection.describe(choice)
     reads = tuple(str(r) for launch in launches for r in launch.uninit_reads)
-    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads)
+    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads, list(recorders))
 
 
 def _sample_bwd_inputs(
