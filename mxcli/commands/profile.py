@@ -206,10 +206,9 @@ def print_report(s: dict[str, Any]) -> None:
         f"list schedule {s['schedule_us']:.1f} us")  # fmt: skip
     if "range" in s:
         rs, rl = s["range"]["schedule_us"], s["range"]["lower_bound_us"]
-        out(
-            f"  range over the assumed/fitted figures: list schedule {rs['low']:.1f}.."
-            f"{rs['high']:.1f} us, lower bound {rl['low']:.1f}..{rl['high']:.1f} us"
-        )
+        items("  range over the assumed/fitted figures:",
+              [f"list schedule {rs['low']:.1f}..{rs['high']:.1f} us,",
+               f"lower bound {rl['low']:.1f}..{rl['high']:.1f} us"])  # fmt: skip
     u, ul = s["pe_utilization"], s["pe_utilization_at_lower_bound"]
     out(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, "
         f"BF16 {u['bf16']:.3f})")  # fmt: skip
@@ -441,7 +440,7 @@ def calibrate(
     quiet: Quiet = False,
     debug: Debug = False,
 ) -> None:
-    """Refit the cost model's fitted figures to measured Trn3 latencies.
+    """Refit the model's fitted figures to measured latencies.
 
     Each measured launch runs once in check-only mode; its recorded instructions are re-costed
     while the fitted figures move within their ranges (least squares on log time). Later runs
