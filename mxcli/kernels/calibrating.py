@@ -143,22 +143,25 @@ class _Evaluator:
         if not kp.recorders:
             raise ValueError("the profile holds no recorded instruction stream")
         self.kp, self.calibration, self.figures = kp, calibration, figures
-        self.cache: dict[tuple[tuple[str, float], ...], tuple[float, float]] = {}
+        self.cache: dict[tuple[tuple[str, float], ...], tuple[float, dict[str, float]]] = {}
 
-    def both(self, s: cal.Settings) -> tuple[float, float]:
+    def _eval(self, s: cal.Settings) -> tuple[float, dict[str, float]]:
         key = tuple(sorted(s.items()))
         if key not in self.cache:
             prof = self.kp.profile
             hw = cal.hardware_with(prof.target, {**self.calibration.values, **s}, self.figures)
             p = schedule.build_profile(self.kp.recorders, prof.target, hw, prof.lnc)
-            self.cache[key] = (p.makespan_ns / 1e3, p.lower_bound_ns / 1e3)
+            self.cache[key] = (p.makespan_ns / 1e3, {k: v / 1e3 for k, v in p.busy_ns().items()})
         return self.cache[key]
 
     def schedule_us(self, s: cal.Settings) -> float:
-        return self.both(s)[0]
+        return self._eval(s)[0]
+
+    def busy_us(self, s: cal.Settings) -> dict[str, float]:
+        return self._eval(s)[1]
 
     def lower_bound_us(self, s: cal.Settings) -> float:
-        return self.both(s)[1]
+        return max(self.busy_us(s).values(), default=0.0)
 
 
 def profile_ranges(
@@ -178,6 +181,42 @@ def profile_ranges(
     out["_evaluator"] = ev  # for comparison_ranges; dropped before printing
     out["_ranges"] = (sched, lb)
     return out
+
+
+class _Extrapolated:
+    """`_Evaluator`'s interface for ``base + sum(w * (sample - base))`` over recorded runs
+    (`profiling.profile_bwd_scaled`'s extrapolation), per figure setting."""
+
+    def __init__(self, base: _Evaluator, samples: Sequence[tuple[_Evaluator, float]]) -> None:
+        self.base, self.samples = base, list(samples)
+
+    def schedule_us(self, s: cal.Settings) -> float:
+        b = self.base.schedule_us(s)
+        return b + sum(w * (e.schedule_us(s) - b) for e, w in self.samples)
+
+    def lower_bound_us(self, s: cal.Settings) -> float:
+        b = self.base.busy_us(s)
+        per = [(e.busy_us(s), w) for e, w in self.samples]
+        return max(b[k] + sum(w * (x[k] - b[k]) for x, w in per) for k in b)
+
+
+def extrapolated_ranges(
+    base: Any,
+    samples: Sequence[tuple[Any, float]],
+    calibration: Calibration | None = None,
+    figures: Sequence[Figure] | None = None,
+) -> dict[str, Any]:
+    """`profile_ranges` of the extrapolation ``base + sum(w * (sample - base))`` of recorded
+    runs (`base`, (`sample`, `w`) pairs of `profiling.KernelProfile`): the extrapolation is
+    redone at each figure setting (JSON-ready)."""
+    figures = cost.FIGURES if figures is None else figures
+    c = calibration or Calibration()
+    ev = _Extrapolated(_Evaluator(base, c, figures),
+                       [(_Evaluator(kp, c, figures), w) for kp, w in samples])  # fmt: skip
+    free = cal.free_figures(figures)
+    sched = cal.estimate_range(ev.schedule_us, free, c.ranges)
+    lb = cal.estimate_range(ev.lower_bound_us, free, c.ranges)
+    return _ranges_doc(sched, lb, free, c)
 
 
 def _ranges_doc(sched: cal.EstimateRange, lb: cal.EstimateRange, free: list[Figure],

@@ -299,7 +299,13 @@ def _extrapolate(base: Any, steps: list[tuple[Any, float]]) -> Any:
 
 
 def profile_bwd_scaled(
-    s: BwdShape, *, lnc: int = 2, target: str = "trn3", blocks: tuple[int, int] = (1, 2)
+    s: BwdShape,
+    *,
+    lnc: int = 2,
+    target: str = "trn3",
+    blocks: tuple[int, int] = (1, 2),
+    hw: cost.Hardware | None = None,
+    calibration: Any = None,
 ) -> dict[str, Any]:
     """The backward kernel's profile at shape `s`, extrapolated from four short runs.
 
@@ -325,7 +331,7 @@ def profile_bwd_scaled(
     runs = []
     for nb, ne, one in ((n1, e1, False), (n2, e1, False), (n2, e1, True), (n1, e2, False)):
         tensors, kwargs = _sample_bwd_inputs(s, nb, ne, one)
-        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target))
+        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target, hw=hw))
     plan = bwd_inputs(s)
     pad = _padding(*plan)
     firsts = int(plan[0]["block_to_expert"].unique().numel())
@@ -366,4 +372,10 @@ def profile_bwd_scaled(
     out["top_lines"] = pb["top_lines"]
     out["sampled"] = {"blocks_experts": [[n1, e1], [n2, e1], [n2, 1], [n1, e2]]}
     out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
+    from mxcli.kernels import calibrating  # the range: the extrapolation per figure setting
+
+    ranges = calibrating.extrapolated_ranges(
+        runs[0], [(r, w) for r, (_, w) in zip(runs[1:], steps, strict=True)], calibration
+    )
+    out["range"] = ranges
     return out

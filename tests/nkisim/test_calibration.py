@@ -233,3 +233,14 @@ def test_fit_needs_fitted_figures(prefills: list[Any]) -> None:
         pytest.skip("the table has fitted figures")
     with pytest.raises(Exception, match="no fitted figure"):
         kc.calibrate(prefills, _measure(prefills, figures, {}), figures)
+
+
+def test_extrapolated_profile_carries_its_range() -> None:
+    """`profile_bwd_scaled` (bench_nki's README shapes): the range's nominal is the
+    extrapolated estimate itself (the extrapolation redone per figure setting)."""
+    out = prof.profile_bwd_scaled(prof.BwdShape(256, 256, 128, 4, 2, 128), lnc=1)
+    sched, lb = out["range"]["schedule_us"], out["range"]["lower_bound_us"]
+    assert sched["nominal"] == pytest.approx(out["schedule_us"], rel=1e-9)
+    assert lb["nominal"] == pytest.approx(out["lower_bound_us"], rel=1e-9)
+    assert sched["low"] <= sched["nominal"] <= sched["high"]
+    assert lb["low"] <= lb["nominal"] <= lb["high"]
