@@ -118,7 +118,10 @@ def main() -> None:
         help="calibration file (mxcli profile calibrate): the fitted figures' values and ranges",
     )
     args = ap.parse_args()
-    calib = calibrating.load_calibration(args.calibration) if args.calibration else None
+    try:
+        calib = calibrating.load_calibration(args.calibration) if args.calibration else None
+    except MxcliError as exc:
+        ap.error(str(exc))  # one line, exit 2
     hw = calib.hardware() if calib is not None else None
     t0 = time.perf_counter()
     summaries: list[dict[str, Any]] = []
