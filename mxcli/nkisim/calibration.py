@@ -276,6 +276,7 @@ def fit(
     r = residual(u)
     lam = 1e-3
     it = 0
+    moved = math.inf
     for it in range(1, max_iter + 1):  # noqa: B007 (reported)
         J = jacobian(u, r)
         g = J.T @ r
@@ -309,6 +310,8 @@ def fit(
             cov = s2 * np.linalg.inv(J.T @ J)
             for j, (f, (lo, hi)) in enumerate(zip(figures, bounds, strict=True)):
                 sd = math.sqrt(max(float(cov[j, j]), 0.0))
+                if not math.isfinite(sd) or not np.all(np.isfinite(cov)):
+                    continue  # a figure the measurements do not constrain: its declared range
                 ranges[f.key] = (_from_u(u[j] - 2 * sd, lo, hi), _from_u(u[j] + 2 * sd, lo, hi))
         except np.linalg.LinAlgError:  # a figure the measurements do not constrain
             pass

@@ -244,3 +244,26 @@ def test_extrapolated_profile_carries_its_range() -> None:
     assert lb["nominal"] == pytest.approx(out["lower_bound_us"], rel=1e-9)
     assert sched["low"] <= sched["nominal"] <= sched["high"]
     assert lb["low"] <= lb["nominal"] <= lb["high"]
+
+
+def test_a_figure_the_measurements_do_not_move_keeps_its_value_and_range(
+    prefills: list[Any],
+) -> None:
+    """A fitted figure no measured instruction uses (this prefill has no VectorE exponential): the fit
+    leaves it where it started, and its range stays the declared one (nothing constrains it)."""
+    figures = _table(
+        dma_descriptor_overhead_bytes=("fitted", 128, 4096),
+        exponential_vs_scalar=("fitted", 2, 8),
+    )
+    ev = kc._Evaluator(prefills[0], kc.Calibration(), figures)
+    assert ev.schedule_us({"exponential_vs_scalar": 2}) == ev.schedule_us(
+        {"exponential_vs_scalar": 8}
+    )
+    ms = _measure(prefills, figures, {"dma_descriptor_overhead_bytes": 700.0})
+    for m, f in zip(ms, (1.01, 0.99, 1.005), strict=True):
+        m.us *= f
+    res = kc.calibrate(prefills, ms, figures)
+    assert res.values["exponential_vs_scalar"] == pytest.approx(4.0)
+    assert res.ranges["exponential_vs_scalar"] == (2.0, 8.0)
+    lo, hi = res.ranges["dma_descriptor_overhead_bytes"]
+    assert lo < res.values["dma_descriptor_overhead_bytes"] < hi
