@@ -209,6 +209,9 @@ def print_report(s: dict[str, Any]) -> None:
         items("  range over the assumed/fitted figures:",
               [f"list schedule {rs['low']:.1f}..{rs['high']:.1f} us,",
                f"lower bound {rl['low']:.1f}..{rl['high']:.1f} us"])  # fmt: skip
+        odd = sorted(set(rs["non_monotone"]) | set(rl["non_monotone"]))
+        if odd:  # the corners are then not guaranteed extremes (nkisim/calibration.py)
+            out(f"    not monotone in {', '.join(odd)}: the range may not hold every setting")
     u, ul = s["pe_utilization"], s["pe_utilization_at_lower_bound"]
     out(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, "
         f"BF16 {u['bf16']:.3f})")  # fmt: skip
