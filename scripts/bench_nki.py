@@ -122,7 +122,6 @@ def main() -> None:
         calib = calibrating.load_calibration(args.calibration) if args.calibration else None
     except MxcliError as exc:
         ap.error(str(exc))  # one line, exit 2
-    hw = calib.hardware() if calib is not None else None
     t0 = time.perf_counter()
     summaries: list[dict[str, Any]] = []
     if not args.skip_prefill:
@@ -130,16 +129,16 @@ def main() -> None:
             ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
             tensors, kwargs = prof.prefill_inputs(ps)
             kp = prof.profile_kernel(
-                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__), hw=hw
-            )
+                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__),
+                calibration=calib,
+            )  # fmt: skip
             summaries.append(kp.summary(args.top))
-            summaries[-1]["range"] = calibrating.public(calibrating.profile_ranges(kp, calib))
     if not args.skip_bwd:
         for name, (H, I, E, K) in (("qwen3-30b-a3b", (2048, 768, 128, 8)),  # noqa: E741
                                    ("deepseek-v3 EP rank", (7168, 2048, 32, 2))):  # fmt: skip
             for B in (512, 1024):
                 s = prof.profile_bwd_scaled(
-                    prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc, hw=hw, calibration=calib
+                    prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc, calibration=calib
                 )
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
@@ -150,22 +149,19 @@ def main() -> None:
         shape = prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
         label = {"model": "AWS tuned shape", **shape.__dict__}
         tensors, kwargs = prof.bwd_inputs(shape)
-        kp = prof.profile_kernel(prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, hw=hw)
+        kp = prof.profile_kernel(
+            prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, calibration=calib
+        )
         ours_aws = kp.summary(args.top)
-        ours_range = calibrating.profile_ranges(kp, calib)
-        ours_aws["range"] = calibrating.public(ours_range)
         summaries.append(ours_aws)
         try:
             choice = selection.parse_kernel(selection.NKILIB, prof.BWD, args.kernel_path)
             selection.describe(choice)  # not importable: one line, no run
             kp = prof.profile_kernel(
-                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice, hw=hw
-            )
+                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice,
+                calibration=calib,
+            )  # fmt: skip
             theirs = kp.summary(args.top)
-            theirs_range = calibrating.profile_ranges(kp, calib)
-            theirs["range"] = calibrating.public(theirs_range)
-            # figures shared by both kernels: the ratio per figure setting, not of extremes
-            ratio = calibrating.comparison_ranges(ours_range, theirs_range)
         except MxcliError as exc:
             theirs_missing = str(exc)
     utils = [_report(s, args.top) for s in summaries]
@@ -196,12 +192,14 @@ def main() -> None:
                 f"{ours_aws['lower_bound_us'] / theirs['lower_bound_us']:.3f} (model not fitted "
                 "to or checked against any MX kernel measurement)"
             )
+            # figures shared by both kernels: the ratio per figure setting, not of extremes
+            ratio = calibrating.comparison_ranges(ours_aws["range"], theirs["range"])
             rs, rl = ratio["schedule_ratio"], ratio["lower_bound_ratio"]
             print(
                 f"   ours / AWS's over the assumed/fitted figures' ranges (shared by both): "
                 f"schedule {rs['low']:.3f}..{rs['high']:.3f}, lower bound {rl['low']:.3f}.."
                 f"{rl['high']:.3f}; "
-                + calibrating.verdict(ours_range, theirs_range, "mxcli", "nkilib")
+                + calibrating.verdict(ours_aws["range"], theirs["range"], "mxcli", "nkilib")
             )
         print(
             f"   AWS's measurement of AWS's kernel ({measured.BWD_SOURCE}, its tuned blockings): "

@@ -118,7 +118,10 @@ def _write_traces(profiles: list[Any], paths: list[Path | None], force: bool) ->
 
 
 def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each kernel's schedule and lower bound against the first one's (ratio = other / first)."""
+    """Each kernel's schedule and lower bound against the first one's (ratio = other / first),
+    with the ratio's range and a verdict when the summaries carry ranges."""
+    from mxcli.kernels import calibrating
+
     base = summaries[0]
     rows = []
     for s in summaries:
@@ -136,23 +139,21 @@ def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 ),
             }
         )
-    for s, r in zip(summaries, rows, strict=True):
-        if "range" in s and "range" in base and s is not base:
-            r["range"] = s["_cmp"]  # ratio other / first per shared figure setting
-            r["verdict"] = s["_verdict"]
+    for s, r in list(zip(summaries, rows, strict=True))[1:]:
+        if "range" in s and "range" in base:  # issue 29 item 5: figures shared by both
+            r["range"] = calibrating.comparison_ranges(s["range"], base["range"])
+            r["verdict"] = calibrating.verdict(
+                s["range"], base["range"], r["kernel"], rows[0]["kernel"]
+            )
     return {"baseline": rows[0]["kernel"], "kernels": rows}
 
 
 def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False) -> None:
-    cmp_all = comparison(summaries) if len(summaries) > 1 else None
-    for s in summaries:  # private entries of the comparison
-        s.pop("_cmp", None)
-        s.pop("_verdict", None)
     if json_out:
         if len(summaries) == 1:
             print_json(summaries[0])
         else:
-            print_json({"profiles": summaries, "comparison": cmp_all})
+            print_json({"profiles": summaries, "comparison": comparison(summaries)})
         return
     if quiet:
         return
@@ -160,8 +161,7 @@ def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False
         print_report(s)
     if len(summaries) > 1:
         con = stdout_console()
-        cmp = cmp_all
-        assert cmp is not None
+        cmp = comparison(summaries)
         con.print(f"[bold]side by side[/] (ratio against {cmp['baseline']}):", highlight=False)
         for r in cmp["kernels"]:
             ratio = r["schedule_ratio"]
@@ -288,11 +288,12 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
                 target=target,
                 shape=shape,
                 nki_kernel=c,
-                hw=cal.hardware(target) if cal is not None else None,
+                calibration=cal,
             )
             for c in choices
         ]
-        ranges = [calibrating.profile_ranges(kp, cal) for kp in profiles]
+        for kp in profiles:  # each estimate's range (issue 29 item 5), under the spinner
+            kp.ranges()
     _write_traces(profiles, paths, force)
     summaries = []
     for kp, path in zip(profiles, paths, strict=True):
@@ -300,16 +301,6 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
         if path is not None:
             s["trace"] = str(path)
         summaries.append(s)
-    for s, r in zip(summaries, ranges, strict=True):  # each estimate with its range (#29 item 5)
-        s["range"] = calibrating.public(r)
-        if s is not summaries[0]:
-            s["_cmp"] = calibrating.comparison_ranges(r, ranges[0])
-            s["_verdict"] = calibrating.verdict(
-                r,
-                ranges[0],
-                s.get("nki_kernel", {}).get("kernel", "?"),
-                summaries[0].get("nki_kernel", {}).get("kernel", "?"),
-            )
     _finish(summaries, json_out, quiet)
 
 

@@ -177,10 +177,7 @@ def profile_ranges(
     free = cal.free_figures(figures)
     sched = cal.estimate_range(ev.schedule_us, free, c.ranges)
     lb = cal.estimate_range(ev.lower_bound_us, free, c.ranges)
-    out = _ranges_doc(sched, lb, free, c)
-    out["_evaluator"] = ev  # for comparison_ranges; dropped before printing
-    out["_ranges"] = (sched, lb)
-    return out
+    return _ranges_doc(sched, lb, free, c)
 
 
 class _Extrapolated:
@@ -232,26 +229,16 @@ def _ranges_doc(sched: cal.EstimateRange, lb: cal.EstimateRange, free: list[Figu
     }
 
 
-def public(ranges: dict[str, Any]) -> dict[str, Any]:
-    """`profile_ranges`' result without its private entries (JSON-ready)."""
-    return {k: v for k, v in ranges.items() if not k.startswith("_")}
+def comparison_ranges(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, Any]:
+    """Ratio a / b of two profiles' estimates (their ``"range"`` documents) with the figures
+    SHARED: per figure setting both evaluated, never the ratio of independent extremes."""
+    return {
+        "schedule_ratio": cal.ratio_of_docs(a["schedule_us"], b["schedule_us"]),
+        "lower_bound_ratio": cal.ratio_of_docs(a["lower_bound_us"], b["lower_bound_us"]),
+    }
 
 
-def comparison_ranges(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
-    """Ratio a / b of two profiles' estimates with the figures SHARED (per setting, never the
-    ratio of independent extremes), and whether one is faster under the model's uncertainty:
-    ``"faster"`` names the kernel whose whole schedule range lies below the other's."""
-    out: dict[str, Any] = {}
-    for i, metric in enumerate(("schedule_us", "lower_bound_us")):
-        ra, rb = a["_ranges"][i], b["_ranges"][i]
-        fa = getattr(a["_evaluator"], metric)
-        fb = getattr(b["_evaluator"], metric)
-        nom, lo, hi = cal.ratio_range(ra, rb, fa, fb)
-        out[metric.replace("_us", "_ratio")] = {"nominal": nom, "low": lo, "high": hi}
-    return out
-
-
-def verdict(a: dict[str, Any], b: dict[str, Any], name_a: str, name_b: str) -> str:
+def verdict(a: Mapping[str, Any], b: Mapping[str, Any], name_a: str, name_b: str) -> str:
     """ "A faster" / "B faster" only when one's whole schedule range lies below the other's."""
     ra, rb = a["schedule_us"], b["schedule_us"]
     if ra["high"] < rb["low"]:

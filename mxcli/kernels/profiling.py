@@ -102,8 +102,21 @@ class KernelProfile:
     # the recorded instruction streams (one per core): re-costed under other figures for the
     # estimate's range and for calibration (`mxcli.kernels.calibrating`), with no second run
     recorders: list[Any] = field(default_factory=list, repr=False)
+    calibration: Any = None  # `mxcli.kernels.calibrating.Calibration` the figures came from
+    _range: dict[str, Any] | None = field(default=None, repr=False)
 
-    def summary(self, top: int = 10) -> dict[str, Any]:
+    def ranges(self) -> dict[str, Any]:
+        """The estimates' ranges over the free figures (`calibrating.profile_ranges`; the
+        recorded stream re-scheduled, computed once)."""
+        from mxcli.kernels import calibrating
+
+        if self._range is None:
+            self._range = calibrating.profile_ranges(self, self.calibration)
+        return self._range
+
+    def summary(self, top: int = 10, ranges: bool = True) -> dict[str, Any]:
+        """JSON-ready report; with `ranges` (and a recorded stream) each estimate's range
+        under ``"range"`` (issue 29 item 5)."""
         out: dict[str, Any] = {"kernel": self.kernel, "shape": self.shape}
         if self.nki_kernel is not None:
             out["nki_kernel"] = self.nki_kernel
@@ -118,6 +131,8 @@ class KernelProfile:
                 "efficiency": p.efficiency,
             }  # fmt: skip
         out["check_only_run_s"] = round(self.run_seconds, 3)
+        if ranges and self.recorders:
+            out["range"] = self.ranges()
         return out
 
 
@@ -219,13 +234,13 @@ def profile_kernel(
     target: str = "trn3",
     shape: dict[str, Any] | None = None,
     nki_kernel: Any = None,
-    hw: cost.Hardware | None = None,
+    calibration: Any = None,
 ) -> KernelProfile:
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
     `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
-    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`). `hw`: the figures
-    (default `cost.hardware(target)`; a calibration's: `mxcli.kernels.calibrating`)."""
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.KernelChoice`). `calibration`: a
+    `mxcli.kernels.calibrating.Calibration` whose fitted figures replace the table's."""
     import warnings
 
     from mxcli.kernels import selection
@@ -250,13 +265,16 @@ def profile_kernel(
             warnings.filterwarnings("ignore", message=".*reads memory never written")
             launch_sim(**tensors, **kwargs, lnc=lnc, check_only=True, kernel=choice)
     secs = time.perf_counter() - t0
-    prof = schedule.build_profile(recorders, target, hw or cost.hardware(target), lnc)
+    hw = calibration.hardware(target) if calibration is not None else cost.hardware(target)
+    prof = schedule.build_profile(recorders, target, hw, lnc)
     padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     info = launches[-1].kernel if launches else selection.describe(choice)
     reads = tuple(str(r) for launch in launches for r in launch.uninit_reads)
-    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads, list(recorders))
+    return KernelProfile(
+        spec.name, prof, shape, padding, secs, info, reads, list(recorders), calibration
+    )
 
 
 def _sample_bwd_inputs(
@@ -304,7 +322,6 @@ def profile_bwd_scaled(
     lnc: int = 2,
     target: str = "trn3",
     blocks: tuple[int, int] = (1, 2),
-    hw: cost.Hardware | None = None,
     calibration: Any = None,
 ) -> dict[str, Any]:
     """The backward kernel's profile at shape `s`, extrapolated from four short runs.
@@ -331,11 +348,15 @@ def profile_bwd_scaled(
     runs = []
     for nb, ne, one in ((n1, e1, False), (n2, e1, False), (n2, e1, True), (n1, e2, False)):
         tensors, kwargs = _sample_bwd_inputs(s, nb, ne, one)
-        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target, hw=hw))
+        runs.append(
+            profile_kernel(
+                BWD.name, tensors, kwargs, lnc=lnc, target=target, calibration=calibration
+            )  # fmt: skip
+        )
     plan = bwd_inputs(s)
     pad = _padding(*plan)
     firsts = int(plan[0]["block_to_expert"].unique().numel())
-    base, pb, pl, pe = (r.summary(10) for r in runs)
+    base, pb, pl, pe = (r.summary(10, ranges=False) for r in runs)
     # all sampled blocks are their expert's first, but the one-expert run's last n2 - n1
     steps = [
         (pb, (firsts - n1) / (n2 - n1)),
@@ -374,8 +395,7 @@ def profile_bwd_scaled(
     out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
     from mxcli.kernels import calibrating  # the range: the extrapolation per figure setting
 
-    ranges = calibrating.extrapolated_ranges(
+    out["range"] = calibrating.extrapolated_ranges(
         runs[0], [(r, w) for r, (_, w) in zip(runs[1:], steps, strict=True)], calibration
     )
-    out["range"] = ranges
     return out

@@ -34,6 +34,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -133,6 +134,10 @@ class EstimateRange:
             "high": self.high,
             "directions": dict(self.directions),
             "non_monotone": list(self.non_monotone),
+            # the estimate at every setting (names are the same settings for every kernel
+            # under the same figures, except the two corners, whose settings are given)
+            "values": dict(self.values),
+            "corners": {k: dict(self.settings[k]) for k in ("slow", "fast")},
         }
 
 
@@ -193,14 +198,31 @@ def ratio_range(
     """``(nominal, low, high)`` of ``a / b`` with the figures SHARED: the ratio at each setting
     either range evaluated (both kernels' corners and per-figure extremes), never the ratio of
     independent extremes. Settings one side has not evaluated are evaluated now."""
-    names = {**a.settings, **b.settings}
     ratios = []
-    for name, s in names.items():
-        va = a.values[name] if name in a.settings and a.settings[name] == s else evaluate_a(s)
-        vb = b.values[name] if name in b.settings and b.settings[name] == s else evaluate_b(s)
-        ratios.append(va / vb if vb else math.inf)
+    for side in (a, b):
+        for name, s in side.settings.items():
+            va = a.values[name] if a.settings.get(name) == s else evaluate_a(s)
+            vb = b.values[name] if b.settings.get(name) == s else evaluate_b(s)
+            ratios.append(va / vb if vb else math.inf)
     nominal = a.nominal / b.nominal if b.nominal else math.inf
     return nominal, min(ratios), max(ratios)
+
+
+def ratio_of_docs(a: Mapping[str, Any], b: Mapping[str, Any]) -> dict[str, float]:
+    """`ratio_range` from two `EstimateRange.as_dict` documents (no re-evaluation): the ratio
+    at every setting both evaluated (the corners only where their settings agree), so the
+    figures are shared. ``{"nominal", "low", "high"}``."""
+    va, vb = a["values"], b["values"]
+    ratios = []
+    for name in va:
+        if name not in vb or not vb[name]:
+            continue
+        if name in ("slow", "fast") and a["corners"][name] != b["corners"][name]:
+            continue
+        ratios.append(va[name] / vb[name])
+    nominal = a["nominal"] / b["nominal"] if b["nominal"] else math.inf
+    return {"nominal": nominal, "low": min(ratios, default=nominal),
+            "high": max(ratios, default=nominal)}  # fmt: skip
 
 
 # -- calibration -----------------------------------------------------------------------------

@@ -153,9 +153,17 @@ def test_ratio_range_shares_the_figures(prefills: list[Any]) -> None:
     assert ra.high / ra.low > 1.2
     assert cal.ratio_range(ra, ra, ea.schedule_us, ea.schedule_us) == (1.0, 1.0, 1.0)
     nom, lo, hi = cal.ratio_range(ra, rb, ea.schedule_us, eb.schedule_us)
-    per = [ea.schedule_us(s) / eb.schedule_us(s) for s in ra.settings.values()]
+    settings = [*ra.settings.values(), *rb.settings.values()]
+    per = [ea.schedule_us(s) / eb.schedule_us(s) for s in settings]
     assert (lo, hi) == (min(per), max(per)) and lo <= nom <= hi
     assert ra.low / rb.high < lo and hi < ra.high / rb.low  # tighter than independent extremes
+    # from the JSON documents alone (what profile --json and bench_nki carry): the same
+    # settings where both kernels' corners agree
+    assert ra.settings["slow"] == rb.settings["slow"]
+    doc = cal.ratio_of_docs(ra.as_dict(), rb.as_dict())
+    assert (doc["nominal"], doc["low"], doc["high"]) == pytest.approx((nom, lo, hi), rel=1e-12)
+    same = kc.comparison_ranges(kc.profile_ranges(a), kc.profile_ranges(a))
+    assert same["schedule_ratio"] == {"nominal": 1.0, "low": 1.0, "high": 1.0}
 
 
 def test_verdict_needs_disjoint_ranges() -> None:
@@ -169,7 +177,7 @@ def test_verdict_needs_disjoint_ranges() -> None:
 
 def test_profile_ranges_on_the_table(prefills: list[Any]) -> None:
     """`profile_ranges` over the table's free figures: nominal = the profile's own estimate."""
-    rg = kc.public(kc.profile_ranges(prefills[0]))
+    rg = kc.profile_ranges(prefills[0])
     sched = rg["schedule_us"]
     assert sched["nominal"] == pytest.approx(prefills[0].profile.makespan_ns / 1e3, rel=1e-12)
     assert sched["low"] <= sched["nominal"] <= sched["high"]
@@ -242,7 +250,7 @@ def test_calibration_file_round_trip_and_bad_keys(prefills: list[Any], tmp_path:
     # the calibrated profile is the model at the calibrated value
     kp = prof.profile_kernel(
         "prefill", *prof.prefill_inputs(prof.PrefillShape(32, 512, 16, 2, "softmax", 4, 2, False)),
-        lnc=1, hw=c.hardware("trn3", figures),
+        lnc=1, calibration=c,
     )  # fmt: skip
     assert kp.profile.makespan_ns / 1e3 == pytest.approx(ms[0].us, rel=1e-6)
     bad = [
