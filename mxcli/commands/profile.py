@@ -207,7 +207,7 @@ def print_report(s: dict[str, Any]) -> None:
     if "range" in s:
         rs, rl = s["range"]["schedule_us"], s["range"]["lower_bound_us"]
         items("  range over the assumed/fitted figures:",
-              [f"list schedule {rs['low']:.1f}..{rs['high']:.1f} us,",
+              [f"list schedule {rs['low']:.1f}..{rs['high']:.1f} us",
                f"lower bound {rl['low']:.1f}..{rl['high']:.1f} us"])  # fmt: skip
         odd = sorted(set(rs["non_monotone"]) | set(rl["non_monotone"]))
         if odd:  # the corners are then not guaranteed extremes (nkisim/calibration.py)
