@@ -11,7 +11,8 @@ this module ties it to recorded kernel runs and to files.
 ``kernel``: ``prefill`` / ``bwd`` (or the kernel's name); ``shape``: every field of
 `profiling.PrefillShape` / `profiling.BwdShape`; ``lnc``: 1 or 2; ``us``: the measured latency
 (microseconds, > 0); optional ``kwargs``: kernel keyword arguments over the shape's own (as
-``make-inputs`` records them, e.g. a bwd ``config`` object); optional ``nki_kernel``: which
+``make-inputs`` records them; an object such as the bwd ``config`` is merged field by field
+into the shape's); optional ``nki_kernel``: which
 implementation was timed (default ``mxcli``).
 
 **Calibration file**: ``{"format": "mxcli-calibration", "version": 1, "mxcli": VERSION,
@@ -325,6 +326,14 @@ def read_measurements(path: str | os.PathLike[str]) -> list[Measurement]:
     return out
 
 
+def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        b = out.get(k)
+        out[k] = _merged(b, v) if isinstance(b, Mapping) and isinstance(v, Mapping) else v
+    return out
+
+
 def _inputs(m: Measurement, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
     from mxcli.kernels import profiling as prof
     from mxcli.kernels.spec import get_spec
@@ -334,8 +343,8 @@ def _inputs(m: Measurement, where: str) -> tuple[dict[str, Any], dict[str, Any]]
     try:
         s = cls(**m.shape)
         tensors, kwargs = prof.prefill_inputs(s) if cls is prof.PrefillShape else prof.bwd_inputs(s)
-        if m.kwargs:
-            kwargs = spec.resolve_kwargs(spec.dump_kwargs(kwargs), m.kwargs)
+        if m.kwargs:  # over the shape's own kwargs, objects (a bwd config) field by field
+            kwargs = spec.resolve_kwargs(_merged(spec.dump_kwargs(kwargs), m.kwargs))
     except (InputError, TypeError) as exc:
         raise _fail(where, str(exc)) from None
     return tensors, kwargs

@@ -58,6 +58,7 @@ def _bad_cases() -> list[tuple[list[Any], str]]:
         ([no_experts], "measurement 0: shape: missing key 'experts'"),
         ([_entry(config={})], "measurement 0: unknown key 'config'"),
         ([], "expected a non-empty list of measurements"),
+        ([_entry(kwargs={"nope": 1})], "measurement 0: nope: not a kwarg of rmsnorm_mx_prefill"),
     ]
 
 

@@ -306,3 +306,11 @@ def test_a_figure_the_measurements_do_not_move_keeps_its_value_and_range(
     assert res.ranges["exponential_vs_scalar"] == (2.0, 8.0)
     lo, hi = res.ranges["dma_descriptor_overhead_bytes"]
     assert lo < res.values["dma_descriptor_overhead_bytes"] < hi
+
+
+def test_measurement_kwargs_merge_into_the_shapes_field_by_field() -> None:
+    base = {"block_size": 128, "config": {"bias": False, "skip_dma": {"a": 1, "b": 2}}}
+    over = {"config": {"skip_dma": {"b": 3}, "bias": True}}
+    assert kc._merged(base, over) == {
+        "block_size": 128, "config": {"bias": True, "skip_dma": {"a": 1, "b": 3}}
+    }  # fmt: skip
