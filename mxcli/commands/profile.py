@@ -443,13 +443,13 @@ def calibrate(
 
     def body() -> None:
         from mxcli.fsutil import refuse_inputs
-        from mxcli.kernels import calibrating
+        from mxcli.kernels import calibrating, measurements
 
         calibrating.check_replaceable(output, force)  # before the (long) runs
         refuse_inputs(output, [("measurements file", measured)])
-        ms = calibrating.read_measurements(measured)
+        ms = measurements.read_measurements(measured)
         with Steps(quiet) as steps, steps.step(f"Recording {len(ms)} measured launches"):
-            profiles = [calibrating.record(m, f"{measured}: measurement {i}")
+            profiles = [measurements.record(m, f"{measured}: measurement {i}")
                         for i, m in enumerate(ms)]  # fmt: skip
         with Steps(quiet) as steps, steps.step("Fitting"):
             result = calibrating.calibrate(profiles, ms)

@@ -2,18 +2,7 @@
 ``--calibration``; issue 29 items 5 and 7). The arithmetic is `mxcli.nkisim.calibration`'s;
 this module ties it to recorded kernel runs and to files.
 
-**Measurements** (``MEASURED.json``): a JSON list (or ``{"measurements": [...]}``) of objects
-
-    {"kernel": "bwd", "shape": {"tokens": 4096, "hidden": 4096, "intermediate": 1536,
-     "experts": 1, "top_k": 1, "block_size": 4096}, "lnc": 2, "us": 2190.0,
-     "kwargs": {...}, "nki_kernel": "mxcli"}
-
-``kernel``: ``prefill`` / ``bwd`` (or the kernel's name); ``shape``: every field of
-`profiling.PrefillShape` / `profiling.BwdShape`; ``lnc``: 1 or 2; ``us``: the measured latency
-(microseconds, > 0); optional ``kwargs``: kernel keyword arguments over the shape's own (as
-``make-inputs`` records them; an object such as the bwd ``config`` is merged field by field
-into the shape's); optional ``nki_kernel``: which
-implementation was timed (default ``mxcli``).
+**Measurements**: `mxcli.kernels.measurements` reads them and records each launch.
 
 **Calibration file**: ``{"format": "mxcli-calibration", "version": 1, "mxcli": VERSION,
 "target": "trn3", "figures": {key: value}, "ranges": {key: [low, high]}, "measurements":
@@ -41,7 +30,6 @@ __all__ = [
     "Calibration",
     "Measurement",
     "load_calibration",
-    "read_measurements",
     "profile_ranges",
     "comparison_ranges",
     "calibrate",
@@ -66,11 +54,11 @@ class Calibration:
         return cal.hardware_with(target, self.values, figures)
 
 
-def _fail(where: str, msg: str) -> InputError:
+def input_error(where: str, msg: str) -> InputError:
     return InputError(f"{where}: {msg}")
 
 
-def _read_json(path: str | os.PathLike[str]) -> Any:
+def read_json(path: str | os.PathLike[str]) -> Any:
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -84,7 +72,7 @@ def _read_json(path: str | os.PathLike[str]) -> Any:
         raise InputError(f"{p}: not JSON ({exc.msg} at line {exc.lineno})") from None
 
 
-def _number(v: Any) -> bool:
+def finite_number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
@@ -94,42 +82,42 @@ def load_calibration(
     """Read a calibration file; every key must be a ``fitted`` figure of `figures`, with a value
     (and range) inside the figure's declared range."""
     figures = cost.FIGURES if figures is None else figures
-    doc = _read_json(path)
+    doc = read_json(path)
     where = str(path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise _fail(where, f'not a calibration file (expected "format": "{FORMAT}")')
+        raise input_error(where, f'not a calibration file (expected "format": "{FORMAT}")')
     vals = doc.get("figures")
     if not isinstance(vals, dict):
-        raise _fail(where, "missing key 'figures' (an object: figure key -> value)")
+        raise input_error(where, "missing key 'figures' (an object: figure key -> value)")
     by_key = {f.key: f for f in figures}
     values: dict[str, float] = {}
     ranges: dict[str, tuple[float, float]] = {}
     raw_ranges = doc.get("ranges", {})
     if not isinstance(raw_ranges, dict):
-        raise _fail(where, "'ranges': expected an object (figure key -> [low, high])")
+        raise input_error(where, "'ranges': expected an object (figure key -> [low, high])")
     for key, v in vals.items():
         f = by_key.get(key)
         if f is None:
-            raise _fail(where, f"unknown figure key {key!r} in 'figures'")
+            raise input_error(where, f"unknown figure key {key!r} in 'figures'")
         if f.kind != "fitted":
-            raise _fail(
+            raise input_error(
                 where, f"figure {key!r} is {f.kind}, not fitted; only fitted figures calibrate"
             )
         assert f.low is not None and f.high is not None
-        if not _number(v) or not f.low <= v <= f.high:
-            raise _fail(
+        if not finite_number(v) or not f.low <= v <= f.high:
+            raise input_error(
                 where, f"figures[{key!r}]: expected a number in [{f.low:g}, {f.high:g}], got {v!r}"
             )
         values[key] = float(v)
         r = raw_ranges.get(key, [f.low, f.high])
-        if (not isinstance(r, list) or len(r) != 2 or not all(map(_number, r))
+        if (not isinstance(r, list) or len(r) != 2 or not all(map(finite_number, r))
                 or not f.low <= r[0] <= v <= r[1] <= f.high):  # fmt: skip
-            raise _fail(where, f"ranges[{key!r}]: expected [low, high] around {v:g} within "
+            raise input_error(where, f"ranges[{key!r}]: expected [low, high] around {v:g} within "
                         f"[{f.low:g}, {f.high:g}], got {r!r}")  # fmt: skip
         ranges[key] = (float(r[0]), float(r[1]))
     unknown = sorted(set(raw_ranges) - set(values))
     if unknown:
-        raise _fail(where, f"ranges for figure(s) without a value: {', '.join(unknown)}")
+        raise input_error(where, f"ranges for figure(s) without a value: {', '.join(unknown)}")
     return Calibration(values, ranges, where)
 
 
@@ -263,103 +251,6 @@ class Measurement:
     kwargs: dict[str, Any]
     nki_kernel: str
     entry: dict[str, Any]  # as read
-
-
-def _shape_class(spec_name: str) -> Any:
-    from mxcli.kernels import profiling as prof
-
-    return prof.PrefillShape if spec_name == prof.PREFILL.name else prof.BwdShape
-
-
-def read_measurements(path: str | os.PathLike[str]) -> list[Measurement]:
-    """Parse and check a measurements file (one `InputError` line naming the file, entry and
-    key)."""
-    import dataclasses
-
-    from mxcli.kernels.spec import get_spec
-
-    doc = _read_json(path)
-    if isinstance(doc, dict) and "measurements" in doc:
-        doc = doc["measurements"]
-    if not isinstance(doc, list) or not doc:
-        raise InputError(f"{path}: expected a non-empty list of measurements")
-    out = []
-    for i, e in enumerate(doc):
-        where = f"{path}: measurement {i}"
-        if not isinstance(e, dict):
-            raise _fail(where, f"expected an object, got {type(e).__name__}")
-        for key in ("kernel", "shape", "lnc", "us"):
-            if key not in e:
-                raise _fail(where, f"missing key {key!r}")
-        extra = sorted(set(e) - {"kernel", "shape", "lnc", "us", "kwargs", "nki_kernel"})
-        if extra:
-            raise _fail(where, f"unknown key {extra[0]!r} (expected kernel, shape, lnc, us, "
-                        "kwargs, nki_kernel)")  # fmt: skip
-        try:
-            spec = get_spec(str(e["kernel"]))
-        except InputError:
-            raise _fail(where, f"kernel: unknown kernel {e['kernel']!r}; expected prefill or bwd"
-                        ) from None  # fmt: skip
-        us = e["us"]
-        if not _number(us) or us <= 0:
-            raise _fail(where, f"us: expected a positive latency in microseconds, got {us!r}")
-        if e["lnc"] not in (1, 2) or isinstance(e["lnc"], bool):
-            raise _fail(where, f"lnc: expected 1 or 2, got {e['lnc']!r}")
-        shape = e["shape"]
-        cls = _shape_class(spec.name)
-        names = [f.name for f in dataclasses.fields(cls)]
-        if not isinstance(shape, dict):
-            raise _fail(where, f"shape: expected an object with {', '.join(names)}")
-        for n in names:
-            if n not in shape:
-                raise _fail(where, f"shape: missing key {n!r}")
-        unknown = sorted(set(shape) - set(names))
-        if unknown:
-            raise _fail(where, f"shape: unknown key {unknown[0]!r} (expected {', '.join(names)})")
-        kw = e.get("kwargs", {})
-        if not isinstance(kw, dict):
-            raise _fail(where, "kwargs: expected an object")
-        nk = e.get("nki_kernel", "mxcli")
-        if not isinstance(nk, str):
-            raise _fail(where, f"nki_kernel: expected a string, got {nk!r}")
-        out.append(Measurement(spec.name, dict(shape), int(e["lnc"]), float(us), kw, nk, e))
-    return out
-
-
-def _merged(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in over.items():
-        b = out.get(k)
-        out[k] = _merged(b, v) if isinstance(b, Mapping) and isinstance(v, Mapping) else v
-    return out
-
-
-def _inputs(m: Measurement, where: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    from mxcli.kernels import profiling as prof
-    from mxcli.kernels.spec import get_spec
-
-    spec = get_spec(m.kernel)
-    cls = _shape_class(spec.name)
-    try:
-        s = cls(**m.shape)
-        tensors, kwargs = prof.prefill_inputs(s) if cls is prof.PrefillShape else prof.bwd_inputs(s)
-        if m.kwargs:  # over the shape's own kwargs, objects (a bwd config) field by field
-            kwargs = spec.resolve_kwargs(_merged(spec.dump_kwargs(kwargs), m.kwargs))
-    except (InputError, TypeError) as exc:
-        raise _fail(where, str(exc)) from None
-    return tensors, kwargs
-
-
-def record(m: Measurement, where: str = "measurement") -> Any:
-    """Run the measured kernel once in check-only mode (recorded): its `KernelProfile`."""
-    from mxcli.kernels import profiling as prof
-
-    tensors, kwargs = _inputs(m, where)
-    try:
-        return prof.profile_kernel(m.kernel, tensors, kwargs, lnc=m.lnc, shape=m.shape,
-                                   nki_kernel=m.nki_kernel)  # fmt: skip
-    except InputError as exc:
-        raise _fail(where, str(exc)) from None
 
 
 def calibrate(

@@ -16,6 +16,7 @@ import pytest
 
 from mxcli.errors import InputError
 from mxcli.kernels import calibrating as kc
+from mxcli.kernels import measurements
 from mxcli.kernels import profiling as prof
 from mxcli.nkisim import calibration as cal
 from mxcli.nkisim import cost
@@ -311,6 +312,6 @@ def test_a_figure_the_measurements_do_not_move_keeps_its_value_and_range(
 def test_measurement_kwargs_merge_into_the_shapes_field_by_field() -> None:
     base = {"block_size": 128, "config": {"bias": False, "skip_dma": {"a": 1, "b": 2}}}
     over = {"config": {"skip_dma": {"b": 3}, "bias": True}}
-    assert kc._merged(base, over) == {
+    assert measurements._merged(base, over) == {
         "block_size": 128, "config": {"bias": True, "skip_dma": {"a": 1, "b": 3}}
     }  # fmt: skip
