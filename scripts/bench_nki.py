@@ -48,8 +48,8 @@ import time
 from typing import Any
 
 from mxcli.errors import MxcliError
+from mxcli.kernels import calibrating, selection
 from mxcli.kernels import profiling as prof
-from mxcli.kernels import selection
 from mxcli.nkisim import measured
 
 
@@ -88,6 +88,12 @@ def _report(s: dict[str, Any], top: int) -> float:
     sampled = ""
     if "sampled" in s:
         sampled = f", extrapolated from (blocks, experts) = {s['sampled']['blocks_experts']}"
+    if "range" in s:  # over the assumed/fitted figures' ranges (issue 29 item 5)
+        rs, rl = s["range"]["schedule_us"], s["range"]["lower_bound_us"]
+        print(
+            f"   range over the assumed/fitted figures: list schedule {rs['low']:.1f}.."
+            f"{rs['high']:.1f} us, lower bound {rl['low']:.1f}..{rl['high']:.1f} us"
+        )
     print(f"   (check-only runs took {s['check_only_run_s']:.1f} s{sampled})")
     return float(ub["total"])
 
@@ -107,7 +113,15 @@ def main() -> None:
         "import path to cost AWS's backward at its tuned shape",
     )
     ap.add_argument("--json", help="also write every summary to this JSON file")
+    ap.add_argument(
+        "--calibration",
+        help="calibration file (mxcli profile calibrate): the fitted figures' values and ranges",
+    )
     args = ap.parse_args()
+    try:
+        calib = calibrating.load_calibration(args.calibration) if args.calibration else None
+    except MxcliError as exc:
+        ap.error(str(exc))  # one line, exit 2
     t0 = time.perf_counter()
     summaries: list[dict[str, Any]] = []
     if not args.skip_prefill:
@@ -115,14 +129,17 @@ def main() -> None:
             ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
             tensors, kwargs = prof.prefill_inputs(ps)
             kp = prof.profile_kernel(
-                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__)
-            )
+                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__),
+                calibration=calib,
+            )  # fmt: skip
             summaries.append(kp.summary(args.top))
     if not args.skip_bwd:
         for name, (H, I, E, K) in (("qwen3-30b-a3b", (2048, 768, 128, 8)),  # noqa: E741
                                    ("deepseek-v3 EP rank", (7168, 2048, 32, 2))):  # fmt: skip
             for B in (512, 1024):
-                s = prof.profile_bwd_scaled(prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc)
+                s = prof.profile_bwd_scaled(
+                    prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc, calibration=calib
+                )
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
     ours_aws = theirs = None
@@ -132,15 +149,18 @@ def main() -> None:
         shape = prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
         label = {"model": "AWS tuned shape", **shape.__dict__}
         tensors, kwargs = prof.bwd_inputs(shape)
-        kp = prof.profile_kernel(prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label)
+        kp = prof.profile_kernel(
+            prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, calibration=calib
+        )
         ours_aws = kp.summary(args.top)
         summaries.append(ours_aws)
         try:
             choice = selection.parse_implementation("nkilib", prof.BWD, args.kernel_path)
             selection.describe(choice)  # not importable: one line, no run
             kp = prof.profile_kernel(
-                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice
-            )
+                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice,
+                calibration=calib,
+            )  # fmt: skip
             theirs = kp.summary(args.top)
         except MxcliError as exc:
             theirs_missing = str(exc)
@@ -171,6 +191,15 @@ def main() -> None:
                 f"{ours_aws['schedule_us'] / theirs['schedule_us']:.3f}, lower bound "
                 f"{ours_aws['lower_bound_us'] / theirs['lower_bound_us']:.3f} (model not fitted "
                 "to or checked against any MX kernel measurement)"
+            )
+            # figures shared by both kernels: the ratio per figure setting, not of extremes
+            ratio = calibrating.comparison_ranges(ours_aws["range"], theirs["range"])
+            rs, rl = ratio["schedule_ratio"], ratio["lower_bound_ratio"]
+            print(
+                f"   ours / AWS's over the assumed/fitted figures' ranges (shared by both): "
+                f"schedule {rs['low']:.3f}..{rs['high']:.3f}, lower bound {rl['low']:.3f}.."
+                f"{rl['high']:.3f}; "
+                + calibrating.verdict(ours_aws["range"], theirs["range"], "mxcli", "nkilib")
             )
         print(
             f"   AWS's measurement of AWS's kernel ({measured.BWD_SOURCE}, its tuned blockings): "

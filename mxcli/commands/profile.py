@@ -61,6 +61,11 @@ TraceOpt = Annotated[
 LncOpt = Annotated[int, typer.Option("--lnc", help="LNC degree: 1 or 2 cores.")]
 TargetOpt = Annotated[str, typer.Option("--target", help="Cost tables: trn3 (trn2 lacks MX ops).")]
 TopOpt = Annotated[int, typer.Option("--top", help="Source lines to list, by engine time.")]
+CalibrationOpt = Annotated[
+    Path | None,
+    typer.Option("--calibration", help="Calibration file (from 'profile calibrate') giving the "
+                 "fitted figures' values and ranges.", show_default=False),
+]  # fmt: skip
 
 KernelsOpt = Annotated[
     list[str] | None,
@@ -113,7 +118,10 @@ def _write_traces(profiles: list[Any], paths: list[Path | None], force: bool) ->
 
 
 def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each kernel's schedule and lower bound against the first one's (ratio = other / first)."""
+    """Each kernel's schedule and lower bound against the first one's (ratio = other / first),
+    with the ratio's range and a verdict when the summaries carry ranges."""
+    from mxcli.kernels import calibrating
+
     base = summaries[0]
     rows = []
     for s in summaries:
@@ -131,6 +139,12 @@ def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 ),
             }
         )
+    for s, r in list(zip(summaries, rows, strict=True))[1:]:
+        if "range" in s and "range" in base:  # issue 29 item 5: figures shared by both
+            r["range"] = calibrating.comparison_ranges(s["range"], base["range"])
+            r["verdict"] = calibrating.verdict(
+                s["range"], base["range"], r["kernel"], rows[0]["kernel"]
+            )
     return {"baseline": rows[0]["kernel"], "kernels": rows}
 
 
@@ -158,6 +172,10 @@ def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False
                 highlight=False,
                 markup=False,
             )
+            if "range" in r:
+                x = r["range"]["schedule_ratio"]
+                con.print(f"    schedule ratio range x{x['low']:.3f}..x{x['high']:.3f} "
+                          f"(figures shared): {r['verdict']}", highlight=False, markup=False)  # fmt: skip
 
 
 def print_report(s: dict[str, Any]) -> None:
@@ -186,6 +204,14 @@ def print_report(s: dict[str, Any]) -> None:
           [f"{k} {v:.1f}" for k, v in s["busy_us"].items()])  # fmt: skip
     out(f"  bottleneck: {s['bottleneck']}; lower bound {s['lower_bound_us']:.1f} us; "
         f"list schedule {s['schedule_us']:.1f} us")  # fmt: skip
+    if "range" in s:
+        rs, rl = s["range"]["schedule_us"], s["range"]["lower_bound_us"]
+        items("  range over the assumed/fitted figures:",
+              [f"list schedule {rs['low']:.1f}..{rs['high']:.1f} us",
+               f"lower bound {rl['low']:.1f}..{rl['high']:.1f} us"])  # fmt: skip
+        odd = sorted(set(rs["non_monotone"]) | set(rl["non_monotone"]))
+        if odd:  # the corners are then not guaranteed extremes (nkisim/calibration.py)
+            out(f"    not monotone in {', '.join(odd)}: the range may not hold every setting")
     u, ul = s["pe_utilization"], s["pe_utilization_at_lower_bound"]
     out(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, "
         f"BF16 {u['bf16']:.3f})")  # fmt: skip
@@ -232,9 +258,9 @@ def print_report(s: dict[str, Any]) -> None:
 def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, Any], lnc: int,
          target: str, trace: Path | None, force: bool, json_out: bool, top: int,
          kernels: list[str] | None = None, kernel_path: str | None = None,
-         quiet: bool = False) -> None:  # fmt: skip
+         quiet: bool = False, calibration: Path | None = None) -> None:  # fmt: skip
     from mxcli.fsutil import check_output_path, refuse_inputs
-    from mxcli.kernels import profiling, selection
+    from mxcli.kernels import calibrating, profiling, selection
 
     if top < 0:
         raise InputError(f"top: expected a non-negative integer, got {top}")
@@ -248,6 +274,7 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
             refuse_inputs(path, [("input file", input)])
     for c in choices:
         selection.describe(c)  # a missing module is one line before any work
+    cal = calibrating.load_calibration(calibration) if calibration is not None else None
     if input is not None:
         tensors, kwargs = profiling.file_inputs(kernel, input)
         shape = {"input": str(input)}
@@ -256,10 +283,19 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
     with Steps(quiet) as steps, steps.step(f"Profiling {kernel}"):
         profiles = [
             profiling.profile_kernel(
-                kernel, tensors, kwargs, lnc=lnc, target=target, shape=shape, nki_kernel=c
+                kernel,
+                tensors,
+                kwargs,
+                lnc=lnc,
+                target=target,
+                shape=shape,
+                nki_kernel=c,
+                calibration=cal,
             )
             for c in choices
         ]
+        for kp in profiles:  # each estimate's range (issue 29 item 5), under the spinner
+            kp.ranges()
     _write_traces(profiles, paths, force)
     summaries = []
     for kp, path in zip(profiles, paths, strict=True):
@@ -301,6 +337,7 @@ def prefill(
     top: TopOpt = 10,
     kernel: KernelsOpt = None,
     kernel_path: KernelPath = None,
+    calibration: CalibrationOpt = None,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -326,7 +363,8 @@ def prefill(
             pack_affinities=pack_affinities,
         )
         _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
-             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
+             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
+             calibration)  # fmt: skip
 
     guarded(debug, body, json_out=json_out)
 
@@ -352,6 +390,7 @@ def bwd(
     top: TopOpt = 10,
     kernel: KernelsOpt = None,
     kernel_path: KernelPath = None,
+    calibration: CalibrationOpt = None,
     force: Force = False,
     json_out: Json = False,
     quiet: Quiet = False,
@@ -370,6 +409,66 @@ def bwd(
         _shape_or_file(input, shape)
         full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
         _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
-             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
+             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
+             calibration)  # fmt: skip
+
+    guarded(debug, body, json_out=json_out)
+
+
+@app.command("calibrate", cls=PlainCommand)
+def calibrate(
+    measured: Annotated[
+        Path,
+        typer.Argument(
+            help="Measured latencies (JSON list of {kernel, shape, lnc, us, "
+            "kwargs?, nki_kernel?}).",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", help="Calibration file to write (JSON).", show_default=False
+        ),
+    ],
+    force: Force = False,
+    json_out: Json = False,
+    quiet: Quiet = False,
+    debug: Debug = False,
+) -> None:
+    """Refit the model's fitted figures to measured latencies.
+
+    Each measured launch runs once in check-only mode; its recorded instructions are re-costed
+    while the fitted figures move within their ranges (least squares on log time). Later runs
+    take the result with --calibration FILE.
+    """
+
+    def body() -> None:
+        from mxcli.fsutil import refuse_inputs
+        from mxcli.kernels import calibrating, measurements
+
+        calibrating.check_replaceable(output, force)  # before the (long) runs
+        refuse_inputs(output, [("measurements file", measured)])
+        ms = measurements.read_measurements(measured)
+        with Steps(quiet) as steps, steps.step(f"Recording {len(ms)} measured launches"):
+            profiles = [measurements.record(m, f"{measured}: measurement {i}")
+                        for i, m in enumerate(ms)]  # fmt: skip
+        with Steps(quiet) as steps, steps.step("Fitting"):
+            result = calibrating.calibrate(profiles, ms)
+        doc = calibrating.calibration_doc(result, ms)
+        calibrating.write_calibration(output, doc, force)
+        if json_out:
+            print_json({**doc, "output": str(output)})
+        elif not quiet:
+            con = stdout_console()
+            for k, v in doc["figures"].items():
+                lo, hi = doc["ranges"][k]
+                con.print(f"{k} = {v:.6g} (range {lo:.6g}..{hi:.6g}; was {doc['start'][k]:.6g})",
+                          highlight=False, markup=False)  # fmt: skip
+            for m in doc["measurements"]:
+                con.print(f"  {m['kernel']} {m['shape']}: measured {m['us']:.1f} us, model "
+                          f"{m['predicted_us']:.1f} us ({100 * m['residual']:+.1f}% log)",
+                          highlight=False, markup=False)  # fmt: skip
+            con.print(f"wrote {output}", highlight=False, markup=False)
 
     guarded(debug, body, json_out=json_out)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -99,8 +99,24 @@ class KernelProfile:
     # which NKI kernel ran (`mxcli.kernels.selection.describe`) and its never-written reads
     nki_kernel: dict[str, Any] | None = None
     uninit_reads: tuple[str, ...] = ()
+    # the recorded instruction streams (one per core): re-costed under other figures for the
+    # estimate's range and for calibration (`mxcli.kernels.calibrating`), with no second run
+    recorders: list[Any] = field(default_factory=list, repr=False)
+    calibration: Any = None  # `mxcli.kernels.calibrating.Calibration` the figures came from
+    _range: dict[str, Any] | None = field(default=None, repr=False)
 
-    def summary(self, top: int = 10) -> dict[str, Any]:
+    def ranges(self) -> dict[str, Any]:
+        """The estimates' ranges over the free figures (`calibrating.profile_ranges`; the
+        recorded stream re-scheduled, computed once)."""
+        from mxcli.kernels import calibrating
+
+        if self._range is None:
+            self._range = calibrating.profile_ranges(self, self.calibration)
+        return self._range
+
+    def summary(self, top: int = 10, ranges: bool = True) -> dict[str, Any]:
+        """JSON-ready report; with `ranges` (and a recorded stream) each estimate's range
+        under ``"range"`` (issue 29 item 5)."""
         out: dict[str, Any] = {"kernel": self.kernel, "shape": self.shape}
         if self.nki_kernel is not None:
             out["nki_kernel"] = self.nki_kernel
@@ -115,6 +131,8 @@ class KernelProfile:
                 "efficiency": p.efficiency,
             }  # fmt: skip
         out["check_only_run_s"] = round(self.run_seconds, 3)
+        if ranges and self.recorders:
+            out["range"] = self.ranges()
         return out
 
 
@@ -216,11 +234,13 @@ def profile_kernel(
     target: str = "trn3",
     shape: dict[str, Any] | None = None,
     nki_kernel: Any = None,
+    calibration: Any = None,
 ) -> KernelProfile:
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
     `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
-    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.ImplementationChoice`)."""
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.ImplementationChoice`). `calibration`: a
+    `mxcli.kernels.calibrating.Calibration` whose fitted figures replace the table's."""
     import warnings
 
     from mxcli.kernels import launcher, selection
@@ -244,13 +264,16 @@ def profile_kernel(
                 spec, **tensors, **kwargs, lnc=lnc, check_only=True, implementation=choice
             )
     secs = time.perf_counter() - t0
-    prof = schedule.build_profile(recorders, target, cost.hardware(target), lnc)
+    hw = calibration.hardware(target) if calibration is not None else cost.hardware(target)
+    prof = schedule.build_profile(recorders, target, hw, lnc)
     padding = _padding(tensors, kwargs) if spec is BWD else None  # the block plan's padding
     if shape is None:
         shape = {k: list(v.shape) for k, v in tensors.items() if isinstance(v, torch.Tensor)}
     info = launches[-1].kernel if launches else selection.describe(choice)
     reads = tuple(str(r) for launch in launches for r in launch.uninit_reads)
-    return KernelProfile(spec.name, prof, shape, padding, secs, info, reads)
+    return KernelProfile(
+        spec.name, prof, shape, padding, secs, info, reads, list(recorders), calibration
+    )
 
 
 def _sample_bwd_inputs(
@@ -293,7 +316,12 @@ def _extrapolate(base: Any, steps: list[tuple[Any, float]]) -> Any:
 
 
 def profile_bwd_scaled(
-    s: BwdShape, *, lnc: int = 2, target: str = "trn3", blocks: tuple[int, int] = (1, 2)
+    s: BwdShape,
+    *,
+    lnc: int = 2,
+    target: str = "trn3",
+    blocks: tuple[int, int] = (1, 2),
+    calibration: Any = None,
 ) -> dict[str, Any]:
     """The backward kernel's profile at shape `s`, extrapolated from four short runs.
 
@@ -319,11 +347,15 @@ def profile_bwd_scaled(
     runs = []
     for nb, ne, one in ((n1, e1, False), (n2, e1, False), (n2, e1, True), (n1, e2, False)):
         tensors, kwargs = _sample_bwd_inputs(s, nb, ne, one)
-        runs.append(profile_kernel(BWD.name, tensors, kwargs, lnc=lnc, target=target))
+        runs.append(
+            profile_kernel(
+                BWD.name, tensors, kwargs, lnc=lnc, target=target, calibration=calibration
+            )  # fmt: skip
+        )
     plan = bwd_inputs(s)
     pad = _padding(*plan)
     firsts = int(plan[0]["block_to_expert"].unique().numel())
-    base, pb, pl, pe = (r.summary(10) for r in runs)
+    base, pb, pl, pe = (r.summary(10, ranges=False) for r in runs)
     # all sampled blocks are their expert's first, but the one-expert run's last n2 - n1
     steps = [
         (pb, (firsts - n1) / (n2 - n1)),
@@ -360,4 +392,9 @@ def profile_bwd_scaled(
     out["top_lines"] = pb["top_lines"]
     out["sampled"] = {"blocks_experts": [[n1, e1], [n2, e1], [n2, 1], [n1, e2]]}
     out["check_only_run_s"] = round(sum(r.run_seconds for r in runs), 3)
+    from mxcli.kernels import calibrating  # the range: the extrapolation per figure setting
+
+    out["range"] = calibrating.extrapolated_ranges(
+        runs[0], [(r, w) for r, (_, w) in zip(runs[1:], steps, strict=True)], calibration
+    )
     return out

@@ -254,10 +254,19 @@ def load(choice: ImplementationChoice) -> Any:
 
 
 def _file_sha256(path: str | None) -> str | None:
+    """sha256 of a kernel's source: a file's bytes, or for a package folder every ``.py`` file
+    below it in sorted order, each as its relative path, a NUL and its bytes (so the hash
+    identifies the whole kernel, not its ``__init__.py``)."""
     if not path:
         return None
     try:
-        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+        folder = Path(path)
+        if not folder.is_dir():
+            return hashlib.sha256(folder.read_bytes()).hexdigest()
+        h = hashlib.sha256()
+        for f in sorted(folder.rglob("*.py")):
+            h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes())
+        return h.hexdigest()
     except OSError:
         return None
 
@@ -309,6 +318,8 @@ def describe(choice: ImplementationChoice) -> dict[str, Any]:
         module = choice.module
         spec = importlib.util.find_spec(module)
         path = spec.origin if spec is not None else None
+        if spec is not None and spec.submodule_search_locations and path:
+            path = str(Path(path).parent)  # a kernel package: the folder is the kernel
         return {
             "kernel": choice.label,
             "name": choice.kernel,

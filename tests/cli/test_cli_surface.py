@@ -166,6 +166,7 @@ USAGE = {
     ("profile",): "Usage: mxcli profile [OPTIONS] COMMAND [ARGS]...",
     ("profile", "prefill"): "Usage: mxcli profile prefill [OPTIONS] [INPUT]",
     ("profile", "bwd"): "Usage: mxcli profile bwd [OPTIONS] [INPUT]",
+    ("profile", "calibrate"): "Usage: mxcli profile calibrate [OPTIONS] MEASURED",
     ("demo",): "Usage: mxcli demo [OPTIONS]",
 }
 
@@ -190,7 +191,7 @@ def test_profile_subcommand_summaries_are_whole() -> None:
     code, lines = run_tty("profile", "--help")
     assert code == 0
     rows = _commands_section(lines)
-    assert [n for n, _ in rows] == ["prefill", "bwd"]
+    assert [n for n, _ in rows] == ["prefill", "bwd", "calibrate"]
     assert all(s.endswith(".") and not s.endswith("...") for _, s in rows), rows
 
 

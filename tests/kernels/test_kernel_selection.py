@@ -520,3 +520,24 @@ def test_each_kernel_registers_its_adapter_on_its_spec() -> None:
         assert spec.implementations["nkilib"].unavailable_reason() == (
             None if NKILIB_IMPORTABLE else "module 'nkilib' is not importable"
         )
+
+
+def test_own_kernel_package_is_described_by_its_folder_and_every_module(tmp_path: Path) -> None:
+    """A kernel split into a package (the backward's `nki_kernel/`) is identified by all of its
+    modules: editing any one of them changes the recorded sha256 (not only `__init__.py`)."""
+    from mxcli.kernels.selection import _file_sha256
+
+    pkg = tmp_path / "k"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .a import f\n")
+    (pkg / "a.py").write_text("def f():\n    return 1\n")
+    before = _file_sha256(str(pkg))
+    (pkg / "a.py").write_text("def f():\n    return 2\n")
+    assert _file_sha256(str(pkg)) != before
+    assert (
+        _file_sha256(str(pkg / "a.py")) == hashlib.sha256(b"def f():\n    return 2\n").hexdigest()
+    )
+    info = selection.describe(
+        selection.parse_implementation("mxcli", "blockwise_mm_bwd_mxfp8", None)
+    )
+    assert info["file"].endswith("nki_kernel") and len(info["sha256"]) == 64
