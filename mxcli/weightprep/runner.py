@@ -38,6 +38,7 @@ from mxcli import __version__
 from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
 from mxcli.fsutil import default_mode, hold_folder, refuse_inputs, remove_stale_temporaries
 from mxcli.io.files import tensor_sha256
+from mxcli.weightprep import export
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
     FORMAT,
@@ -393,7 +394,7 @@ def would_refuse(
         refuse_inputs(out, folders=[("checkpoint folder", source)])
         _check_writable(out)
         if plan is not None and force and out.is_dir() and not out.is_symlink():
-            if plan.options.output_format != "mxcli":
+            if not export.get(plan.options.output_format).resumable:  # an export folder
                 from mxcli.weightprep.export.folder import check_replaceable
 
                 if any(out.iterdir()):
@@ -641,11 +642,10 @@ def prepare_weights(
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
-        if options.output_format != "mxcli":  # the export's tensors, not mxcli's layout
-            from mxcli.weightprep.export import check_export, dry_run_view
-
-            check_export(plan)
-            view = dry_run_view(plan)
+        exp = export.get(options.output_format)
+        exp.check_plan(plan)
+        view = exp.dry_run_view(plan)
+        if view is not None:  # the export's tensors, not mxcli's layout
             p = res["plan"]
             p["outputs_per_layer"] = view["outputs_per_layer"]
             p["output_bytes"] = view["write_total"]
@@ -673,14 +673,12 @@ def prepare_weights(
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
-    if options.output_format != "mxcli":  # another stack's layout (`mxcli.weightprep.export`)
-        from mxcli.weightprep.export import run_export
-
+    if not export.get(options.output_format).resumable:  # another stack's layout, published whole
         if resume:
             raise InputError(
                 f"--resume: not available with --output-format {options.output_format}"
             )
-        return run_export(plan, out, force, reporter)
+        return export.run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     if shard is not None and shard.count <= 1:
