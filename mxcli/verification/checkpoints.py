@@ -33,15 +33,15 @@ from mxcli.weightprep.export.verifying import MIN_MXFP8_SQNR_DB, compare_keys  #
 
 def detect_kind(out: Path) -> str:
     """The output format of `out`: its export record's, else mxcli's own layout (a manifest)."""
-    from mxcli.weightprep.export.folder import read_sidecar
+    from mxcli.weightprep.export.folder import read_record
     from mxcli.weightprep.export.mxcli_layout import NAME as MXCLI_LAYOUT
     from mxcli.weightprep.manifest import MANIFEST_NAME
 
     if not out.is_dir():
         raise InputError(f"--checkpoint {out}: not a folder")
-    side = read_sidecar(out)
+    side = read_record(out)
     if side is not None:
-        return str(side["output_format"])
+        return str(side.output_format)
     if (out / MANIFEST_NAME).is_file():
         return MXCLI_LAYOUT
     raise InputError(

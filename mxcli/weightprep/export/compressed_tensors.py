@@ -54,7 +54,7 @@ from mxcli.mx import dequantize_mx, quantize_mx
 from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, INDEX_NAME, Checkpoint
 from mxcli.weightprep.export import COMPRESSED_TENSORS
 from mxcli.weightprep.export.base import tensor_row
-from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
+from mxcli.weightprep.export.folder import SIDECAR, export_folder, write_json, write_record
 from mxcli.weightprep.export.verifying import (
     Report,
     compare_keys,
@@ -313,7 +313,7 @@ def export_compressed_tensors(
                 else []
             ),
         }
-        write_json(tmp / SIDECAR, sidecar(plan, NAME, {"result": result}))
+        write_record(tmp, plan, NAME, result)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result
 
@@ -369,13 +369,14 @@ def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any
     """``verify --checkpoint`` of a compressed-tensors export: key coverage, the
     quantization_config's targets (and vLLM's probe names), and every code and scale byte
     re-derived from the source under the recorded rule and range."""
-    from mxcli.weightprep.export.folder import read_sidecar
+    from mxcli.weightprep.export.folder import read_record
+    from mxcli.weightprep.manifest import ExportRecord
 
     refuse_hashes_only(out, NAME, hashes_only)
     rederive = True
     rep = Report(NAME, out, against)
-    side = read_sidecar(out) or {}
-    s = side.get("settings", {})
+    side = read_record(out) or ExportRecord()
+    s = side.settings
     plan = plan_for(
         against, rep, formats=tuple(s.get("formats", ("bf16", "mxfp8"))),
         scale_rule=s.get("scale_rule", "ocp"), fp8_range=int(s.get("fp8_range", 448)),
@@ -384,7 +385,7 @@ def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any
     if plan is None:
         return rep.finish()
     mx = "mxfp8" in plan.options.formats
-    fp8_max = float((side.get("fp8") or {}).get("max", 448.0))
+    fp8_max = float(side.fp8.get("max", 448.0))
     m = plan.model
     src = Checkpoint(against)
     experts = set()
@@ -435,7 +436,7 @@ def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any
                 rep.fail("unquantized", probe)
     # what the export did, as its record says: passed a compressed-tensors MXFP8 source through,
     # or quantized under the recorded scale rule and range (`compressed_tensors.quantize_weight`)
-    passed = int((side.get("result") or {}).get("passed_through") or 0) > 0
+    passed = int(side.result.get("passed_through") or 0) > 0
     fp8 = plan.options.fp8()
     how = "its source's bytes (passed through)" if passed else (
         f"the MXFP8 of the source (scale rule {fp8.scale_rule}, +-{fp8.max:g})"

@@ -85,7 +85,7 @@ from mxcli.mx import quantize_mx
 from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, torch_dtype
 from mxcli.weightprep.export import NXDI
 from mxcli.weightprep.export.base import tensor_row
-from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
+from mxcli.weightprep.export.folder import export_folder, write_record
 from mxcli.weightprep.export.verifying import (
     Report,
     compare_keys,
@@ -598,7 +598,7 @@ def export_nxdi(
                 else []
             ),
         }
-        write_json(tmp / SIDECAR, sidecar(plan, NAME, {"result": result}))
+        write_record(tmp, plan, NAME, result)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result
 
@@ -608,13 +608,14 @@ def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any
     experts decoded from NxD's layout, their SQNR against the source, and their codes and scales
     equal to mxcli's MXFP8 of the source under the recorded scale rule and range."""
     from mxcli.weightprep.checkpoint import st_dtype
-    from mxcli.weightprep.export.folder import read_sidecar
+    from mxcli.weightprep.export.folder import read_record
+    from mxcli.weightprep.manifest import ExportRecord
 
     refuse_hashes_only(out, NAME, hashes_only)
     report = Report(NAME, out, against)
-    side = read_sidecar(out) or {}
-    s = side.get("settings", {})
-    layers = side.get("model", {}).get("moe_layers")
+    side = read_record(out) or ExportRecord()
+    s = side.settings
+    layers = side.model.moe_layers
     plan = plan_for(
         against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)),
         formats=tuple(s.get("formats", ("bf16",))), scale_rule=s.get("scale_rule", "neuron"),
