@@ -60,6 +60,10 @@ Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``rou
 ``shared_expert.<same keys>`` with E=1, and Qwen2's ``shared_expert_gate_weight [1, H]``.
 Pad rows and columns (past H, past I_TP) are zero.
 
+The manifest is written and read here only, as a typed `ManifestRecord` (`new_manifest`,
+`write_manifest`, `read_manifest`); so is an export folder's ``mxcli-export.json``
+(`ExportRecord`: `new_export_record`, `write_export_record`, `read_export_record`).
+
 Readers: `load_manifest`, `load_layer_tensors`, `load_prefill_inputs`, `load_backward_weights`.
 
 The readers check the manifest against the files it describes, so that a hand-edited manifest
