@@ -27,7 +27,7 @@ def _neuron(fp8_range: int) -> str:
     return "neuron"
 
 
-def _no_plan_check(plan: Any) -> None:
+def _nothing_refused(what: Any) -> None:
     return None
 
 
@@ -51,15 +51,17 @@ class Exporter:
     scale_rules: tuple[str, ...] = COMMON_SCALE_RULES  # the --scale-rule values it takes
     default_scale_rule: Callable[[int], str] = _neuron  # --scale-rule auto, by --fp8-range
     options: tuple[str, ...] = ()  # `PrepOptions` fields only this format takes
-    check_options: Callable[[Any], None] = _no_plan_check  # its own refusals of the options
-    check_plan: Callable[[Any], None] = _no_plan_check  # refusals before any byte is written
+    check_options: Callable[[Any], None] = _nothing_refused  # its own refusals of the options
+    check_plan: Callable[[Any], None] = _nothing_refused  # refusals before any byte is written
     dry_run_view: Callable[[Any], dict[str, Any] | None] = _no_view  # None: the plan's own
     write: Callable[..., dict[str, Any]] | None = None
     resumable: bool = False  # written layer by layer, --resume and --shard take it
 
     def __post_init__(self) -> None:
         if (self.write is None) != self.resumable:
-            raise ValueError(f"exporter {self.name}: exactly one of write and resumable")
+            raise ValueError(
+                f"exporter {self.name}: a writer, or resumable (written by the runner), not both"
+            )
 
 
 _REGISTRY: dict[str, Exporter] = {}
