@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from mxcli.commands._shared import Debug, Quiet, guarded, print_json, stdout_console
+from mxcli.weightprep import export  # the registered output formats (light: no torch)
 
 
 def main(
@@ -33,8 +34,7 @@ def main(
     formats: str = typer.Option(
         "auto",
         "--formats",
-        help="Expert weight formats: bf16, mxfp8 or both; auto = both for mxcli, mxfp8 for "
-        "compressed-tensors, bf16 for nxdi.",
+        help=f"Expert weight formats: bf16, mxfp8 or both; auto = {export.formats_help()}.",
     ),
     scale_layout: str = typer.Option(
         "packed", "--scale-layout", help="MXFP8 scale layout: packed or unpacked."
@@ -53,10 +53,7 @@ def main(
         show_default=False,
     ),
     output_format: str = typer.Option(
-        "mxcli",
-        "--output-format",
-        help="mxcli (the kernels' layout), compressed-tensors (HF checkpoint, MXFP8 experts: "
-        "vLLM) or nxdi (NxD Inference per-rank files).",
+        export.default().name, "--output-format", help=export.choices_help()
     ),
     fp8_range: int = typer.Option(
         448,
@@ -122,9 +119,8 @@ def main(
 
         fmt = output_format.lower()
         rule = scale_rule.lower()  # "auto" is resolved by PrepOptions
-        auto = {"mxcli": "bf16,mxfp8", "compressed-tensors": "mxfp8", "nxdi": "bf16"}
-        if formats.strip().lower() == "auto":
-            fmts = parse_formats(auto.get(fmt, "bf16,mxfp8"))
+        if formats.strip().lower() == "auto":  # the format's own (an unknown one: refused later)
+            fmts = (export.find(fmt) or export.default()).default_formats
         else:
             fmts = parse_formats(formats)
         opts = PrepOptions(
@@ -163,6 +159,7 @@ def interrupt_hint(output_format: str, dry_run: bool) -> str:
     (an export is published whole or not at all: its temporary folder is removed)."""
     if dry_run:
         return "a dry run writes nothing"
-    if output_format.lower() != "mxcli":
+    exp = export.find(output_format.lower())
+    if exp is None or not exp.resumable:
         return "an export is published whole or not at all: nothing was written; run the same command again"
     return "finished layers are kept: run the same command with --resume to continue"

@@ -60,6 +60,10 @@ Tensor keys of a layer (``layers.{L}.<key>`` in the file): ``gamma [Hp]``, ``rou
 ``shared_expert.<same keys>`` with E=1, and Qwen2's ``shared_expert_gate_weight [1, H]``.
 Pad rows and columns (past H, past I_TP) are zero.
 
+The manifest is written and read here only, as a typed `ManifestRecord` (`new_manifest`,
+`write_manifest`, `read_manifest`); so is an export folder's ``mxcli-export.json``
+(`ExportRecord`: `new_export_record`, `write_export_record`, `read_export_record`).
+
 Readers: `load_manifest`, `load_layer_tensors`, `load_prefill_inputs`, `load_backward_weights`.
 
 The readers check the manifest against the files it describes, so that a hand-edited manifest
@@ -73,9 +77,10 @@ the pad rows and columns are zero, and (unless ``verify_hashes=False``, the comm
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import torch
 
@@ -85,39 +90,373 @@ from mxcli.io.jsonfile import read_json
 
 if TYPE_CHECKING:
     from mxcli.weightprep.padding import Padding
+    from mxcli.weightprep.plan import Plan
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "mxcli.prep-weights"
 SCHEMA_VERSION = 1
+EXPORT_FORMAT = "mxcli.export"  # an export folder's record (`ExportRecord`)
 
 
 class ManifestError(MxcliError):
     """A prep-weights output folder is missing, incomplete or from an incompatible version."""
 
 
+# -- the records, typed: each key written and read here, once ---------------------------------
+#
+# `ManifestRecord` is ``manifest.json`` (the layout above), `ExportRecord` an export folder's
+# ``mxcli-export.json`` (`mxcli.weightprep.export.folder`). A record keeps, as read, the keys an
+# older version left out (`_absent`: written out again as absent) and those a newer one added
+# (`_extra`: written after the known ones), so that reading and writing a record gives back
+# the same bytes. Sections kept as plain dicts are written by the module that owns their keys
+# (`PrepOptions.settings`, `Rank.to_dict`, `Padding.to_dict`, the converter's layer records).
+
+
+@dataclass
+class _Record:
+    """A JSON object with known keys (the dataclass fields, in their written order)."""
+
+    _absent: set[str] = field(default_factory=set, repr=False, compare=False)
+    _extra: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    # fields written only when not None (a key older versions omit rather than write null)
+    _OMIT_NONE: ClassVar[tuple[str, ...]] = ()
+    # fields holding a record, or a {key: record} map, by class
+    _NESTED: ClassVar[dict[str, type[_Record]]] = {}
+    _NESTED_MAPS: ClassVar[dict[str, type[_Record]]] = {}
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+        absent = self.__dict__.get("_absent")
+        if absent and not name.startswith("_"):
+            absent.discard(name)  # set since it was read: written
+
+    @classmethod
+    def _keys(cls) -> list[str]:
+        return [f.name for f in fields(cls) if not f.name.startswith("_")]
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k in self._keys():
+            v = getattr(self, k)
+            if k in self._absent or (v is None and k in self._OMIT_NONE):
+                continue
+            out[k] = _plain(v)
+        out.update(self._extra)
+        return out
+
+    @classmethod
+    def from_dict(cls: type[R], d: dict[str, Any]) -> R:
+        """The record of `d` (keys it lacks take their defaults and stay absent when written)."""
+        known = cls._keys()
+        kw: dict[str, Any] = {}
+        absent = set()
+        for k in known:
+            if k not in d:
+                absent.add(k)
+                continue
+            v = d[k]
+            sub = cls._NESTED.get(k)
+            if sub is not None and isinstance(v, dict):
+                v = sub.from_dict(v)
+            sub = cls._NESTED_MAPS.get(k)
+            if sub is not None and isinstance(v, dict):
+                v = {name: sub.from_dict(e) if isinstance(e, dict) else e for name, e in v.items()}
+            kw[k] = v
+        rec = cls(**kw)
+        rec._absent = absent
+        rec._extra = {k: v for k, v in d.items() if k not in known}
+        return rec
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, _Record):
+        return v.to_dict()
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    return v
+
+
+@dataclass
+class SourceFile(_Record):
+    """``source.files[name]``: a source file as the run found it (``sha256`` once hashed)."""
+
+    size: int = 0
+    mtime_ns: int = 0
+    sha256: str | None = None
+
+
+@dataclass
+class SourceRecord(_Record):
+    """``source``: what was converted."""
+
+    path: str = ""
+    family: str = ""
+    model_type: str = ""
+    source_format: str = ""
+    files: dict[str, SourceFile] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)  # config.json key: value used
+    config_defaults: list[dict[str, Any]] = field(default_factory=list)  # keys config.json lacks
+    hub: dict[str, Any] | None = None  # {"repo_id", "revision", "commit"} of a Hub source
+    _NESTED_MAPS: ClassVar[dict[str, type[_Record]]] = {"files": SourceFile}
+
+
+@dataclass
+class ModelRecord(_Record):
+    """``model``: the source model's sizes."""
+
+    num_layers: int = 0
+    moe_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    hidden_size: int = 0
+    padded_hidden_size: int | None = None
+    intermediate_size: int = 0
+    shared_intermediate_size: int | None = None
+    top_k: int = 0
+
+
+@dataclass
+class ShardsRecord(_Record):
+    """``shards``: a folder prepared by several processes (`mxcli.weightprep.shards`)."""
+
+    count: int = 1
+    complete: bool = False
+    layers: list[int] | None = None  # the selection the first shard recorded
+    _OMIT_NONE: ClassVar[tuple[str, ...]] = ("layers",)
+
+
+@dataclass
+class ManifestRecord(_Record):
+    """``manifest.json`` (the layout in the module doc)."""
+
+    format: str = FORMAT
+    schema_version: int = SCHEMA_VERSION
+    tool: dict[str, Any] = field(default_factory=dict)
+    root: str = "."
+    rank_view: int | None = None
+    source: SourceRecord = field(default_factory=SourceRecord)
+    model: ModelRecord = field(default_factory=ModelRecord)
+    padding: dict[str, Any] | None = None  # `Padding.to_dict` (absent in older folders)
+    settings: dict[str, Any] = field(default_factory=dict)  # `PrepOptions.settings` and more
+    fp8: dict[str, Any] | None = None  # `Fp8Semantics.to_dict`
+    source_fp8: dict[str, Any] | None = None
+    router: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    ranks: list[dict[str, Any]] = field(default_factory=list)  # `Rank.to_dict`
+    layers: dict[str, dict[str, Any]] = field(default_factory=dict)  # "<L>": the layer's record
+    shards: ShardsRecord | None = None
+    _OMIT_NONE: ClassVar[tuple[str, ...]] = ("shards",)
+    _NESTED: ClassVar[dict[str, type[_Record]]] = {
+        "source": SourceRecord,
+        "model": ModelRecord,
+        "shards": ShardsRecord,
+    }
+
+    def rank_view_of(self, rank: int) -> ManifestRecord:
+        """The manifest restricted to `rank` (``OUT/rank{r}/manifest.json``, root ``..``)."""
+        layers = {}
+        for L, entry in self.layers.items():
+            e = dict(entry)
+            e["ranks"] = {k: v for k, v in entry["ranks"].items() if int(k) == rank}
+            if e.get("check"):
+                e["check"] = {k: v for k, v in entry["check"].items() if int(k) == rank}
+            layers[L] = e
+        view = replace(
+            self, root="..", rank_view=rank,
+            ranks=[r for r in self.ranks if r["rank"] == rank], layers=layers,
+        )  # fmt: skip
+        view._absent, view._extra = set(self._absent), dict(self._extra)
+        return view
+
+
+def new_manifest(plan: Plan, source_files: dict[str, SourceFile]) -> ManifestRecord:
+    """The manifest of a run of `plan` before any layer is converted."""
+    from mxcli import __version__
+
+    m = plan.model
+    return ManifestRecord(
+        tool={"name": "mxcli", "version": __version__},
+        source=SourceRecord(
+            path=str(plan.source),
+            family=m.family.name,
+            model_type=plan.model_type,
+            source_format=plan.source_format,
+            files=source_files,
+            config=m.used,
+            config_defaults=[d.to_dict() for d in m.defaulted],
+            hub=plan.hub,
+        ),
+        model=ModelRecord(
+            num_layers=m.num_layers,
+            moe_layers=m.moe_layers(),
+            num_experts=m.E,
+            hidden_size=m.H,
+            padded_hidden_size=plan.H_padded,
+            intermediate_size=m.I,
+            shared_intermediate_size=m.shared_I,
+            top_k=int(m.values["top_k"]),
+        ),
+        padding=plan.padding.to_dict(),
+        settings={**plan.options.settings(), "fast_dma_transpose": False},
+        fp8=plan.options.fp8().to_dict(),
+        source_fp8=plan.source_fp8,
+        router=m.router.to_dict(),
+        notes=list(plan.notes),
+        ranks=[rk.to_dict() for rk in plan.ranks],
+    )
+
+
+def read_manifest(path: Path) -> ManifestRecord:
+    """``manifest.json`` at `path`, checked (`read_manifest_json`), as its record."""
+    return ManifestRecord.from_dict(read_manifest_json(path))
+
+
+def write_manifest(out: Path, manifest: ManifestRecord, indexes: bool = True) -> None:
+    """Write OUT/manifest.json and, per rank, its index and rank-view manifest (all atomic).
+
+    ``indexes=False`` (a shard of a multi-process run, before the last one finishes): the
+    manifest alone, so that no index names a partial set of layers."""
+    from mxcli.weightprep.checkpoint import INDEX_NAME
+    from mxcli.weightprep.writer import write_index, write_json
+
+    manifest.layers = dict(sorted(manifest.layers.items(), key=lambda kv: int(kv[0])))
+    for rk in manifest.ranks if indexes else []:
+        r = rk["rank"]
+        rdir = out / rk["dir"]
+        rdir.mkdir(parents=True, exist_ok=True)
+        weight_map: dict[str, str] = {}
+        total = 0
+        for entry in manifest.layers.values():
+            fe = entry["ranks"].get(str(r))
+            if fe is None:
+                continue
+            fname = Path(fe["file"]).name
+            for t in fe["tensors"].values():
+                weight_map[t["name"]] = fname
+            total += int(fe["bytes"])
+        write_index(rdir / INDEX_NAME, weight_map, total, {"format": FORMAT, "rank": r})
+        write_json(rdir / MANIFEST_NAME, manifest.rank_view_of(r).to_dict())
+    write_json(out / MANIFEST_NAME, manifest.to_dict())
+
+
+@dataclass
+class ExportSource(_Record):
+    """An export record's ``source``."""
+
+    path: str = ""
+    family: str = ""
+    model_type: str = ""
+    source_format: str = ""
+    fp8: dict[str, Any] | None = None  # the FP8 semantics the source declares
+
+
+@dataclass
+class ExportModel(_Record):
+    """An export record's ``model``."""
+
+    num_layers: int = 0
+    moe_layers: list[int] = field(default_factory=list)
+    num_experts: int = 0
+    hidden_size: int = 0
+    intermediate_size: int = 0
+
+
+@dataclass
+class ExportRecord(_Record):
+    """``mxcli-export.json``: what an export wrote, from what, with its FP8 semantics."""
+
+    format: str = EXPORT_FORMAT
+    output_format: str = ""
+    tool: dict[str, Any] = field(default_factory=dict)
+    source: ExportSource = field(default_factory=ExportSource)
+    model: ExportModel = field(default_factory=ExportModel)
+    settings: dict[str, Any] = field(default_factory=dict)  # `PrepOptions.settings`
+    fp8: dict[str, Any] = field(default_factory=dict)  # `Fp8Semantics.to_dict`
+    result: dict[str, Any] = field(default_factory=dict)  # the export's result
+    files: list[str] | None = None  # every file written (relative), added at publishing
+    _OMIT_NONE: ClassVar[tuple[str, ...]] = ("files",)
+    _NESTED: ClassVar[dict[str, type[_Record]]] = {"source": ExportSource, "model": ExportModel}
+
+
+def new_export_record(plan: Plan, output_format: str, result: dict[str, Any]) -> ExportRecord:
+    """The record of an export of `plan` in `output_format` with its `result`."""
+    from mxcli import __version__
+
+    m = plan.model
+    return ExportRecord(
+        output_format=output_format,
+        tool={"name": "mxcli", "version": __version__},
+        source=ExportSource(
+            path=str(plan.source),
+            family=m.family.name,
+            model_type=plan.model_type,
+            source_format=plan.source_format,
+            fp8=plan.source_fp8,
+        ),
+        model=ExportModel(
+            num_layers=m.num_layers,
+            moe_layers=plan.layers,
+            num_experts=m.E,
+            hidden_size=m.H,
+            intermediate_size=m.I,
+        ),
+        settings=plan.options.settings(),
+        fp8=plan.options.fp8().to_dict(),
+        result=result,
+    )
+
+
+def read_export_record(path: Path) -> ExportRecord:
+    """The export record at `path` (one line naming it when it is not one)."""
+    data = read_json(path, MxcliError)
+    if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
+        raise MxcliError(f"{path}: not an mxcli export sidecar")
+    return ExportRecord.from_dict(data)
+
+
+def write_export_record(path: Path, record: ExportRecord) -> None:
+    """Write `record` at `path` (inside the export's temporary folder: published whole)."""
+    import json
+    import os
+
+    from mxcli.fsutil import default_mode
+
+    path.write_text(json.dumps(record.to_dict(), indent=2) + "\n")
+    os.chmod(path, default_mode())
+
+
 @dataclass
 class Manifest:
     """A loaded ``manifest.json``; file paths resolve against `root`."""
 
-    data: dict[str, Any]
+    record: ManifestRecord
     path: Path  # the manifest.json file
     root: Path  # folder the per-layer "file" paths are relative to
     verify_hashes: bool = True  # the readers' default: check each tensor's sha256
 
+    @cached_property
+    def data(self) -> dict[str, Any]:
+        """The manifest as JSON (for readers that show it whole)."""
+        return self.record.to_dict()
+
     @property
     def layers(self) -> list[int]:
-        return sorted(int(k) for k in self.data["layers"])
+        return sorted(int(k) for k in self.record.layers)
 
     @property
     def ranks(self) -> list[int]:
-        return [int(r["rank"]) for r in self.data["ranks"]]
+        return [int(r["rank"]) for r in self.record.ranks]
 
     @property
     def settings(self) -> dict[str, Any]:
-        return dict(self.data["settings"])
+        return dict(self.record.settings)
 
     def layer(self, layer: int) -> dict[str, Any]:
-        entry = self.data["layers"].get(str(int(layer)))
+        entry = self.record.layers.get(str(int(layer)))
         if entry is None:
             have = ",".join(str(L) for L in self.layers) or "none"
             raise InputError(f"layer {layer}: not in {self.path.parent} (layers there: {have})")
@@ -137,16 +476,16 @@ class Manifest:
         """The padded and true sizes (`mxcli.weightprep.padding`) of this folder's tensors."""
         from mxcli.weightprep.padding import Padding
 
-        d = self.data.get("padding")
-        if d is not None:
-            return Padding.from_dict(d)
-        model = self.data["model"]  # an older folder: sizes as stored, nothing padded
-        r = next((x for x in self.data["ranks"] if int(x["rank"]) == rank), self.data["ranks"][0])
+        rec = self.record
+        if rec.padding is not None:
+            return Padding.from_dict(rec.padding)
+        model = rec.model  # an older folder: sizes as stored, nothing padded
+        r = next((x for x in rec.ranks if int(x["rank"]) == rank), rec.ranks[0])
         i0, i1 = r["intermediate_range"]
         sr = r.get("shared_intermediate_range")
         Is = sr[1] - sr[0] if sr else None
-        H = int(model["hidden_size"])
-        return Padding(H, int(model.get("padded_hidden_size") or H), H, i1 - i0, i1 - i0, Is, Is)
+        H = int(model.hidden_size)
+        return Padding(H, int(model.padded_hidden_size or H), H, i1 - i0, i1 - i0, Is, Is)
 
     def prefill_kwargs(self, layer: int) -> dict[str, Any]:
         """Keyword arguments for `rmsnorm_mx_prefill` (router act fn as `RouterActFnType`)."""
@@ -212,8 +551,8 @@ def load_manifest(path: str | Path, *, verify_hashes: bool = True) -> Manifest:
     """Load the manifest of an output folder (``OUT``, ``OUT/rank{r}`` or a manifest.json),
     checked for consistency (`check_manifest`); `verify_hashes` is the readers' default."""
     p = _manifest_path(path)
-    data = read_manifest_json(p)
-    m = Manifest(data, p, (p.parent / data.get("root", ".")).resolve(), verify_hashes)
+    rec = read_manifest(p)
+    m = Manifest(rec, p, (p.parent / rec.root).resolve(), verify_hashes)
     check_manifest(m)
     return m
 
@@ -230,18 +569,18 @@ def check_manifest(m: Manifest) -> None:
         raise _wrong(m, "malformed padding") from None
     H, Hp, Hb = pad.hidden_size, pad.prefill_hidden_size, pad.backward_hidden_size
     Ip, Isp = pad.padded_intermediate_size, pad.padded_shared_intermediate_size
-    model = m.data.get("model") or {}
-    if m.data.get("padding") is not None:  # (older folders: nothing padded, sizes as stored)
+    model = m.record.model
+    if m.record.padding is not None:  # (older folders: nothing padded, sizes as stored)
         problem = padding_problem(pad, "padding")
-        if problem is None and model.get("hidden_size") != H:
-            problem = f"model.hidden_size is {model.get('hidden_size')}, padding.hidden_size {H}"
-        padded = model.get("padded_hidden_size")
+        if problem is None and model.hidden_size != H:
+            problem = f"model.hidden_size is {model.hidden_size}, padding.hidden_size {H}"
+        padded = model.padded_hidden_size
         if problem is None and padded is not None and padded != Hp:
             problem = f"model.padded_hidden_size is {padded}, padding.prefill_hidden_size {Hp}"
         if problem is not None:
             raise _wrong(m, problem)
-    E = model.get("num_experts")
-    for L, entry in m.data["layers"].items():
+    E = model.num_experts
+    for L, entry in m.record.layers.items():
         u = (entry.get("prefill_kwargs") or {}).get("unpadded_hidden_size") or Hp
         if u != H:
             raise _wrong(m, f"layer {L}: unpadded_hidden_size is {u}, padding.hidden_size {H}")

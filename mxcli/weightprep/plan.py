@@ -19,6 +19,7 @@ from typing import Any
 
 from mxcli.errors import InputError
 from mxcli.kernels.blockwise_moe.prequant import scale_rows
+from mxcli.weightprep import export
 from mxcli.weightprep.checkpoint import (
     FP8_SOURCE_DTYPES,
     INDEX_NAME,
@@ -45,9 +46,9 @@ from mxcli.weightprep.writer import TensorSpec
 FORMATS = ("bf16", "mxfp8")
 SCALE_LAYOUTS = ("packed", "unpacked")
 SCALE_RULES = ("neuron", "ocp", "rceil", "ct")
-# the rules only the compressed-tensors export takes (its consumers decode any E8M0 byte)
+# the rules only some exports take (`Exporter.scale_rules`; their consumers decode any E8M0
+# byte), and only for a +-448 target
 EXPORT_ONLY_RULES = ("rceil", "ct")
-OUTPUT_FORMATS = ("mxcli", "compressed-tensors", "nxdi")
 # Expert chunk size: experts are read, converted and written this many bytes (bf16) at a time.
 CHUNK_BYTES = 64 << 20
 # Measured: peak RSS of one worker ~ this many chunk sizes on top of the interpreter + torch.
@@ -63,7 +64,7 @@ class PrepOptions:
     ep: int = 1
     formats: tuple[str, ...] = FORMATS
     scale_layout: str = "packed"
-    scale_rule: str = "auto"  # auto: ct for compressed-tensors at +-448, ocp at +-240, else neuron
+    scale_rule: str = "auto"  # auto: the output format's (`Exporter.default_scale_rule`)
     layers: str | None = None  # "3-10,12"; None or "all" = every MoE layer
     model_type: str | None = None  # None or "auto" = config.json's model_type
     workers: int = 1
@@ -72,7 +73,7 @@ class PrepOptions:
     chunk_bytes: int = CHUNK_BYTES
     allow_nonfinite: bool = False  # convert source weights holding NaN/Inf (else an error)
     fp8_range: int = 448  # 448: OCP E4M3FN; 240: codes saturated for Neuron FP8 (`fp8`)
-    output_format: str = "mxcli"  # mxcli | compressed-tensors | nxdi (`mxcli.weightprep.export`)
+    output_format: str = "mxcli"  # a registered `mxcli.weightprep.export.Exporter`'s name
     nxdi_base: str | None = None  # nxdi: NxDI's own sharded checkpoint to complete (`export.nxdi`)
 
     def __post_init__(self) -> None:
@@ -90,12 +91,9 @@ class PrepOptions:
             raise InputError(
                 f"--scale-layout: expected packed or unpacked, got {self.scale_layout!r}"
             )
+        exp = export.find(self.output_format)  # None: refused below, after the rule checks
         if self.scale_rule == "auto":
-            if self.output_format == "compressed-tensors":
-                # what compressed-tensors' own MXFP8 compressor writes (issue 30)
-                rule = "ct" if self.fp8_range == 448 else "ocp"
-            else:
-                rule = "neuron"
+            rule = (exp or export.default()).default_scale_rule(self.fp8_range)
             object.__setattr__(self, "scale_rule", rule)
         if self.scale_rule not in SCALE_RULES:
             raise InputError(
@@ -103,35 +101,27 @@ class PrepOptions:
             )
         if self.fp8_range not in FP8_RANGES:
             raise InputError(f"--fp8-range: expected 448 or 240, got {self.fp8_range}")
-        if self.output_format not in OUTPUT_FORMATS:
-            raise InputError(
-                f"--output-format: expected one of {', '.join(OUTPUT_FORMATS)}, got "
-                f"{self.output_format!r}"
-            )
+        exp = export.get(self.output_format)
         if (
             self.fp8_range == 240
             and self.scale_rule == "ocp"
-            and self.output_format != ("compressed-tensors")
+            and exp.default_scale_rule(240) != "ocp"  # a format whose +-240 bytes it records so
         ):
             raise InputError(
                 "--fp8-range 240 --scale-rule ocp: a +-240 target scales with byte = exponent - 7 "
                 "(OCP's algorithm for a +-240 element is the NEURON rule): use --scale-rule neuron"
             )
-        if self.nxdi_base is not None and self.output_format != "nxdi":
+        if self.nxdi_base is not None and "nxdi_base" not in exp.options:
             raise InputError(
-                f"--nxdi-base: for --output-format nxdi only (got {self.output_format})"
+                f"--nxdi-base: for --output-format {' or '.join(export.taking_option('nxdi_base'))}"
+                f" only (got {self.output_format})"
             )
-        if self.nxdi_base is not None and "mxfp8" in self.formats:
-            # issue 30: NxDI's MX path serves gpt-oss only (models/gpt_oss/); no other model
-            # reads MX experts, so a complete rank checkpoint with them would not load
+        exp.check_options(self)
+        if self.scale_rule not in exp.scale_rules:
             raise InputError(
-                "--nxdi-base with --formats mxfp8: no NxD Inference model reads MXFP8 experts "
-                "for these families (NxDI 4bcdc54: gpt-oss only); use --formats bf16"
-            )
-        if self.scale_rule in EXPORT_ONLY_RULES and self.output_format != "compressed-tensors":
-            raise InputError(
-                f"--scale-rule {self.scale_rule}: for --output-format compressed-tensors only "
-                f"(got --output-format {self.output_format}; its outputs take neuron or ocp)"
+                f"--scale-rule {self.scale_rule}: for --output-format "
+                f"{' or '.join(export.taking_rule(self.scale_rule))} only (got --output-format "
+                f"{self.output_format}; its outputs take {' or '.join(exp.scale_rules)})"
             )
         if self.scale_rule in EXPORT_ONLY_RULES and self.fp8_range == 240:
             raise InputError(

@@ -34,22 +34,24 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from mxcli import __version__
 from mxcli.errors import InputError, MxcliError, OutputExistsError, raise_terminated
 from mxcli.fsutil import default_mode, hold_folder, refuse_inputs, remove_stale_temporaries
 from mxcli.io.files import tensor_sha256
+from mxcli.weightprep import export
 from mxcli.weightprep.checkpoint import INDEX_NAME, Checkpoint, open_safetensors
 from mxcli.weightprep.manifest import (
-    FORMAT,
     MANIFEST_NAME,
-    SCHEMA_VERSION,
     ManifestError,
-    read_manifest_json,
+    ManifestRecord,
+    ShardsRecord,
+    SourceFile,
+    new_manifest,
+    read_manifest,
+    write_manifest,
 )
 from mxcli.weightprep.plan import Plan, PrepOptions, build_plan, layer_file
 from mxcli.weightprep.reporter import Reporter
 from mxcli.weightprep.shards import Shard, describe, partition
-from mxcli.weightprep.writer import write_index, write_json
 
 LOCK_NAME = ".prep-weights.lock"
 # held for a whole run (`hold_folder`): exclusively by a run that starts the folder (new, or
@@ -71,15 +73,15 @@ def _file_sha256(path: Path, bufsize: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def _stat_entry(path: Path) -> dict[str, Any]:
+def _stat_entry(path: Path) -> SourceFile:
     st = path.stat()
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": None}
+    return SourceFile(size=st.st_size, mtime_ns=st.st_mtime_ns)
 
 
 class SourceHasher(threading.Thread):
     """sha256 of the source files in a background thread (hashlib and file reads release the GIL)."""
 
-    def __init__(self, root: Path, files: dict[str, dict[str, Any]]) -> None:
+    def __init__(self, root: Path, files: dict[str, SourceFile]) -> None:
         super().__init__(daemon=True, name="prep-weights-hash")
         self.root = root
         self.files = files
@@ -88,8 +90,8 @@ class SourceHasher(threading.Thread):
     def run(self) -> None:
         try:
             for name, entry in self.files.items():
-                if entry.get("sha256") is None:
-                    entry["sha256"] = _file_sha256(self.root / name)
+                if entry.sha256 is None:
+                    entry.sha256 = _file_sha256(self.root / name)
         except BaseException as exc:  # reported by the caller
             self.error = exc
 
@@ -97,84 +99,10 @@ class SourceHasher(threading.Thread):
 # -- manifest -----------------------------------------------------------------------------------
 
 
-def new_manifest(plan: Plan, source_files: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    m = plan.model
-    return {
-        "format": FORMAT,
-        "schema_version": SCHEMA_VERSION,
-        "tool": {"name": "mxcli", "version": __version__},
-        "root": ".",
-        "rank_view": None,
-        "source": {
-            "path": str(plan.source),
-            "family": m.family.name,
-            "model_type": plan.model_type,
-            "source_format": plan.source_format,
-            "files": source_files,
-            "config": m.used,
-            "config_defaults": [d.to_dict() for d in m.defaulted],  # keys config.json lacks
-            "hub": plan.hub,
-        },
-        "model": {
-            "num_layers": m.num_layers,
-            "moe_layers": m.moe_layers(),
-            "num_experts": m.E,
-            "hidden_size": m.H,
-            "padded_hidden_size": plan.H_padded,
-            "intermediate_size": m.I,
-            "shared_intermediate_size": m.shared_I,
-            "top_k": int(m.values["top_k"]),
-        },
-        "padding": plan.padding.to_dict(),
-        "settings": {**plan.options.settings(), "fast_dma_transpose": False},
-        "fp8": plan.options.fp8().to_dict(),
-        "source_fp8": plan.source_fp8,
-        "router": m.router.to_dict(),
-        "notes": list(plan.notes),
-        "ranks": [rk.to_dict() for rk in plan.ranks],
-        "layers": {},
-    }
-
-
-def _rank_view(manifest: dict[str, Any], rank: int) -> dict[str, Any]:
-    view = dict(manifest)
-    view["root"] = ".."
-    view["rank_view"] = rank
-    view["ranks"] = [r for r in manifest["ranks"] if r["rank"] == rank]
-    layers = {}
-    for L, entry in manifest["layers"].items():
-        e = dict(entry)
-        e["ranks"] = {k: v for k, v in entry["ranks"].items() if int(k) == rank}
-        if e.get("check"):
-            e["check"] = {k: v for k, v in entry["check"].items() if int(k) == rank}
-        layers[L] = e
-    view["layers"] = layers
-    return view
-
-
-def save_manifest(out: Path, manifest: dict[str, Any], indexes: bool = True) -> None:
-    """Write OUT/manifest.json and, per rank, its index and rank-view manifest (all atomic).
-
-    ``indexes=False`` (a shard of a multi-process run, before the last one finishes): the
-    manifest alone, so that no index names a partial set of layers."""
-    manifest["layers"] = dict(sorted(manifest["layers"].items(), key=lambda kv: int(kv[0])))
-    for rk in manifest["ranks"] if indexes else []:
-        r = rk["rank"]
-        rdir = out / rk["dir"]
-        rdir.mkdir(parents=True, exist_ok=True)
-        weight_map: dict[str, str] = {}
-        total = 0
-        for entry in manifest["layers"].values():
-            fe = entry["ranks"].get(str(r))
-            if fe is None:
-                continue
-            fname = Path(fe["file"]).name
-            for t in fe["tensors"].values():
-                weight_map[t["name"]] = fname
-            total += int(fe["bytes"])
-        write_index(rdir / INDEX_NAME, weight_map, total, {"format": FORMAT, "rank": r})
-        write_json(rdir / MANIFEST_NAME, _rank_view(manifest, r))
-    write_json(out / MANIFEST_NAME, manifest)
+def save_manifest(out: Path, manifest: ManifestRecord, indexes: bool = True) -> None:
+    """`mxcli.weightprep.manifest.write_manifest` (the manifest, and per rank its index and
+    rank view)."""
+    write_manifest(out, manifest, indexes)
 
 
 @contextlib.contextmanager
@@ -227,28 +155,28 @@ def _remove_stale(out: Path, plan: Plan) -> None:
         remove_stale_temporaries(out / rk.dir, _OUR_FILES)
 
 
-def _merge_from_disk(out: Path, manifest: dict[str, Any]) -> None:
+def _merge_from_disk(out: Path, manifest: ManifestRecord) -> None:
     """Add the layers and source files that parallel runs recorded meanwhile (under the lock)."""
     path = out / MANIFEST_NAME
     if not path.is_file():
         return
-    on_disk = read_manifest_json(path)
-    for k, v in on_disk["layers"].items():
-        manifest["layers"].setdefault(k, v)
-    for name, f in on_disk["source"]["files"].items():
-        mine = manifest["source"]["files"].setdefault(name, f)  # other shards' source files
-        if mine.get("sha256") is None and f.get("sha256"):
-            mine["sha256"] = f["sha256"]
+    on_disk = read_manifest(path)
+    for k, v in on_disk.layers.items():
+        manifest.layers.setdefault(k, v)
+    for name, f in on_disk.source.files.items():
+        mine = manifest.source.files.setdefault(name, f)  # other shards' source files
+        if mine.sha256 is None and f.sha256:
+            mine.sha256 = f.sha256
 
 
 def _record_layer(
-    out: Path, manifest: dict[str, Any], record: dict[str, Any], indexes: bool = True
+    out: Path, manifest: ManifestRecord, record: dict[str, Any], indexes: bool = True
 ) -> None:
     """Merge one finished layer into the manifest on disk (re-read under the lock, so parallel
     runs on other layers are kept) and into `manifest`."""
     with _locked(out):
         _merge_from_disk(out, manifest)
-        manifest["layers"][str(record["layer"])] = record
+        manifest.layers[str(record["layer"])] = record
         save_manifest(out, manifest, indexes)
 
 
@@ -307,11 +235,11 @@ def _make_folder(
 def _open_output(
     out: Path,
     plan: Plan,
-    source_files: dict[str, dict[str, Any]],
+    source_files: dict[str, SourceFile],
     resume: bool,
     force: bool,
     shard: Shard | None = None,
-) -> dict[str, Any]:
+) -> ManifestRecord:
     """Reuse the output folder (made by `_make_folder`, held by this run); return the manifest
     to extend. A shard of several joins the folder the other shards share, as ``--resume``."""
     fresh = new_manifest(plan, source_files)
@@ -319,7 +247,7 @@ def _open_output(
         return _join_shards(out, plan, fresh, shard)
     mpath = out / MANIFEST_NAME
     if resume and mpath.is_file():
-        old = read_manifest_json(mpath)  # replaced atomically: always whole
+        old = read_manifest(mpath)  # replaced atomically: always whole
         _check_compatible(old, fresh, plan)
         _check_shards(old, shard)
         _continue(out, plan, old, fresh)
@@ -333,30 +261,30 @@ def _open_output(
     return fresh
 
 
-def _continue(out: Path, plan: Plan, old: dict[str, Any], fresh: dict[str, Any]) -> None:
+def _continue(out: Path, plan: Plan, old: ManifestRecord, fresh: ManifestRecord) -> None:
     """Carry the recorded layers, shards and source hashes of `old` over into `fresh`."""
-    if old.get("shards"):
-        fresh["shards"] = old["shards"]
+    if old.shards:
+        fresh.shards = old.shards
     _remove_stale(out, plan)
-    fresh["layers"] = dict(old["layers"])
-    for name, f in old["source"]["files"].items():
-        if name in fresh["source"]["files"] and f.get("sha256"):
-            fresh["source"]["files"][name]["sha256"] = f["sha256"]
+    fresh.layers = dict(old.layers)
+    for name, f in old.source.files.items():
+        if name in fresh.source.files and f.sha256:
+            fresh.source.files[name].sha256 = f.sha256
 
 
-def _join_shards(out: Path, plan: Plan, fresh: dict[str, Any], shard: Shard) -> dict[str, Any]:
+def _join_shards(out: Path, plan: Plan, fresh: ManifestRecord, shard: Shard) -> ManifestRecord:
     """A shard of several joins the folder as ``--resume`` does. The first to come records the
     selection in the manifest at once (under the lock, so shards starting together see it);
     every later one must repeat it and every option that shapes the bytes, else it is refused
     naming the difference: a shard converting other layers would leave some selected layer
     unconverted while the manifest calls the model complete."""
     mpath = out / MANIFEST_NAME
-    fresh["shards"] = {"count": shard.count, "complete": False, "layers": list(plan.layers)}
+    fresh.shards = ShardsRecord(count=shard.count, complete=False, layers=list(plan.layers))
     with _locked(out):
         if not mpath.is_file():
             save_manifest(out, fresh, indexes=False)
             return fresh
-        old = read_manifest_json(mpath)
+        old = read_manifest(mpath)
         where = f"shard {shard} ({shard.source})"
         _check_compatible(old, fresh, plan, where, "every shard must run with the same options")
         _check_shards(old, shard)
@@ -365,9 +293,9 @@ def _join_shards(out: Path, plan: Plan, fresh: dict[str, Any], shard: Shard) -> 
     return fresh
 
 
-def _check_selection(old: dict[str, Any], plan: Plan, where: str, mpath: Path) -> None:
+def _check_selection(old: ManifestRecord, plan: Plan, where: str, mpath: Path) -> None:
     """The layers the first shard recorded (``shards.layers``) against this run's."""
-    recorded = (old.get("shards") or {}).get("layers")
+    recorded = old.shards.layers if old.shards else None
     if recorded is None:  # an older version's folder: it recorded none
         return
     if [int(x) for x in recorded] != list(plan.layers):
@@ -393,7 +321,7 @@ def would_refuse(
         refuse_inputs(out, folders=[("checkpoint folder", source)])
         _check_writable(out)
         if plan is not None and force and out.is_dir() and not out.is_symlink():
-            if plan.options.output_format != "mxcli":
+            if not export.get(plan.options.output_format).resumable:  # an export folder
                 from mxcli.weightprep.export.folder import check_replaceable
 
                 if any(out.iterdir()):
@@ -419,11 +347,11 @@ def _previous_outputs(out: Path, plan: Plan) -> set[Path]:
     mpath = out / MANIFEST_NAME
     listed: set[Path] = set()
     if os.path.lexists(mpath):
-        old = read_manifest_json(mpath)  # a foreign or corrupt manifest.json: refused, named
+        old = read_manifest(mpath)  # a foreign or corrupt manifest.json: refused, named
         listed.add(mpath)
-        for rk in old["ranks"]:
+        for rk in old.ranks:
             listed |= {out / rk["dir"] / INDEX_NAME, out / rk["dir"] / MANIFEST_NAME}
-        for entry in old["layers"].values():
+        for entry in old.layers.values():
             listed |= {out / fe["file"] for fe in entry["ranks"].values()}
     for p in [mpath, *_planned_files(out, plan)]:
         if os.path.lexists(p) and p not in listed:
@@ -461,9 +389,9 @@ def _remove_previous_outputs(out: Path, plan: Plan) -> None:
     _remove_files(out, _previous_outputs(out, plan))
 
 
-def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
+def _check_shards(old: ManifestRecord, shard: Shard | None) -> None:
     """Shards of one folder must agree on N (the split of the layers depends on it)."""
-    n_old = int((old.get("shards") or {}).get("count") or 1)
+    n_old = int(old.shards.count or 1) if old.shards else 1
     n = shard.count if shard is not None else 1
     if shard is not None and n > 1 and n_old > 1 and n != n_old:
         raise InputError(
@@ -473,32 +401,38 @@ def _check_shards(old: dict[str, Any], shard: Shard | None) -> None:
 
 
 def _check_compatible(
-    old: dict[str, Any],
-    fresh: dict[str, Any],
+    old: ManifestRecord | dict[str, Any],
+    fresh: ManifestRecord | dict[str, Any],
     plan: Plan,
     where: str = "--resume",
     hint: str = "use --force to start over",
 ) -> None:
-    if old["source"]["family"] != fresh["source"]["family"]:
+    """`old` (the manifest on disk) against `fresh` (this run's): one line naming the first
+    difference that would give other bytes."""
+    if isinstance(old, dict):
+        old = ManifestRecord.from_dict(old)
+    if isinstance(fresh, dict):
+        fresh = ManifestRecord.from_dict(fresh)
+    if old.source.family != fresh.source.family:
         raise InputError(
-            f"{where}: the output was made from a {old['source']['family']} model, this source is {fresh['source']['family']} ({hint})"
+            f"{where}: the output was made from a {old.source.family} model, this source is {fresh.source.family} ({hint})"
         )
-    hub_a, hub_b = old["source"].get("hub") or {}, fresh["source"].get("hub") or {}
+    hub_a, hub_b = old.source.hub or {}, fresh.source.hub or {}
     if hub_a.get("commit") and hub_b.get("commit") and hub_a["commit"] != hub_b["commit"]:
         raise InputError(
             f"{where}: the output was made from commit {hub_a['commit']} of "
             f"{hub_a.get('repo_id')}, this run reads commit {hub_b['commit']} ({hint})"
         )
     for key in _COMPARED_SETTINGS:
-        a = old["settings"].get(key, _SETTING_DEFAULTS.get(key))
-        b = fresh["settings"].get(key)
+        a = old.settings.get(key, _SETTING_DEFAULTS.get(key))
+        b = fresh.settings.get(key)
         if a != b:
             raise InputError(
                 f"{where}: the output was written with {key}={a}, this run asks {key}={b} ({hint})"
             )
-    for name, f in fresh["source"]["files"].items():
-        o = old["source"]["files"].get(name)
-        if o is not None and (o["size"] != f["size"] or o["mtime_ns"] != f["mtime_ns"]):
+    for name, f in fresh.source.files.items():
+        o = old.source.files.get(name)
+        if o is not None and (o.size != f.size or o.mtime_ns != f.mtime_ns):
             raise InputError(
                 f"{where}: source file {name} changed since the output was written ({hint})"
             )
@@ -641,11 +575,10 @@ def prepare_weights(
         plan = build_plan(root, options, ckpt, config_only_ok=True)
         plan.hub = hub.describe() if hub else None
         res: dict[str, Any] = {"dry_run": True, "plan": plan.to_dict()}
-        if options.output_format != "mxcli":  # the export's tensors, not mxcli's layout
-            from mxcli.weightprep.export import check_export, dry_run_view
-
-            check_export(plan)
-            view = dry_run_view(plan)
+        exp = export.get(options.output_format)
+        exp.check_plan(plan)
+        view = exp.dry_run_view(plan)
+        if view is not None:  # the export's tensors, not mxcli's layout
             p = res["plan"]
             p["outputs_per_layer"] = view["outputs_per_layer"]
             p["output_bytes"] = view["write_total"]
@@ -673,14 +606,12 @@ def prepare_weights(
     if output is None:
         raise InputError("OUTPUT folder is required (or use --dry-run)")
     out = Path(output)
-    if options.output_format != "mxcli":  # another stack's layout (`mxcli.weightprep.export`)
-        from mxcli.weightprep.export import run_export
-
+    if not export.get(options.output_format).resumable:  # another stack's layout, published whole
         if resume:
             raise InputError(
                 f"--resume: not available with --output-format {options.output_format}"
             )
-        return run_export(plan, out, force, reporter)
+        return export.run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     if shard is not None and shard.count <= 1:
@@ -702,7 +633,7 @@ def _run(
     ckpt: Checkpoint,
     plan: Plan,
     out: Path,
-    source_files: dict[str, dict[str, Any]],
+    source_files: dict[str, SourceFile],
     options: PrepOptions,
     resume: bool,
     force: bool,
@@ -715,8 +646,8 @@ def _run(
     try:
         with hold_folder(out, RUN_LOCK_NAME, shared=joined, busy=_BUSY):
             manifest = _open_output(out, plan, source_files, resume, force, shard)
-            if shard is not None:
-                manifest.setdefault("shards", {"count": shard.count, "complete": False})
+            if shard is not None and manifest.shards is None:
+                manifest.shards = ShardsRecord(count=shard.count, complete=False)
             try:
                 return _convert(ckpt, plan, out, manifest, options, joined, rep, shard, mine)
             except BaseException:
@@ -739,7 +670,7 @@ def _remove_unfinished(out: Path, plan: Plan, created: bool) -> None:
     simply run again. Once a layer is recorded, everything is kept for ``--resume``."""
     mpath = out / MANIFEST_NAME
     try:
-        recorded = read_manifest_json(mpath)["layers"] if mpath.is_file() else {}
+        recorded = read_manifest(mpath).layers if mpath.is_file() else {}
     except ManifestError:
         return
     if recorded:
@@ -757,7 +688,7 @@ def _convert(
     ckpt: Checkpoint,
     plan: Plan,
     out: Path,
-    manifest: dict[str, Any],
+    manifest: ManifestRecord,
     options: PrepOptions,
     resume: bool,
     rep: Reporter,
@@ -767,13 +698,13 @@ def _convert(
     todo, done = [], []
     indexes = shard is None  # a shard leaves the indexes to the last one to finish
     for L in plan.layers if mine is None else mine:
-        if resume and layer_is_complete(out, manifest["layers"].get(str(L)), plan):
+        if resume and layer_is_complete(out, manifest.layers.get(str(L)), plan):
             done.append(L)
         else:
-            manifest["layers"].pop(str(L), None)
+            manifest.layers.pop(str(L), None)
             todo.append(L)
 
-    hasher = SourceHasher(ckpt.root, manifest["source"]["files"])
+    hasher = SourceHasher(ckpt.root, manifest.source.files)
     hasher.start()
     t0 = time.perf_counter()
     records: dict[int, dict[str, Any]] = {}
@@ -794,8 +725,8 @@ def _convert(
         with _locked(out):
             _merge_from_disk(out, manifest)
             missing = missing_shards(out, plan, manifest) if shard is not None else []
-            if shard is not None:
-                manifest["shards"]["complete"] = not missing
+            if shard is not None and manifest.shards is not None:
+                manifest.shards.complete = not missing
             save_manifest(out, manifest, indexes or not missing)
     finally:
         rep.finish()
@@ -865,12 +796,12 @@ def _recorded(out: Path, plan: Plan, record: dict[str, Any] | None) -> bool:
     return True
 
 
-def missing_shards(out: Path, plan: Plan, manifest: dict[str, Any]) -> list[dict[str, Any]]:
+def missing_shards(out: Path, plan: Plan, manifest: ManifestRecord) -> list[dict[str, Any]]:
     """The shards (of the manifest's count) with a selected layer not recorded, and those layers."""
-    count = int((manifest.get("shards") or {}).get("count") or 1)
+    count = int(manifest.shards.count or 1) if manifest.shards else 1
     out_list = []
     for i, layers in enumerate(shard_layers(plan, count)):
-        lost = [L for L in layers if not _recorded(out, plan, manifest["layers"].get(str(L)))]
+        lost = [L for L in layers if not _recorded(out, plan, manifest.layers.get(str(L)))]
         if lost:
             out_list.append({"shard": f"{i}/{count}", "layers": lost})
     return out_list
@@ -883,7 +814,7 @@ def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
     if not path.is_file():
         raise InputError(f"{out}: no {MANIFEST_NAME} to finalize (no shard has finished a layer)")
     with _locked(out):
-        manifest = read_manifest_json(path)
+        manifest = read_manifest(path)
         _check_compatible(manifest, new_manifest(plan, {}), plan)
         _check_selection(manifest, plan, "--finalize", path)
         missing = missing_shards(out, plan, manifest)
@@ -893,8 +824,8 @@ def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
                 f"{out}: cannot finalize, shards not finished: {names}; run those shards "
                 "again with --resume"
             )
-        if manifest.get("shards"):
-            manifest["shards"]["complete"] = True
+        if manifest.shards:
+            manifest.shards.complete = True
         save_manifest(out, manifest)
     _remove_lock(out)
     return {
@@ -903,7 +834,7 @@ def finalize_output(out: Path, plan: Plan) -> dict[str, Any]:
         "finalized": True,
         "layers": plan.layers,
         "ranks": len(plan.ranks),
-        "shards": int((manifest.get("shards") or {}).get("count") or 1),
+        "shards": int(manifest.shards.count or 1) if manifest.shards else 1,
     }
 
 
@@ -912,7 +843,7 @@ def _run_pool(
     options: PrepOptions,
     out: Path,
     todo: list[int],
-    manifest: dict[str, Any],
+    manifest: ManifestRecord,
     records: dict[int, dict[str, Any]],
     rep: Reporter,
     indexes: bool = True,

@@ -1,72 +1,145 @@
-"""Exports for other serving stacks (``prep-weights --output-format``), beside mxcli's own layout.
+"""The output formats of ``prep-weights --output-format``, each an `Exporter` registered here once.
 
+- `mxcli_layout`: mxcli's own layout (the kernels' inputs and ``manifest.json``), written layer
+  by layer by `mxcli.weightprep.runner` (its verifier here);
 - `compressed_tensors`: a Hugging Face checkpoint folder whose routed experts are MXFP8 in
   compressed-tensors form (compressed-tensors decompresses it; GPU vLLM's MoE probe matches its
   targets; transformers 5.23 cannot load it: README "Weights for other serving stacks"), or
   bf16 with ``--formats bf16`` (transformers loads it);
 - `nxdi`: NxD Inference's MoE key names and layouts, one file per rank: complete rank files
   with ``--nxdi-base``, else MoE-only files under a name NxDI does not read;
-- `folder`: publishing an export folder atomically, and its ``mxcli-export.json`` sidecar.
+- `folder`: publishing an export folder atomically, and its ``mxcli-export.json`` record
+  (`mxcli.weightprep.manifest.ExportRecord`); `base`: the `Exporter` and its registry.
+
+A new format is a module with its functions and one `register` call below (or, in a test,
+`mxcli.weightprep.export.base.register` of an `Exporter` built there).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from mxcli.weightprep.writer import TensorSpec
+from mxcli.weightprep.export.base import (
+    COMMON_SCALE_RULES,
+    Exporter,
+    choices_help,
+    default,
+    find,
+    formats_help,
+    get,
+    names,
+    register,
+    taking_option,
+    taking_rule,
+)
+
+# Each format's declaration: its facts here (this module imports no torch: the CLI's help
+# reads them), its behaviour in its module, imported when called.
+
+
+def _mxcli_verify(out: Path, against: Path, hashes_only: bool) -> dict[str, Any]:
+    from mxcli.weightprep.export.mxcli_layout import verify
+
+    return verify(out, against, hashes_only)
+
+
+MXCLI = register(
+    Exporter(
+        name="mxcli",
+        summary="mxcli (the kernels' layout)",
+        default_formats=("bf16", "mxfp8"),
+        verify=_mxcli_verify,
+        resumable=True,  # written layer by layer by `mxcli.weightprep.runner`
+    )
+)
+
+
+def _ct(name: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        from mxcli.weightprep.export import compressed_tensors
+
+        return getattr(compressed_tensors, name)(*args)
+
+    return call
+
+
+def _ct_auto_rule(fp8_range: int) -> str:
+    # what compressed-tensors' own MXFP8 compressor writes (issue 30); at +-240 the bytes are
+    # byte = exponent - 7 whatever the rule (`Fp8Semantics`), recorded as ocp
+    return "ct" if fp8_range == 448 else "ocp"
+
+
+COMPRESSED_TENSORS = register(
+    Exporter(
+        name="compressed-tensors",
+        summary="compressed-tensors (HF checkpoint, MXFP8 experts: vLLM)",
+        default_formats=("mxfp8",),
+        verify=_ct("verify"),
+        scale_rules=(*COMMON_SCALE_RULES, "rceil", "ct"),
+        default_scale_rule=_ct_auto_rule,
+        check_plan=_ct("check_plan"),
+        dry_run_view=_ct("dry_run_view"),
+        write=_ct("export_compressed_tensors"),
+    )
+)
+
+
+def _nxdi(name: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        from mxcli.weightprep.export import nxdi
+
+        return getattr(nxdi, name)(*args)
+
+    return call
+
+
+NXDI = register(
+    Exporter(
+        name="nxdi",
+        summary="nxdi (NxD Inference per-rank files)",
+        default_formats=("bf16",),
+        verify=_nxdi("verify"),
+        options=("nxdi_base",),
+        check_options=_nxdi("check_options"),
+        check_plan=_nxdi("check_plan"),
+        dry_run_view=_nxdi("dry_run_view"),
+        write=_nxdi("export_nxdi"),
+    )
+)
+
+__all__ = [
+    "COMPRESSED_TENSORS",
+    "MXCLI",
+    "NXDI",
+    "Exporter",
+    "check_export",
+    "choices_help",
+    "default",
+    "dry_run_view",
+    "find",
+    "formats_help",
+    "get",
+    "names",
+    "register",
+    "run_export",
+    "taking_option",
+    "taking_rule",
+]
 
 
 def check_export(plan: Any) -> None:
     """What the export of `plan` refuses, before any byte is written (``--dry-run`` too)."""
-    if plan.options.output_format == "compressed-tensors":
-        from mxcli.weightprep.export.compressed_tensors import check_plan as check_ct
-
-        check_ct(plan)
-    elif plan.options.output_format == "nxdi":
-        from mxcli.weightprep.export.nxdi import check_plan as check_nx
-
-        check_nx(plan)
+    get(plan.options.output_format).check_plan(plan)
 
 
-def _row(name: str, dtype: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    return {"name": name, "dtype": dtype, "shape": list(shape),
-            "bytes": TensorSpec(name, dtype, shape).nbytes}  # fmt: skip
-
-
-def dry_run_view(plan: Any) -> dict[str, Any]:
-    """What ``--dry-run`` shows of an export instead of mxcli's own layout: the tensors of the
-    first converted layer in the first output file (``outputs_per_layer``, keyed by that file),
-    and the bytes written per layer and in all (the MoE tensors the export rewrites)."""
-    L = plan.layers[0]
-    fmt = plan.options.output_format
-    if fmt == "nxdi":
-        from mxcli.weightprep.export.nxdi import expected_tensors, plan_rank_file
-
-        per_rank = expected_tensors(plan)
-        mark = f"layers.{L}."
-        r0 = min(per_rank)
-        rows = [_row(n, d, s) for n, (d, s) in per_rank[r0].items() if n.startswith(mark)]
-        total = sum(
-            TensorSpec(n, d, s).nbytes for t in per_rank.values() for n, (d, s) in t.items()
-        )
-        what = "complete" if plan.options.nxdi_base else "MoE tensors only"
-        note = f"{len(per_rank)} rank file(s) {plan_rank_file(plan, r0)}, ...; {what}"
-        return {"outputs_per_layer": {f"rank {r0}": rows},
-                "write_per_layer": total // len(plan.layers), "write_total": total, "note": note}  # fmt: skip
-    from mxcli.weightprep.export.compressed_tensors import MX_GROUP
-
-    m = plan.model
-    rows = []
-    # check_plan admits PerExpert layouts only: expert 0's Linear weights, [out, in]
-    for n, (o_, i_) in m.family.experts.expected(plan.layer_prefix(L), 1, m.H, m.I).items():
-        if "mxfp8" in plan.options.formats:
-            rows += [_row(n, "F8_E4M3", (o_, i_)), _row(n + "_scale", "U8", (o_, i_ // MX_GROUP))]
-        else:
-            rows.append(_row(n, "BF16", (o_, i_)))
-    per_layer = sum(r["bytes"] for r in rows) * m.E
-    note = f"expert 0 of {m.E} shown; every other tensor is copied unchanged"
-    return {"outputs_per_layer": {f"layer {L}": rows}, "write_per_layer": per_layer,
-            "write_total": per_layer * len(plan.layers), "note": note}  # fmt: skip
+def dry_run_view(plan: Any) -> dict[str, Any] | None:
+    """What ``--dry-run`` shows of an export instead of mxcli's own layout (None: the plan's
+    own): the tensors of the first converted layer in the first output file
+    (``outputs_per_layer``, keyed by that file), and the bytes written per layer and in all
+    (the tensors the export rewrites)."""
+    return get(plan.options.output_format).dry_run_view(plan)
 
 
 def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
@@ -74,16 +147,13 @@ def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[s
     `reporter` (a `mxcli.weightprep.reporter.Reporter`) gets the bf16 expert bytes as they go."""
     from mxcli.weightprep.reporter import Reporter
 
-    check_export(plan)  # before the bar starts and before any byte is written
+    exp = get(plan.options.output_format)
+    if exp.write is None:
+        raise ValueError(f"{exp.name}: written by mxcli.weightprep.runner, not an export")
+    exp.check_plan(plan)  # before the bar starts and before any byte is written
     rep = reporter or Reporter()
     rep.start(plan, plan.layers, [])
     try:
-        if plan.options.output_format == "compressed-tensors":
-            from mxcli.weightprep.export.compressed_tensors import export_compressed_tensors
-
-            return export_compressed_tensors(plan, out, force, rep.advance)
-        from mxcli.weightprep.export.nxdi import export_nxdi
-
-        return export_nxdi(plan, out, force, rep.advance)
+        return exp.write(plan, out, force, rep.advance)
     finally:
         rep.finish()

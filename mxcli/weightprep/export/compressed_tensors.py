@@ -49,14 +49,26 @@ import torch
 from mxcli import __version__
 from mxcli.errors import InputError
 from mxcli.fsutil import default_mode
+from mxcli.io.jsonfile import read_json
 from mxcli.mx import dequantize_mx, quantize_mx
 from mxcli.weightprep.checkpoint import FP8_SOURCE_DTYPES, INDEX_NAME, Checkpoint
-from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
+from mxcli.weightprep.export import COMPRESSED_TENSORS
+from mxcli.weightprep.export.base import tensor_row
+from mxcli.weightprep.export.folder import SIDECAR, export_folder, write_json, write_record
+from mxcli.weightprep.export.verifying import (
+    Report,
+    compare_keys,
+    over_range,
+    plan_for,
+    refuse_hashes_only,
+    sqnr,
+)
 from mxcli.weightprep.families import PerExpert, load_weight
 from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
 from mxcli.weightprep.sources import CtQuant
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec, write_index
 
+NAME = COMPRESSED_TENSORS.name
 CT_FORMAT = "mxfp8-quantized"
 MX_GROUP = 32
 
@@ -278,7 +290,7 @@ def export_compressed_tensors(
             write_index(tmp / INDEX_NAME, weight_map, total, {"producer": f"mxcli {__version__}"})
         result = {
             "output": str(out),
-            "output_format": "compressed-tensors",
+            "output_format": NAME,
             "family": plan.model.family.name,
             "source_format": plan.source_format,
             "experts_format": "mxfp8" if mx else "bf16",
@@ -301,7 +313,7 @@ def export_compressed_tensors(
                 else []
             ),
         }
-        write_json(tmp / SIDECAR, sidecar(plan, "compressed-tensors", {"result": result}))
+        write_record(tmp, plan, NAME, result)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result
 
@@ -324,3 +336,173 @@ def _account(stats: dict[str, Any], clipped: int, deq: torch.Tensor, src: torch.
         db = round(10 * math.log10(signal / noise), 3)
         worst = stats["worst_sqnr_db"]
         stats["worst_sqnr_db"] = db if worst is None else min(worst, db)
+
+
+_EXPERT_NUM = re.compile(r"layers\.(\d+)\..*experts\.(\d+)\.")
+
+
+def _expert_label(name: str) -> str:
+    mt = _EXPERT_NUM.search(name)
+    return f"layer {mt.group(1)}, expert {mt.group(2)}" if mt else ""
+
+
+def vllm_probe_misses(experts: set[str], pats: list[re.Pattern[str]]) -> list[str]:
+    """vLLM picks a FusedMoE layer's scheme from ``<experts>.0.gate_proj``, ``.0.up_proj`` and
+    ``.0.down_proj`` whatever the checkpoint calls them, and serves the experts unquantized
+    when the probe matches no target (vllm-project/vllm@0043d6b5 compressed_tensors/
+    compressed_tensors_moe/compressed_tensors_moe.py:40-42, :57-58): each probe name no target
+    matches, once per experts module."""
+    blocks = sorted({n.split(".experts.")[0] + ".experts" for n in experts if ".experts." in n})
+    out = []
+    for b in blocks:
+        missed = [b + p for p in (".0.gate_proj", ".0.up_proj", ".0.down_proj")
+                  if not any(pt.match(b + p) for pt in pats)]  # fmt: skip
+        if missed:
+            out.append(
+                f"{', '.join(missed)}: vLLM's MoE probe name(s) match no quantization target; "
+                "vLLM would serve these experts unquantized"
+            )
+    return out
+
+
+def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any]:
+    """``verify --checkpoint`` of a compressed-tensors export: key coverage, the
+    quantization_config's targets (and vLLM's probe names), and every code and scale byte
+    re-derived from the source under the recorded rule and range."""
+    from mxcli.weightprep.export.folder import read_record
+    from mxcli.weightprep.manifest import ExportRecord
+
+    refuse_hashes_only(out, NAME, hashes_only)
+    rederive = True
+    rep = Report(NAME, out, against)
+    side = read_record(out) or ExportRecord()
+    s = side.settings
+    plan = plan_for(
+        against, rep, formats=tuple(s.get("formats", ("bf16", "mxfp8"))),
+        scale_rule=s.get("scale_rule", "ocp"), fp8_range=int(s.get("fp8_range", 448)),
+        output_format=NAME,
+    )  # fmt: skip
+    if plan is None:
+        return rep.finish()
+    mx = "mxfp8" in plan.options.formats
+    fp8_max = float(side.fp8.get("max", 448.0))
+    m = plan.model
+    src = Checkpoint(against)
+    experts = set()
+    for L in m.moe_layers():
+        experts.update(m.family.experts.expected(plan.layer_prefix(L), m.E, m.H, m.I))
+    expected: dict[str, tuple[str, tuple[int, ...]]] = {}
+    companions = set()
+    for n in src.names():
+        info = src.info(n)
+        if n in experts:
+            if info.dtype in FP8_SOURCE_DTYPES:
+                companions.update({n + "_scale", n + "_scale_inv"})
+            if mx:
+                expected[n] = ("F8_E4M3", info.shape)
+                expected[n + "_scale"] = ("U8", (info.shape[0], info.shape[1] // MX_GROUP))
+            else:
+                expected[n] = ("BF16", info.shape)
+    for n in src.names():
+        if n not in experts and n not in companions:
+            info = src.info(n)
+            expected[n] = (info.dtype, info.shape)
+    dst = Checkpoint(out)
+    actual = {n: (dst.info(n).dtype, dst.info(n).shape) for n in dst.names() if dst.in_header(n)}
+    ok = set(compare_keys(rep, expected, actual, "", _expert_label))
+    cfg = read_json(out / "config.json")
+    q = cfg.get("quantization_config")
+    if mx:
+        if not isinstance(q, dict) or q.get("quant_method") != "compressed-tensors":
+            rep.fail("wrong", "config.json: no compressed-tensors quantization_config")
+        else:
+            targets = [t[3:] for g in q.get("config_groups", {}).values()
+                       for t in g.get("targets", []) if t.startswith("re:")]  # fmt: skip
+            pats = [re.compile(t) for t in targets] or [re.compile(p[3:]) for p in
+                                                        expert_targets(m.family)]  # fmt: skip
+            for n in sorted(experts):
+                module = n.rsplit(".", 1)[0]
+                if not any(p.match(module) for p in pats):
+                    rep.fail("unquantized", f"{n}: not matched by any quantization_config target")
+            for n in expected:
+                module = n.rsplit(".", 1)[0]
+                if (
+                    n not in experts
+                    and n.endswith(".weight")
+                    and any(p.match(module) for p in pats)
+                ):
+                    rep.fail("wrong", f"{n}: matched by a quantization target but not quantized")
+            for probe in vllm_probe_misses(experts, pats):
+                rep.fail("unquantized", probe)
+    # what the export did, as its record says: passed a compressed-tensors MXFP8 source through,
+    # or quantized under the recorded scale rule and range (`compressed_tensors.quantize_weight`)
+    passed = int(side.result.get("passed_through") or 0) > 0
+    fp8 = plan.options.fp8()
+    how = "its source's bytes (passed through)" if passed else (
+        f"the MXFP8 of the source (scale rule {fp8.scale_rule}, +-{fp8.max:g})"
+    )  # fmt: skip
+    with src.reader() as rs, dst.reader() as rd:
+        for n in sorted(ok):
+            if n.endswith("_scale") and n[: -len("_scale")] in experts:
+                continue
+            if n in experts:
+                ref = load_weight(rs, n, m.fp8_block)
+                if mx:
+                    if n + "_scale" not in ok:
+                        continue
+                    codes = rd.get(n).view(torch.uint8)
+                    over = over_range(codes, fp8_max)
+                    if over:
+                        rep.fail(
+                            "wrong", f"{n}: {over} FP8 codes beyond the declared +-{fp8_max:g}"
+                        )
+                    scales = rd.get(n + "_scale")
+                    if rederive:
+                        if passed:
+                            want = rs.get(n).view(torch.uint8), rs.get(n + "_scale")
+                        else:
+                            want_c, want_s = quantize_mx(
+                                ref, axis=-1, rule=fp8.rule_bytes, scheme="1x32"
+                            )
+                            clip_codes(want_c, fp8.fp8_range)
+                            want = want_c.view(torch.uint8), want_s
+                        diff = int((codes != want[0]).sum()) + int(
+                            (scales.view(torch.uint8) != want[1].view(torch.uint8)).sum()
+                        )
+                        if diff:
+                            rep.fail("wrong", f"{n}: {diff} code or scale bytes differ from {how}")
+                    got = dequantize_mx(codes, scales)
+                    exact, db = sqnr(got.to(torch.bfloat16), ref)
+                    rep.numeric(n, exact, db, False)
+                else:
+                    exact, db = sqnr(rd.get(n), ref)
+                    rep.numeric(n, exact, db, True)
+            else:
+                a, b = rd.get(n), rs.get(n)
+                same = torch.equal(
+                    a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
+                )
+                if not same:
+                    rep.numeric(n, False, sqnr(a, b)[1], True)
+    return rep.finish(family=m.family.name, layers=m.moe_layers(), experts=len(experts))
+
+
+def dry_run_view(plan: Any) -> dict[str, Any]:
+    """``--dry-run``'s view (`mxcli.weightprep.export.base.Exporter`): expert 0's tensors of
+    the first layer, and the bytes written per layer and in all."""
+    m = plan.model
+    L = plan.layers[0]
+    rows = []
+    # check_plan admits PerExpert layouts only: expert 0's Linear weights, [out, in]
+    for n, (o_, i_) in m.family.experts.expected(plan.layer_prefix(L), 1, m.H, m.I).items():
+        if "mxfp8" in plan.options.formats:
+            rows += [
+                tensor_row(n, "F8_E4M3", (o_, i_)),
+                tensor_row(n + "_scale", "U8", (o_, i_ // MX_GROUP)),
+            ]
+        else:
+            rows.append(tensor_row(n, "BF16", (o_, i_)))
+    per_layer = sum(r["bytes"] for r in rows) * m.E
+    note = f"expert 0 of {m.E} shown; every other tensor is copied unchanged"
+    return {"outputs_per_layer": {f"layer {L}": rows}, "write_per_layer": per_layer,
+            "write_total": per_layer * len(plan.layers), "note": note}  # fmt: skip

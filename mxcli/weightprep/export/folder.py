@@ -24,7 +24,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from mxcli import __version__
 from mxcli.errors import MxcliError, OutputExistsError
 from mxcli.fsutil import (
     aside_name,
@@ -34,10 +33,14 @@ from mxcli.fsutil import (
     remove_dead_temporary_folders,
     temporary_folder,
 )
-from mxcli.io.jsonfile import read_json
+from mxcli.weightprep.manifest import (
+    ExportRecord,
+    new_export_record,
+    read_export_record,
+    write_export_record,
+)
 
 SIDECAR = "mxcli-export.json"
-FORMAT = "mxcli.export"
 # errors of the file system being written (a full disk), reported naming the output
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
 
@@ -62,10 +65,10 @@ def _entries(folder: Path) -> list[str]:
     return sorted(found)
 
 
-def recorded_files(folder: Path, side: dict[str, Any]) -> set[str] | None:
+def recorded_files(folder: Path, side: ExportRecord) -> set[str] | None:
     """The files the sidecar says the export wrote (each confined to `folder`, else the record
     is corrupt), or None for a sidecar of an mxcli that did not list them."""
-    files = side.get("files")
+    files = side.files
     if files is None:
         return None
     path = folder / SIDECAR
@@ -83,7 +86,7 @@ def check_replaceable(out: Path) -> None:
     if not have:  # an empty folder holds nothing to lose
         return
     tip = "--force replaces only an export mxcli wrote; move it away or choose another folder"
-    side = read_sidecar(out)
+    side = read_record(out)
     if side is None:
         raise OutputExistsError(
             f"{out}: holds {_some(have)} and no {SIDECAR}: not an mxcli export; {tip}"
@@ -139,9 +142,9 @@ def _record_files(tmp: Path) -> None:
     path = tmp / SIDECAR
     if not path.is_file():
         return
-    data = json.loads(path.read_text())
-    data["files"] = [e for e in _entries(tmp) if e != SIDECAR]
-    write_json(path, data)
+    record = read_export_record(path)
+    record.files = [e for e in _entries(tmp) if e != SIDECAR]
+    write_export_record(path, record)
 
 
 def _publish(tmp: Path, out: Path, force: bool) -> None:
@@ -169,38 +172,19 @@ def write_json(path: Path, obj: Any) -> None:
     os.chmod(path, default_mode())
 
 
-def sidecar(plan: Any, output_format: str, extra: dict[str, Any]) -> dict[str, Any]:
-    """``mxcli-export.json``: what was exported from what, with its FP8 semantics."""
-    m = plan.model
-    return {
-        "format": FORMAT,
-        "output_format": output_format,
-        "tool": {"name": "mxcli", "version": __version__},
-        "source": {
-            "path": str(plan.source),
-            "family": m.family.name,
-            "model_type": plan.model_type,
-            "source_format": plan.source_format,
-            "fp8": plan.source_fp8,
-        },
-        "model": {
-            "num_layers": m.num_layers,
-            "moe_layers": plan.layers,
-            "num_experts": m.E,
-            "hidden_size": m.H,
-            "intermediate_size": m.I,
-        },
-        "settings": plan.options.settings(),
-        "fp8": plan.options.fp8().to_dict(),
-        **extra,
-    }
+def write_record(folder: Path, plan: Any, output_format: str, result: dict[str, Any]) -> None:
+    """Write the export's ``mxcli-export.json`` in `folder` (`ExportRecord`): what was exported
+    from what, with its FP8 semantics and `result`."""
+    write_export_record(folder / SIDECAR, new_export_record(plan, output_format, result))
+
+
+def read_record(folder: Path) -> ExportRecord | None:
+    """`folder`'s export record, or None where it has none."""
+    p = folder / SIDECAR
+    return read_export_record(p) if p.is_file() else None
 
 
 def read_sidecar(folder: Path) -> dict[str, Any] | None:
-    p = folder / SIDECAR
-    if not p.is_file():
-        return None
-    data = read_json(p, MxcliError)
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise MxcliError(f"{p}: not an mxcli export sidecar")
-    return data
+    """`read_record` as JSON (for readers that show it whole)."""
+    rec = read_record(folder)
+    return None if rec is None else rec.to_dict()

@@ -83,11 +83,23 @@ from mxcli.errors import InputError, MxcliError
 from mxcli.fsutil import default_mode
 from mxcli.mx import quantize_mx
 from mxcli.weightprep.checkpoint import Checkpoint, open_safetensors, torch_dtype
-from mxcli.weightprep.export.folder import SIDECAR, export_folder, sidecar, write_json
+from mxcli.weightprep.export import NXDI
+from mxcli.weightprep.export.base import tensor_row
+from mxcli.weightprep.export.folder import export_folder, write_record
+from mxcli.weightprep.export.verifying import (
+    Report,
+    compare_keys,
+    headers,
+    over_range,
+    plan_for,
+    refuse_hashes_only,
+    sqnr,
+)
 from mxcli.weightprep.families import Fused
 from mxcli.weightprep.fp8 import Fp8Semantics, clip_codes
 from mxcli.weightprep.writer import StreamingWriter, TensorSpec
 
+NAME = NXDI.name
 WEIGHTS_DIR = "weights"
 GATE_UP = "layers.{l}.mlp.expert_mlps.mlp_op.gate_up_proj.weight"
 DOWN = "layers.{l}.mlp.expert_mlps.mlp_op.down_proj.weight"
@@ -551,7 +563,7 @@ def export_nxdi(
         per_rank = 4 if mx else 2
         result = {
             "output": str(out),
-            "output_format": "nxdi",
+            "output_format": NAME,
             "family": fam.name,
             "source_format": plan.source_format,
             "experts_format": "mxfp8" if mx else "bf16",
@@ -586,6 +598,136 @@ def export_nxdi(
                 else []
             ),
         }
-        write_json(tmp / SIDECAR, sidecar(plan, "nxdi", {"result": result}))
+        write_record(tmp, plan, NAME, result)
     result["seconds"] = round(time.perf_counter() - t0, 3)
     return result
+
+
+def verify(out: Path, against: Path, hashes_only: bool = False) -> dict[str, Any]:
+    """An nxdi export: keys and shapes per rank file; bf16 experts and the router bit-exact; MX
+    experts decoded from NxD's layout, their SQNR against the source, and their codes and scales
+    equal to mxcli's MXFP8 of the source under the recorded scale rule and range."""
+    from mxcli.weightprep.checkpoint import st_dtype
+    from mxcli.weightprep.export.folder import read_record
+    from mxcli.weightprep.manifest import ExportRecord
+
+    refuse_hashes_only(out, NAME, hashes_only)
+    report = Report(NAME, out, against)
+    side = read_record(out) or ExportRecord()
+    s = side.settings
+    layers = side.model.moe_layers
+    plan = plan_for(
+        against, report, tp=int(s.get("tp", 1)), ep=int(s.get("ep", 1)),
+        formats=tuple(s.get("formats", ("bf16",))), scale_rule=s.get("scale_rule", "neuron"),
+        fp8_range=int(s.get("fp8_range", 448)), output_format=NAME,
+        layers=",".join(map(str, layers)) if layers else None, nxdi_base=s.get("nxdi_base"),
+    )  # fmt: skip
+    if plan is None:
+        return dict(report.finish())
+
+    def rank_file(r: int) -> str:
+        return str(plan_rank_file(plan, r))
+
+    for L in plan.model.moe_layers():
+        if L not in plan.layers:
+            report.fail("missing", f"layer {L}: a MoE layer of the source with no output")
+    m, fam = plan.model, plan.model.family
+    mx = is_mx(plan)
+    fp8 = plan.options.fp8()
+    ranks = world_ranks(plan)
+    ok: dict[int, set[str]] = {}
+    for r, exp in expected_tensors(plan).items():
+        path = out / rank_file(r)
+        if not path.is_file():
+            rk = ranks[r]
+            report.fail("missing", f"{rank_file(r)} (experts {rk.expert_range[0]}-"
+                                   f"{rk.expert_range[1] - 1}, I {rk.i_range[0]}-{rk.i_range[1] - 1})")  # fmt: skip
+            continue
+        ok[r] = set(compare_keys(report, exp, headers(path), f"{rank_file(r)}: "))
+    if plan.options.nxdi_base is not None and len(ok) == len(ranks):
+        for item in base_untouched(plan, out):  # complete files: the rest is the base's
+            report.fail("wrong", item)
+    ckpt = Checkpoint(against)
+    with ckpt.reader() as rd:
+        for r, good in ok.items():
+            rk = ranks[r]
+            where = f"{rank_file(r)}: "
+            with open_safetensors(out / rank_file(r)) as f:
+                for L in plan.layers:
+                    p = plan.layer_prefix(L)
+                    e0, e1 = rk.expert_range
+                    gu, dn = fam.experts.load(rd, p, e0, e1, m.H, m.I, m.fp8_block)
+                    gu_r, dn_r = rank_moe(gu, dn, *rank_i_range(plan, rk))
+                    exact = {ROUTER.format(l=L): router_tensor(plan, rd.get(p + fam.router_weight))}
+                    if not mx:
+                        exact.update({GATE_UP.format(l=L): gu_r, DOWN.format(l=L): dn_r})
+                    for name, ref in exact.items():
+                        if name not in good:
+                            continue
+                        got = f.get_tensor(name)
+                        same = st_dtype(got.dtype) == st_dtype(ref.dtype) and torch.equal(
+                            got.contiguous().view(torch.uint8), ref.contiguous().view(torch.uint8)
+                        )
+                        report.numeric(where + name, same, None, True)
+                    if mx:
+                        _verify_nxdi_mx(report, f, where, L, gu_r, dn_r, fp8, good)
+    return dict(report.finish(family=fam.name, layers=plan.layers, ranks=len(plan.ranks)))
+
+
+def _verify_nxdi_mx(
+    report: Report, f: Any, where: str, L: int, gu_r: torch.Tensor, dn_r: torch.Tensor,
+    fp8: Any, good: set[str],
+) -> None:  # fmt: skip
+    """One layer's MX experts of one rank file, decoded from NxD's layout."""
+    from mxcli.mx import dequantize_mx
+
+    gc, gs, dc, ds, _ = quantize_rank(gu_r, dn_r, fp8)
+    for key, skey, unlay, src, want in (
+        (GATE_UP, GATE_UP_SCALE, mx_gate_up_codes, gu_r, (gc, gs)),
+        (DOWN, DOWN_SCALE, mx_down_codes, dn_r, (dc, ds)),
+    ):
+        name, sname = key.format(l=L), skey.format(l=L)
+        if name not in good or sname not in good:
+            continue  # a missing or misshapen key is already reported
+        codes, scales = unlay(f.get_tensor(name), f.get_tensor(sname))
+        over = over_range(codes, fp8.max)
+        if over:
+            report.fail(
+                "wrong", f"{where}{name}: {over} FP8 codes beyond the declared +-{fp8.max:g}"
+            )
+        if not (torch.equal(codes, want[0]) and torch.equal(scales, want[1])):
+            # the quantizer is deterministic: other bytes mean another rule, range or layout
+            report.fail(
+                "wrong",
+                f"{where}{name}: codes or scales differ from MXFP8 of the source "
+                f"(scale rule {fp8.scale_rule}, +-{fp8.max:g})",
+            )
+        got = dequantize_mx(codes, scales, axis=1)
+        exact, db = sqnr(got.to(torch.bfloat16), src)
+        report.numeric(where + name, exact, db, False)
+
+
+def dry_run_view(plan: Any) -> dict[str, Any]:
+    """``--dry-run``'s view (`mxcli.weightprep.export.base.Exporter`): the first layer's tensors
+    in the first rank file, and the bytes written per layer and in all."""
+    L = plan.layers[0]
+    per_rank = expected_tensors(plan)
+    mark = f"layers.{L}."
+    r0 = min(per_rank)
+    rows = [tensor_row(n, d, s) for n, (d, s) in per_rank[r0].items() if n.startswith(mark)]
+    total = sum(TensorSpec(n, d, s).nbytes for t in per_rank.values() for n, (d, s) in t.items())
+    what = "complete" if plan.options.nxdi_base else "MoE tensors only"
+    note = f"{len(per_rank)} rank file(s) {plan_rank_file(plan, r0)}, ...; {what}"
+    return {"outputs_per_layer": {f"rank {r0}": rows},
+            "write_per_layer": total // len(plan.layers), "write_total": total, "note": note}  # fmt: skip
+
+
+def check_options(opts: Any) -> None:
+    """The options this format refuses whatever the model (`PrepOptions`)."""
+    if opts.nxdi_base is not None and "mxfp8" in opts.formats:
+        # issue 30: NxDI's MX path serves gpt-oss only (models/gpt_oss/); no other model
+        # reads MX experts, so a complete rank checkpoint with them would not load
+        raise InputError(
+            "--nxdi-base with --formats mxfp8: no NxD Inference model reads MXFP8 experts "
+            "for these families (NxDI 4bcdc54: gpt-oss only); use --formats bf16"
+        )
