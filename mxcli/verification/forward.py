@@ -133,11 +133,14 @@ def forward_check(out: str | Path, against: str | Path) -> dict[str, Any]:
         ) from exc
     o, a = Path(out), Path(against)
     from mxcli.verification.checkpoints import detect_kind
+    from mxcli.weightprep import export
 
     kind = detect_kind(o)
-    if kind != "compressed-tensors":
+    exporter = export.find(kind)
+    if exporter is None or not exporter.hf_loadable:
+        loadable = " or ".join(n for n in export.names() if export.get(n).hf_loadable)
         raise InputError(
-            f"--forward: runs compressed-tensors exports (a Hugging Face folder); {o} is {kind}"
+            f"--forward: runs {loadable} exports (a Hugging Face folder); {o} is {kind}"
         )
     notes: list[str] = []
     _quiet_libraries()

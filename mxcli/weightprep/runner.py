@@ -544,6 +544,21 @@ def peak_rss_bytes() -> int:
 # -- the run ------------------------------------------------------------------------------------
 
 
+def _run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
+    """Write `plan` in its ``options.output_format``; the result as a JSON-able dict.
+    `reporter` (a `mxcli.weightprep.reporter.Reporter`) gets the bf16 expert bytes as they go."""
+    exp = export.get(plan.options.output_format)
+    if exp.write is None:
+        raise ValueError(f"{exp.name}: written by mxcli.weightprep.runner, not an export")
+    exp.check_plan(plan)  # before the bar starts and before any byte is written
+    rep = reporter or Reporter()
+    rep.start(plan, plan.layers, [])
+    try:
+        return exp.write(plan, out, force, rep.advance)
+    finally:
+        rep.finish()
+
+
 def prepare_weights(
     source: str | Path,
     output: str | Path | None,
@@ -611,7 +626,7 @@ def prepare_weights(
             raise InputError(
                 f"--resume: not available with --output-format {options.output_format}"
             )
-        return export.run_export(plan, out, force, reporter)
+        return _run_export(plan, out, force, reporter)
     rep = reporter or Reporter()
 
     if shard is not None and shard.count <= 1:

@@ -17,6 +17,7 @@ A new format is a module with its functions and one `register` call below (or, i
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,20 @@ from mxcli.weightprep.export.base import (
 # reads them), its behaviour in its module, imported when called.
 
 
-def _mxcli_verify(out: Path, against: Path, hashes_only: bool) -> dict[str, Any]:
-    from mxcli.weightprep.export.mxcli_layout import verify
+def _late(module: str, name: str) -> Callable[..., Any]:
+    """`name` of the format's `module`, imported when first called: the registry is data that
+    the planner reads, a format's behaviour stands on the planner, so the registry names its
+    behaviour (as a kernel spec names its implementations) instead of importing it."""
 
-    return verify(out, against, hashes_only)
+    def call(*args: Any) -> Any:
+        return getattr(importlib.import_module(f"mxcli.weightprep.export.{module}"), name)(*args)
+
+    call.__name__ = name
+    return call
+
+
+def _mxcli_verify(out: Path, against: Path, hashes_only: bool) -> dict[str, Any]:
+    return _late("mxcli_layout", "verify")(out, against, hashes_only)  # type: ignore[no-any-return]
 
 
 MXCLI = register(
@@ -57,12 +68,7 @@ MXCLI = register(
 
 
 def _ct(name: str) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
-        from mxcli.weightprep.export import compressed_tensors
-
-        return getattr(compressed_tensors, name)(*args)
-
-    return call
+    return _late("compressed_tensors", name)
 
 
 def _ct_auto_rule(fp8_range: int) -> str:
@@ -82,17 +88,13 @@ COMPRESSED_TENSORS = register(
         check_plan=_ct("check_plan"),
         dry_run_view=_ct("dry_run_view"),
         write=_ct("export_compressed_tensors"),
+        hf_loadable=True,
     )
 )
 
 
 def _nxdi(name: str) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
-        from mxcli.weightprep.export import nxdi
-
-        return getattr(nxdi, name)(*args)
-
-    return call
+    return _late("nxdi", name)
 
 
 NXDI = register(
@@ -123,7 +125,6 @@ __all__ = [
     "get",
     "names",
     "register",
-    "run_export",
     "taking_option",
     "taking_rule",
 ]
@@ -140,20 +141,3 @@ def dry_run_view(plan: Any) -> dict[str, Any] | None:
     (``outputs_per_layer``, keyed by that file), and the bytes written per layer and in all
     (the tensors the export rewrites)."""
     return get(plan.options.output_format).dry_run_view(plan)
-
-
-def run_export(plan: Any, out: Any, force: bool, reporter: Any = None) -> dict[str, Any]:
-    """Write `plan` in its ``options.output_format``; the result as a JSON-able dict.
-    `reporter` (a `mxcli.weightprep.reporter.Reporter`) gets the bf16 expert bytes as they go."""
-    from mxcli.weightprep.reporter import Reporter
-
-    exp = get(plan.options.output_format)
-    if exp.write is None:
-        raise ValueError(f"{exp.name}: written by mxcli.weightprep.runner, not an export")
-    exp.check_plan(plan)  # before the bar starts and before any byte is written
-    rep = reporter or Reporter()
-    rep.start(plan, plan.layers, [])
-    try:
-        return exp.write(plan, out, force, rep.advance)
-    finally:
-        rep.finish()

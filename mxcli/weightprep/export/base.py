@@ -56,6 +56,8 @@ class Exporter:
     dry_run_view: Callable[[Any], dict[str, Any] | None] = _no_view  # None: the plan's own
     write: Callable[..., dict[str, Any]] | None = None
     resumable: bool = False  # written layer by layer, --resume and --shard take it
+    # a Hugging Face folder transformers loads as it is: `verify --forward` runs its logits
+    hf_loadable: bool = False
 
     def __post_init__(self) -> None:
         if (self.write is None) != self.resumable:
