@@ -131,7 +131,15 @@ def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 ),
             }
         )
-    return {"baseline": rows[0]["kernel"], "kernels": rows}
+    out: dict[str, Any] = {"baseline": rows[0]["kernel"], "kernels": rows}
+    by = {r["kernel"]: r for r in rows}
+    if "mxcli" in by and "nkilib" in by and by["nkilib"]["schedule_us"]:
+        # issue 29 item 4: our backward against AWS's, both estimated by the same model
+        out["ours_over_aws"] = {
+            "schedule": by["mxcli"]["schedule_us"] / by["nkilib"]["schedule_us"],
+            "lower_bound": by["mxcli"]["lower_bound_us"] / by["nkilib"]["lower_bound_us"],
+        }
+    return out
 
 
 def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False) -> None:
@@ -155,6 +163,14 @@ def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False
             con.print(
                 f"  {r['kernel']:<24} schedule {r['schedule_us']:10.1f} us  x{ratio:.3f}   "
                 f"lower bound {r['lower_bound_us']:10.1f} us  x{lb:.3f}   ({r['bottleneck']})",
+                highlight=False,
+                markup=False,
+            )
+        if "ours_over_aws" in cmp:
+            r = cmp["ours_over_aws"]
+            con.print(
+                f"  ours / AWS's (same model): schedule {r['schedule']:.3f}, lower bound "
+                f"{r['lower_bound']:.3f}",
                 highlight=False,
                 markup=False,
             )
