@@ -22,3 +22,34 @@ def test_bwd_extrapolation_matches_the_full_plan() -> None:
     for eng in ("dma", "gpsimd"):
         assert full["busy_us"][eng] <= est["busy_us"][eng] <= 1.5 * full["busy_us"][eng]
     assert est["bottleneck"] == max(est["busy_us"], key=lambda k: est["busy_us"][k])
+
+
+def test_aws_tuned_config_is_the_table_entry_and_only_at_aws_shape() -> None:
+    """AWS's kernel is costed at its measured shape with its tuned blocking (issue 29 item 4):
+    phases 1-4 of tuned_blocking.py's entry, PE or DMA transposes; other shapes, or a launch
+    with a config of its own, keep theirs."""
+    from mxcli.kernels.blockwise_moe.config import TransposeMode
+
+    pe, dma = prof.aws_tuned_config(), prof.aws_tuned_config(dma_transposes=True)
+    assert [(c.TILES_IN_BLOCK_M, c.TILES_IN_BLOCK_N, c.TILES_IN_BLOCK_K) for c in
+            (pe.phase1_config, pe.phase2_config, pe.phase3_config, pe.phase4_config)] == [
+        (16, 2, 4), (16, 2, 6), (6, 4, 2), (8, 2, 2)]  # fmt: skip
+    assert pe.phase3_transpose_mode is TransposeMode.NC is pe.phase4_transpose_mode
+    assert dma.phase3_transpose_mode is TransposeMode.DMA is dma.phase4_transpose_mode
+    at = prof.bwd_inputs(prof.AWS_SHAPE)
+    assert prof._at_aws_shape(*at)
+    assert not prof._at_aws_shape(at[0], {**at[1], "config": dma})
+    small = prof.bwd_inputs(prof.BwdShape(128, 256, 128, 1, 1, 128))
+    assert not prof._at_aws_shape(*small)
+
+
+def test_profile_comparison_gives_ours_over_aws() -> None:
+    from mxcli.commands.profile import comparison
+
+    def s(kernel: str, sched: float, bound: float) -> dict:
+        return {"nki_kernel": {"kernel": kernel}, "schedule_us": sched, "lower_bound_us": bound,
+                "bottleneck": "dma"}  # fmt: skip
+
+    cmp = comparison([s("mxcli", 800.0, 600.0), s("nkilib", 2000.0, 1500.0)])
+    assert cmp["ours_over_aws"] == {"schedule": 0.4, "lower_bound": 0.4}
+    assert "ours_over_aws" not in comparison([s("mxcli", 800.0, 600.0)])
