@@ -1,16 +1,24 @@
 """Timeline of a recorded kernel: per-engine busy time, bounds, a list schedule, a trace file.
 
-Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`. Each program is
-scheduled on its own core (cross-core waits at ``sendrecv`` / ``core_barrier`` are not modelled):
+Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`.
 
 - **Busy time** per compute engine (sum of its instruction costs), per DMA engine (the data time
   of its share of each transfer) and HBM (bytes over the core's share of HBM bandwidth).
 - **Lower bound**: perfect overlap, the maximum of those; its argmax is the bottleneck.
-- **List schedule**: instructions in program order; each engine (and each DMA queue) runs its
-  instructions in order, and an instruction starts once every earlier instruction it depends on
-  has finished: read-after-write, write-after-write and write-after-read on overlapping regions
-  (partition x byte boxes on chip, byte ranges in HBM). A DMA additionally waits for the DMA
-  engines it uses and for its trigger-to-start latency.
+- **List schedule** (issue 29 item 3): the compiler's scheduler reorders instructions within
+  their dependencies (nki/guides/how-to-scheduling-apis.rst: "the reordering that the automatic
+  scheduler will do"), so the schedule does not run an engine's instructions in program order.
+  In program order of priority, each instruction takes the earliest gap on its engine (a DMA:
+  its queue's sequencer for the hardware-DGE issue time, then each DMA engine it uses for its
+  share of the data, after the trigger-to-start latency) at or after the finish of every earlier
+  instruction it depends on: read-after-write, write-after-write and write-after-read on
+  overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
+  for tensors the kernel placed at an ``address``; byte ranges in HBM). A software-DGE transfer
+  first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
+  compiler picks takes the SyncE or ScalarE queue, whichever is free first. The programs are
+  scheduled together: at a ``core_barrier`` each core arrives when its engine is free and its
+  HBM writes have landed, both leave `FIGURES` core_barrier_ns after the later one, and HBM reads
+  after it start no earlier. ``sendrecv`` waits are not modelled.
 - **Trace**: Chrome-trace JSON (opens in Perfetto / chrome://tracing): one process per core, one
   track per engine and DMA queue, events named after the instruction with the kernel source line.
 """
@@ -312,10 +320,9 @@ def _schedule(programs: list[tuple[int, list[Instr]]], hw: Hardware) -> list[Pro
 def schedule_program(program_id: int, instrs: list[Instr], hw: Hardware) -> ProgramSchedule:
     """List-schedule one program's instructions alone (module docstring for the rules).
 
-    To keep the dependency tables small, no instruction starts before a floor: the earliest
-    next-free time among the queues used in the last `_WINDOW` instructions (finished entries
-    below it are dropped). This can only delay an instruction on an engine that has been idle
-    for that long, never one on a busy engine, so the bottleneck's timeline is unaffected."""
+    To keep the tables small, no instruction starts before a floor: the earliest start among the
+    last `_WINDOW` instructions (the compiler's reordering is taken to reach no further back);
+    finished entries below it are dropped."""
     return _schedule([(program_id, instrs)], hw)[0]
 
 
