@@ -46,7 +46,6 @@ __all__ = ["Event", "ProgramSchedule", "Profile", "schedule_program", "build_pro
 _PRUNE_AT = 64  # dependency entries per tensor before finished ones are dropped
 _GAP = 1.0  # ns: gaps this short between two busy intervals are merged
 _SMALL = 16  # tables this small are searched for superseded entries on every write
-_WINDOW = 4096  # instructions: the compiler's reordering reaches no further back (floor)
 
 
 @dataclass(slots=True)
@@ -212,7 +211,8 @@ class _Core:
         self.deps = _Deps()
         self.events: list[Event] = []
         self.floor = 0.0
-        self.recent: list[float] = []  # start times of the last _WINDOW instructions
+        self.window = int(hw["reorder_window"])  # FIGURES: the reordering's reach (floor)
+        self.recent: list[float] = []  # start times of the last `window` instructions
         self.makespan = 0.0
         self.hbm_written = 0.0  # when every HBM write issued so far has finished
         self.fence = 0.0  # HBM reads start after the last core_barrier
@@ -274,10 +274,10 @@ class _Core:
         self.makespan = max(self.makespan, end)
         self.events.append(Event(ins.index, ins.op, q, start, end, ins.source, c))
         self.recent.append(start)
-        if len(self.recent) >= 2 * _WINDOW:
-            # no instruction starts before every one of the last _WINDOW instructions
-            self.floor = max(self.floor, min(self.recent[-_WINDOW:]))
-            del self.recent[:_WINDOW]
+        if len(self.recent) >= 2 * self.window:
+            # no instruction starts before every one of the last `window` instructions
+            self.floor = max(self.floor, min(self.recent[-self.window :]))
+            del self.recent[: self.window]
             for line in (*self.lines.values(), *self.dma_lines):
                 line.prune(self.floor)
         self.deps.commit(ins, end, self.floor)
@@ -321,7 +321,7 @@ def schedule_program(program_id: int, instrs: list[Instr], hw: Hardware) -> Prog
     """List-schedule one program's instructions alone (module docstring for the rules).
 
     To keep the tables small, no instruction starts before a floor: the earliest start among the
-    last `_WINDOW` instructions (the compiler's reordering is taken to reach no further back);
+    last `FIGURES` reorder_window instructions (the compiler's reordering is taken to reach no further back);
     finished entries below it are dropped."""
     return _schedule([(program_id, instrs)], hw)[0]
 
