@@ -223,10 +223,11 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(summaries, f, indent=1, default=str)
     print(f"(total {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    print(
-        "estimated Tensor-engine utilization at the bottleneck, given the plan "
-        f"(min over kernels): {min(utils):.3f}"
-    )
+    if utils:
+        print(
+            "estimated Tensor-engine utilization at the bottleneck, given the plan "
+            f"(min over kernels): {min(utils):.3f}"
+        )
 
 
 if __name__ == "__main__":
