@@ -194,6 +194,8 @@ def main() -> None:
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
     ours_aws, aws_runs, aws_missing = _aws_point(args) if not args.skip_aws else (None, {}, "")
+    if ours_aws is not None:
+        summaries.append(ours_aws)
     readme_aws: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not args.skip_bwd and aws_runs and not args.skip_aws_readme:
         choice = selection.parse_kernel(selection.NKILIB, prof.BWD, args.kernel_path)
