@@ -145,7 +145,15 @@ def comparison(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             r["verdict"] = calibrating.verdict(
                 s["range"], base["range"], r["kernel"], rows[0]["kernel"]
             )
-    return {"baseline": rows[0]["kernel"], "kernels": rows}
+    out: dict[str, Any] = {"baseline": rows[0]["kernel"], "kernels": rows}
+    by = {r["kernel"]: r for r in rows}
+    if "mxcli" in by and "nkilib" in by and by["nkilib"]["schedule_us"]:
+        # issue 29 item 4: our backward against AWS's, both estimated by the same model
+        out["ours_over_aws"] = {
+            "schedule": by["mxcli"]["schedule_us"] / by["nkilib"]["schedule_us"],
+            "lower_bound": by["mxcli"]["lower_bound_us"] / by["nkilib"]["lower_bound_us"],
+        }
+    return out
 
 
 def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False) -> None:
@@ -176,6 +184,14 @@ def _finish(summaries: list[dict[str, Any]], json_out: bool, quiet: bool = False
                 x = r["range"]["schedule_ratio"]
                 con.print(f"    schedule ratio range x{x['low']:.3f}..x{x['high']:.3f} "
                           f"(figures shared): {r['verdict']}", highlight=False, markup=False)  # fmt: skip
+        if "ours_over_aws" in cmp:
+            r = cmp["ours_over_aws"]
+            con.print(
+                f"  ours / AWS's (same model): schedule {r['schedule']:.3f}, lower bound "
+                f"{r['lower_bound']:.3f}",
+                highlight=False,
+                markup=False,
+            )
 
 
 def print_report(s: dict[str, Any]) -> None:

@@ -73,15 +73,20 @@ FIGURES: tuple[Figure, ...] = (
     Figure("gpsimd_ghz", 1.2, 1.2, "GHz", f"{_ARCH2}, {_ARCH3}: Compute Engine Specifications"),
     Figure(
         "vector_width_fast", 512, 512, "elem/cycle",
-        f"{_ARCH2}, {_ARCH3}: Vector 512 BF16/FP16(/FP8 on v4) input/output",
+        f"{_ARCH2} Vector Engine Performance Mode: the 4x mode (512 of {_ARCH3}'s table) only for "
+        "tensor_copy / tensor_scalar with every tile in SBUF, BF16/FP16 (FP8 on v4) and a "
+        "contiguous inner-most free dim",
     ),
     Figure(
         "vector_width", 256, 256, "elem/cycle",
-        f"{_ARCH2}, {_ARCH3}: Vector 256 input/output for other data types",
+        f"{_ARCH2}, {_ARCH3}: Vector 256 input/output for other data types; every other op "
+        f"(tensor_tensor's documented 2x mode: {_ARCH2} Vector Engine Performance Mode, 2x "
+        f"of {_ARCH1}'s 'roughly 2N cycles' for two input tiles = 256)",
     ),
     Figure(
         "scalar_width_fast", 128, 256, "elem/cycle",
-        f"{_ARCH3}: Scalar 256 BF16/FP16/FP8 (v4 performance mode); {_ARCH2}: 128",
+        f"{_ARCH3} Scalar Engine Performance mode: 2x (256) for tensor_scalar / tensor_copy on "
+        "BF16/FP16 only (as VectorE's 2x mode: SBUF or PSUM); activation stays at 128",
     ),
     Figure("scalar_width", 128, 128, "elem/cycle", f"{_ARCH2}, {_ARCH3}: Scalar 128 other types"),
     Figure(
@@ -143,11 +148,14 @@ FIGURES: tuple[Figure, ...] = (
         "two apart",
     ),
     Figure(
-        "dma_descriptor_overhead_bytes", 512, 512, "B-equivalent",
-        f"ASSUMED: per contiguous run (descriptor) an overhead worth 512 B of transfer, fitted to "
-        f"{_DMA_BW} ('< 256 B severely overhead-bound', '>= 2 KiB approaches peak', '>= 4 KiB "
-        "saturates': 33% / 80% / 89% efficiency); no per-descriptor time is documented",
-        kind="assumed", low=256, high=1024,
+        "dma_descriptor_overhead_bytes", 360, 360, "B-equivalent",
+        "FITTED to AWS's measured MXFP8 backward, 2.190 ms with PE transposes and its tuned "
+        "blockings (mxcli.nkisim.measured.BWD_MXFP8 / BWD_TUNED_BLOCKING): per contiguous run "
+        "(descriptor) an overhead worth this many bytes of transfer; the schedule reproduces "
+        f"2.190 ms within 1% between 352 and 368. {_DMA_BW} gives no number (only '< 256 B "
+        "severely overhead-bound', '>= 2 KiB approaches peak', '>= 4 KiB saturates'); before "
+        "the fit it was assumed 512",
+        kind="fitted", low=352, high=368,
     ),
     Figure(
         "dma_latency_ns", 1300, 1300, "ns",
@@ -168,11 +176,49 @@ FIGURES: tuple[Figure, ...] = (
         f"{_ARCH2} SBUF2SBUF DMA transpose: up to 50% of DMA throughput (v4 assumed equal)",
     ),
     Figure(
+        "dma_transpose_full_run", 16, 16, "elements",
+        f"{_ARCH2} HBM2SBUF DMA transpose: the 16 engines write a [128, 16] SBUF tile at a time, "
+        "'the 16 elements along free dimension must be contiguous'; a multiple of 16 in the "
+        "inner-most free dim is 'a pre-requisite to achieve best DMA throughput efficiency'",
+    ),
+    Figure(
+        "dma_transpose_short_run_exponent", 1.0, 1.0, "x",
+        "ASSUMED: a transpose whose output's inner-most free dim c < 16 runs at the documented "
+        "efficiency times (c / 16) ** this (1: each [128, 16] write carries c useful elements); "
+        f"{_ARCH2} says only 'at the cost of DMA performance'",
+        kind="assumed", low=0.5, high=1.0,
+    ),
+    Figure(
+        "swdge_descriptor_ns", 0.5, 0.5, "ns",
+        "ASSUMED: GpSimd time per contiguous run of a software-DGE DMA, before its data moves. "
+        "nki/deep-dives/nki-dge.rst swdge: 'Consumes GpSimd Engine cycles for descriptor "
+        f"generation' (and {_ARCH2} DGE: software DGE 'occupies GpsimdE'); no per-descriptor "
+        "time is documented. 0.5 ns ~ 5 cycles on each of GpSimd's 8 cores at 1.2 GHz; bounded "
+        "by AWS's measured backward (~1.39 M such runs per core within 2.190 ms: < 1.6 ns)",
+        kind="assumed", low=0.1, high=1.5,
+    ),
+    Figure(
+        "core_barrier_ns", 1300, 1300, "ns",
+        "ASSUMED: nki/api/nki/isa/__init__.py core_barrier (v2.32.0): a remote semaphore update "
+        "and a local semaphore wait that block the barrier's engine (GpSimd by default) until "
+        f"both cores arrive; the round trip is taken as {_DMA_BW}'s ~1300 ns semaphore-to-start "
+        "latency (no figure is documented)",
+        kind="assumed", low=500, high=3000,
+    ),
+    Figure(
         "hbm_tbps_chip", 2.9, 4.9, "TB/s per chip (8 cores)",
         "about-neuron/arch/neuron-hardware/trainium3.rst (HBM Bandwidth 2.9 / 4.9 TB/sec); "
         f"{_ARCH3} says 4.7 TB/s. CHOSEN: the hardware page; with either figure a core's HBM "
         "share (612 / 588 GB/s) exceeds its 16 DMA engines' 528 GB/s, so no estimate here "
         "changes",
+    ),
+    Figure(
+        "reorder_window", 4096, 4096, "instructions",
+        "ASSUMED: how far back in program order the compiler's scheduler moves an instruction "
+        "(nki/guides/how-to-scheduling-apis.rst documents the reordering, not its reach); the "
+        "schedule starts nothing before every one of the last this-many instructions. AWS's "
+        "2.190 ms launch: 2.346 ms at 1024, 2.200 ms at 4096 and at 16384",
+        kind="assumed", low=1024, high=16384,
     ),
     Figure("cores_per_chip", 8, 8, "cores", f"{_ARCH2}, {_ARCH3}: 8 NeuronCores per device"),
 )  # fmt: skip
@@ -204,6 +250,7 @@ def hardware(target: str) -> Hardware:
 # DMA queues (api spec §6.1; nki-dge.rst: the queue follows the trigger engine and the
 # descriptor-generation method)
 DMA_QUEUES = ("dma.sync", "dma.act", "dma.swdge", "dma.static")
+DGE_EITHER = "dma.sync|dma.act"  # a hardware-DGE DMA whose trigger engine the compiler picks
 COMPUTE_ENGINES = ("tensor", "vector", "scalar", "gpsimd")
 
 
@@ -229,6 +276,7 @@ class Cost:
     dma_bytes: int = 0
     descriptors: int = 0
     run_bytes: int = 0  # smallest contiguous run of the transfer (DMA)
+    gen_ns: float = 0.0  # software DGE: GpSimd time generating the descriptors (before the data)
     detail: str = ""
 
 
@@ -243,13 +291,23 @@ def _streams(ins: Instr) -> tuple[list[Operand], Operand | None]:
     return full, dst
 
 
-def _fast(ops: list[Operand]) -> bool:
-    """The 2-byte/1-byte performance-mode width applies: every streamed tile is a float of at
-    most 2 bytes, in SBUF (arch guides: performance modes for BF16/FP16(/FP8) SBUF data)."""
-    return all(
-        o.itemsize <= 2 and o.buffer == "sbuf" and not o.dtype.startswith(("int", "uint"))
-        for o in ops
-    )
+_PERF_OPS = ("tensor_copy", "tensor_scalar")  # the ops the performance modes name
+
+
+def _fast(ins: Instr, ops: list[Operand]) -> bool:
+    """The performance-mode width applies (`FIGURES` ``vector_width_fast`` /
+    ``scalar_width_fast``): only tensor_copy / tensor_scalar, every tile a float of at most 2
+    bytes; VectorE's 4x mode also needs every tile in SBUF with a contiguous inner-most free dim
+    (trainium2_arch.rst Vector Engine Performance Mode 1a-1c), ScalarE's 2x mode takes SBUF or
+    PSUM (trainium3_arch.rst Scalar Engine Performance mode: 'same as the 2x performance mode
+    on VectorE')."""
+    if ins.op not in _PERF_OPS:
+        return False
+    if not all(o.itemsize <= 2 and not o.dtype.startswith(("int", "uint")) for o in ops):
+        return False
+    if ins.engine == "vector":
+        return all(o.buffer == "sbuf" and o.contiguous_free for o in ops)
+    return True
 
 
 def _compute_cost(ins: Instr, hw: Hardware) -> Cost:
@@ -264,15 +322,14 @@ def _compute_cost(ins: Instr, hw: Hardware) -> Cost:
         w = hw["gpsimd_width"] / 128
     else:
         over = hw["act_vec_overhead_cycles"]
-        fast = _fast(tiles)
-        w = hw[f"{eng}_width_fast" if fast else f"{eng}_width"] / 128
+        w = hw[f"{eng}_width_fast" if _fast(ins, tiles) else f"{eng}_width"] / 128
     op = ins.op
     if op == "quantize_mx":
         cycles = over + n / hw["quantize_mx_elems_per_cycle"]
     elif op == "reciprocal" and eng == "vector":
         cycles = over + hw["reciprocal_vector_factor"] * k * n / w
     elif op == "exponential":
-        ws = hw["scalar_width_fast" if _fast(tiles) else "scalar_width"] / 128
+        ws = hw["scalar_width"] / 128  # activation(exp) has no performance mode
         cycles = over + k * n / (ws * hw["exponential_vs_scalar"])
     elif op == "iota":
         cycles = hw["gpsimd_overhead_cycles"] + n
@@ -324,7 +381,11 @@ def _queue(ins: Instr, ops: list[Operand]) -> str:
     if any(o.name.endswith("vector_offset") for o in ops) or mode == "swdge":
         return "dma.swdge"
     if mode == "hwdge":
-        return "dma.act" if ins.args.get("engine") == "scalar" else "dma.sync"
+        eng = ins.args.get("engine")
+        # two DGE instances, commanded from SyncE or ScalarE; without `engine` the compiler
+        # picks (trainium2_arch.rst Descriptor Generation Engine): the schedule takes the
+        # earlier-free of the two (`DGE_EITHER`)
+        return {"scalar": "dma.act", "sync": "dma.sync"}.get(eng or "", DGE_EITHER)
     if ins.op in ("sendrecv",):
         return "dma.sync"
     return "dma.static"
@@ -349,8 +410,6 @@ def _is_offset(o: Operand) -> bool:
 def _dma_cost(ins: Instr, hw: Hardware) -> Cost:
     ops = ins.operands
     queue = _queue(ins, ops)
-    if ins.op == "core_barrier":
-        return Cost("sync", 0.0, "control", {})
     dst = ins.get("dst")
     # (a scalar-offset tensor read as a source made a 128 x 512 weight-gradient read-modify-
     # write cost 2 bytes on one DMA engine)
@@ -381,7 +440,11 @@ def _dma_cost(ins: Instr, hw: Hardware) -> Cost:
         eff = (
             hw["dma_transpose_eff_hbm"] if srcs[0].buffer == "hbm" else hw["dma_transpose_eff_sbuf"]
         )
-        desc = 0
+        inner = dst.shape[-1] if dst.shape else 1
+        full = hw["dma_transpose_full_run"]
+        if inner < full:  # FIGURES dma_transpose_full_run / _short_run_exponent
+            eff *= (inner / full) ** hw["dma_transpose_short_run_exponent"]
+        desc = _descriptors(moved, [o.run for o in srcs])
         per = {e: f * nbytes / (bw * eff) for e, f in share.items()}
         run_b = 0
         detail = f"{nbytes} B transpose, eff {eff:g}"
@@ -391,15 +454,21 @@ def _dma_cost(ins: Instr, hw: Hardware) -> Cost:
         per = {e: f * (nbytes + desc * over) / bw for e, f in share.items()}
         run_b = min([dst.run] + [o.run for o in srcs]) * dst.itemsize
         detail = f"{nbytes} B in {desc} runs (min run {run_b} B) over {len(per)} DMA engines"
+    gen = desc * hw["swdge_descriptor_ns"] if queue == "dma.swdge" else 0.0
     issue = hw["hwdge_issue_ns"] if ins.args.get("dge_mode") == "hwdge" else 0.0
     return Cost(
         queue, issue, "dma", per, latency_ns=hw["dma_latency_ns"], hbm_bytes=int(hbm),
-        dma_bytes=int(nbytes), descriptors=desc, run_bytes=int(run_b), detail=detail,
+        dma_bytes=int(nbytes), descriptors=desc, run_bytes=int(run_b), gen_ns=gen, detail=detail,
     )  # fmt: skip
 
 
 def instruction_cost(ins: Instr, hw: Hardware) -> Cost:
     """The `Cost` of one recorded instruction on `hw`."""
+    if ins.op == "core_barrier":
+        # blocks its engine (GpSimd by default) until both cores arrive (FIGURES core_barrier_ns)
+        eng = ins.args.get("engine", "gpsimd")
+        track = eng if eng in (*COMPUTE_ENGINES, "sync") else "gpsimd"
+        return Cost(track, hw["core_barrier_ns"], "barrier", {})
     if ins.engine == "dma":
         return _dma_cost(ins, hw)
     if ins.engine == "tensor":

@@ -1,34 +1,51 @@
 """Timeline of a recorded kernel: per-engine busy time, bounds, a list schedule, a trace file.
 
-Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`. Each program is
-scheduled on its own core (cross-core waits at ``sendrecv`` / ``core_barrier`` are not modelled):
+Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`.
 
 - **Busy time** per compute engine (sum of its instruction costs), per DMA engine (the data time
   of its share of each transfer) and HBM (bytes over the core's share of HBM bandwidth).
 - **Lower bound**: perfect overlap, the maximum of those; its argmax is the bottleneck.
-- **List schedule**: instructions in program order; each engine (and each DMA queue) runs its
-  instructions in order, and an instruction starts once every earlier instruction it depends on
-  has finished: read-after-write, write-after-write and write-after-read on overlapping regions
-  (partition x byte boxes on chip, byte ranges in HBM). A DMA additionally waits for the DMA
-  engines it uses and for its trigger-to-start latency.
+- **List schedule** (issue 29 item 3): the compiler's scheduler reorders instructions within
+  their dependencies (nki/guides/how-to-scheduling-apis.rst: "the reordering that the automatic
+  scheduler will do"), so the schedule does not run an engine's instructions in program order.
+  In program order of priority, each instruction takes the earliest gap on its engine (a DMA:
+  its queue's sequencer for the hardware-DGE issue time, then each DMA engine it uses for its
+  share of the data, after the trigger-to-start latency) at or after the finish of every earlier
+  instruction it depends on: read-after-write, write-after-write and write-after-read on
+  overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
+  for tensors the kernel placed at an ``address``; byte ranges in HBM). A software-DGE transfer
+  first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
+  compiler picks takes the SyncE or ScalarE queue, whichever is free first. The programs are
+  scheduled together: at a ``core_barrier`` each core arrives when its engine is free and its
+  HBM writes have landed, both leave `FIGURES` core_barrier_ns after the later one, and HBM reads
+  after it start no earlier. ``sendrecv`` waits are not modelled.
 - **Trace**: Chrome-trace JSON (opens in Perfetto / chrome://tracing): one process per core, one
   track per engine and DMA queue, events named after the instruction with the kernel source line.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from mxcli.nkisim.cost import COMPUTE_ENGINES, DMA_QUEUES, Cost, Hardware, instruction_cost
+from mxcli.nkisim.cost import (
+    COMPUTE_ENGINES,
+    DGE_EITHER,
+    DMA_QUEUES,
+    Cost,
+    Hardware,
+    instruction_cost,
+)
 from mxcli.nkisim.trace import Instr, Recorder
 
 __all__ = ["Event", "ProgramSchedule", "Profile", "schedule_program", "build_profile"]
 
 _PRUNE_AT = 64  # dependency entries per tensor before finished ones are dropped
+_GAP = 1.0  # ns: gaps this short between two busy intervals are merged
 _SMALL = 16  # tables this small are searched for superseded entries on every write
-_WINDOW = 256  # instructions: the engines active in this window define the floor
 
 
 @dataclass(slots=True)
@@ -119,63 +136,194 @@ class _Deps:
                 del table[reg]
 
 
-def schedule_program(program_id: int, instrs: list[Instr], hw: Hardware) -> ProgramSchedule:
-    """List-schedule one program's instructions (module docstring for the rules).
+class _Timeline:
+    """Busy intervals of one resource (an engine, a DMA queue's sequencer, a DMA engine): an
+    instruction takes the earliest gap it fits in."""
 
-    To keep the dependency tables small, no instruction starts before a floor: the earliest
-    next-free time among the queues used in the last `_WINDOW` instructions (finished entries
-    below it are dropped). This can only delay an instruction on an engine that has been idle
-    for that long, never one on a busy engine, so the bottleneck's timeline is unaffected."""
-    n_dma = int(hw["dma_engines"])
-    queue_free: dict[str, float] = defaultdict(float)  # next free time of each in-order queue
-    queue_start: dict[str, float] = defaultdict(float)  # DMA: last data start (in order)
-    dma_free = [0.0] * n_dma
-    dma_busy = [0.0] * n_dma
-    busy: dict[str, float] = {e: 0.0 for e in COMPUTE_ENGINES}
-    queue_ns: dict[str, float] = defaultdict(float)
-    counts: dict[str, int] = defaultdict(int)
-    hbm_bytes = 0
-    deps = _Deps()
-    events: list[Event] = []
-    floor = 0.0  # no instruction starts earlier (see `schedule_program`'s docstring)
-    last_use: dict[str, int] = {}
-    makespan = 0.0
-    for ins in instrs:
-        c = instruction_cost(ins, hw)
-        q = c.track
-        counts[ins.engine] += 1
-        last_use[q] = ins.index
-        ready = max(deps.ready(ins), floor)
-        if c.kind == "dma":
-            issue = max(ready, queue_free[q])
-            queue_free[q] = issue + c.ns
-            start = max([issue + c.ns + c.latency_ns, queue_start[q]]
-                        + [dma_free[e] for e in c.dma_ns])  # fmt: skip
-            queue_start[q] = start
-            dur = max(c.dma_ns.values(), default=0.0)
-            for e, t in c.dma_ns.items():
-                dma_free[e] = start + t
-                dma_busy[e] += t
-            queue_ns[q] += dur
-            hbm_bytes += c.hbm_bytes
-            end = start + dur
+    __slots__ = ("starts", "ends", "hint")
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        # hint[b]: every gap before this time is shorter than 2**b ns (gaps only shrink, so
+        # a hint stays true); lets `fit` skip the fragments a long occupation cannot use
+        self.hint = [0.0] * 64
+
+    def fit(self, t: float, d: float) -> float:
+        """The earliest start >= t of a d-long occupation."""
+        starts, ends, hint = self.starts, self.ends, self.hint
+        if d >= 1:  # 2**b <= d: no gap before hint[b] fits
+            t = max(t, hint[int(math.log2(d))])
+        t0 = t
+        i = bisect.bisect_right(starts, t) - 1
+        if i >= 0 and ends[i] > t:
+            t = ends[i]
+        i += 1
+        while i < len(starts) and starts[i] < t + d:
+            t = max(t, ends[i])
+            i += 1
+        # the gaps in [t0, t) are shorter than d: so shorter than 2**k for 2**k >= d
+        if d > 0 and t > t0:
+            for j in range(max(0, math.ceil(math.log2(d))), len(hint)):
+                if t0 <= hint[j] < t:
+                    hint[j] = t
+        return t
+
+    def take(self, t: float, d: float) -> None:
+        """Occupy [t, t + d) (a gap `fit` returned), merged with the intervals it touches (gaps
+        under `_GAP` ns count as busy: they keep the interval lists short)."""
+        if d <= 0:
+            return
+        starts, ends = self.starts, self.ends
+        i = bisect.bisect_right(starts, t)
+        e = t + d
+        if i < len(starts) and starts[i] - e < _GAP:
+            e = max(e, ends[i])
+            del starts[i], ends[i]
+        if i > 0 and t - ends[i - 1] < _GAP:
+            ends[i - 1] = max(ends[i - 1], e)
         else:
-            start = max(ready, queue_free[q])
+            starts.insert(i, t)
+            ends.insert(i, e)
+
+    def prune(self, floor: float) -> None:
+        """Drop the intervals that ended before `floor` (nothing starts before it)."""
+        k = bisect.bisect_right(self.ends, floor)
+        if k > 64:
+            del self.starts[:k]
+            del self.ends[:k]
+
+
+class _Core:
+    """The list-schedule state of one program (core); the module docstring for the rules."""
+
+    def __init__(self, program_id: int, hw: Hardware) -> None:
+        self.program_id = program_id
+        self.hw = hw
+        n_dma = int(hw["dma_engines"])
+        self.lines: dict[str, _Timeline] = defaultdict(_Timeline)  # engines and DMA queues
+        self.dma_lines = [_Timeline() for _ in range(n_dma)]
+        self.dma_busy = [0.0] * n_dma
+        self.busy: dict[str, float] = {e: 0.0 for e in COMPUTE_ENGINES}
+        self.queue_ns: dict[str, float] = defaultdict(float)
+        self.counts: dict[str, int] = defaultdict(int)
+        self.hbm_bytes = 0
+        self.deps = _Deps()
+        self.events: list[Event] = []
+        self.floor = 0.0
+        self.window = int(hw["reorder_window"])  # FIGURES: the reordering's reach (floor)
+        self.recent: list[float] = []  # start times of the last `window` instructions
+        self.makespan = 0.0
+        self.hbm_written = 0.0  # when every HBM write issued so far has finished
+        self.fence = 0.0  # HBM reads start after the last core_barrier
+
+    def _occupy(self, track: str, ready: float, d: float) -> float:
+        line = self.lines[track]
+        t = line.fit(ready, d)
+        line.take(t, d)
+        if track in self.busy:
+            self.busy[track] += d
+        return t
+
+    def arrive(self, ins: Instr) -> tuple[Cost, float]:
+        """A core_barrier reaches its engine: (its cost, the time this core arrives)."""
+        c = instruction_cost(ins, self.hw)
+        self.counts[ins.engine] += 1
+        t = max(self.hbm_written, self.floor, self.lines[c.track].fit(self.floor, 0.0))
+        return c, max(t, self.lines[c.track].ends[-1] if self.lines[c.track].ends else 0.0)
+
+    def leave(self, ins: Instr, c: Cost, start: float, end: float) -> None:
+        """Both cores passed the barrier: it held its engine from `start` to `end`."""
+        self._occupy(c.track, start, end - start)
+        self.fence = max(self.fence, end)
+        self.makespan = max(self.makespan, end)
+        self.events.append(Event(ins.index, ins.op, c.track, start, end, ins.source, c))
+
+    def step(self, ins: Instr) -> None:
+        c = instruction_cost(ins, self.hw)
+        q = c.track
+        self.counts[ins.engine] += 1
+        ready = max(self.deps.ready(ins), self.floor)
+        if c.kind == "dma":
+            if any(o.buffer == "hbm" for o in ins.reads()):
+                ready = max(ready, self.fence)
+            if q == "dma.swdge" and c.gen_ns > 0:  # GpSimd generates the descriptors first
+                g0 = self._occupy("gpsimd", ready, c.gen_ns)
+                ready = g0 + c.gen_ns
+                gen = Cost("gpsimd", c.gen_ns, "descriptors", {}, detail=f"{c.descriptors}")
+                self.events.append(Event(ins.index, ins.op, "gpsimd", g0, ready, ins.source, gen))
+            if q == DGE_EITHER:  # the DGE queue that can issue it first
+                q = min(("dma.sync", "dma.act"), key=lambda k: self.lines[k].fit(ready, c.ns))
+            issue = self._occupy(q, ready, c.ns)
+            t0 = issue + c.ns + c.latency_ns
+            start, end = math.inf, t0
+            for e, t in c.dma_ns.items():
+                line = self.dma_lines[e]
+                se = line.fit(t0, t)
+                line.take(se, t)
+                self.dma_busy[e] += t
+                start, end = min(start, se), max(end, se + t)
+            start = min(start, end)
+            self.queue_ns[q] += max(c.dma_ns.values(), default=0.0)
+            self.hbm_bytes += c.hbm_bytes
+            if any(o.buffer == "hbm" for o in ins.writes()):
+                self.hbm_written = max(self.hbm_written, end)
+        else:
+            start = self._occupy(q, ready, c.ns)
             end = start + c.ns
-            queue_free[q] = end
-            if q in busy:
-                busy[q] += c.ns
-        makespan = max(makespan, end)
-        events.append(Event(ins.index, ins.op, q, start, end, ins.source, c))
-        if ins.index % 64 == 63:
-            active = [queue_free[k] for k, i in last_use.items() if ins.index - i < _WINDOW]
-            floor = max(floor, min(active))
-        deps.commit(ins, end, floor)
-    busy["dma"] = max(dma_busy, default=0.0)
-    busy["hbm"] = hbm_bytes / hw.hbm_bytes_per_ns
-    return ProgramSchedule(
-        program_id, events, busy, dma_busy, dict(queue_ns), makespan, dict(counts)
-    )
+        self.makespan = max(self.makespan, end)
+        self.events.append(Event(ins.index, ins.op, q, start, end, ins.source, c))
+        self.recent.append(start)
+        if len(self.recent) >= 2 * self.window:
+            # no instruction starts before every one of the last `window` instructions
+            self.floor = max(self.floor, min(self.recent[-self.window :]))
+            del self.recent[: self.window]
+            for line in (*self.lines.values(), *self.dma_lines):
+                line.prune(self.floor)
+        self.deps.commit(ins, end, self.floor)
+
+    def result(self) -> ProgramSchedule:
+        busy = dict(self.busy)
+        busy["dma"] = max(self.dma_busy, default=0.0)
+        busy["hbm"] = self.hbm_bytes / self.hw.hbm_bytes_per_ns
+        self.events.sort(key=lambda e: (e.index, e.cost.kind != "descriptors"))
+        return ProgramSchedule(
+            self.program_id, self.events, busy, self.dma_busy, dict(self.queue_ns),
+            self.makespan, dict(self.counts),
+        )  # fmt: skip
+
+
+def _schedule(programs: list[tuple[int, list[Instr]]], hw: Hardware) -> list[ProgramSchedule]:
+    """List-schedule the programs together: each runs to its next core_barrier, then every core
+    leaves the n-th barrier when the last one has arrived (plus `FIGURES` core_barrier_ns)."""
+    barrier_ns = hw["core_barrier_ns"] if len(programs) > 1 else 0.0  # LNC=1: a no-op
+    cores = [_Core(pid, hw) for pid, _ in programs]
+    pos = [0] * len(programs)
+    while True:
+        arrived: list[tuple[int, Instr, Cost, float]] = []
+        for k, (_, instrs) in enumerate(programs):
+            while pos[k] < len(instrs) and instrs[pos[k]].op != "core_barrier":
+                cores[k].step(instrs[pos[k]])
+                pos[k] += 1
+            if pos[k] < len(instrs):
+                ins = instrs[pos[k]]
+                arrived.append((k, ins, *cores[k].arrive(ins)))
+                pos[k] += 1
+        if not arrived:
+            break
+        leave = max(t for *_, t in arrived) + barrier_ns
+        for k, ins, c, t in arrived:
+            cores[k].leave(ins, c, t, leave)
+    return [c.result() for c in cores]
+
+
+def schedule_program(program_id: int, instrs: list[Instr], hw: Hardware) -> ProgramSchedule:
+    """List-schedule one program's instructions alone (module docstring for the rules).
+
+    To keep the tables small, no instruction starts before a floor: the earliest start among the
+    last `FIGURES` reorder_window instructions (the compiler's reordering is taken to reach no further back);
+    finished entries below it are dropped."""
+    return _schedule([(program_id, instrs)], hw)[0]
 
 
 @dataclass
@@ -320,6 +468,6 @@ class Profile:
 def build_profile(recorders: list[Recorder], target: str, hw: Hardware, lnc: int) -> Profile:
     """Schedule every recorded program."""
     prof = Profile(target, lnc, hw)
-    for r in sorted(recorders, key=lambda r: r.program_id):
-        prof.programs.append(schedule_program(r.program_id, r.instrs, hw))
+    recs = sorted(recorders, key=lambda r: r.program_id)
+    prof.programs.extend(_schedule([(r.program_id, r.instrs) for r in recs], hw))
     return prof

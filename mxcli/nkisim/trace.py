@@ -39,7 +39,8 @@ class Operand:
     """One tensor operand as an instruction accessed it.
 
     ``region``: partitions ``[p0, p1)`` x bytes ``[lo, hi)`` inside each partition row (on-chip),
-    or ``[0, 1)`` x flat bytes (HBM): a bounding box, used for data dependencies.
+    or ``[0, 1)`` x flat bytes (HBM): a bounding box, used for data dependencies; for a tensor
+    placed at an ``address``, in the buffer's own coordinates (``key`` is then the buffer's).
     ``run``: elements per contiguous run (the DMA packet size in elements).
     ``rows``: partitions/rows actually moved (indirect rows skipped out of bounds excluded).
     """
@@ -106,6 +107,19 @@ def _run_length(shape: tuple[int, ...], strides: tuple[int, ...], first: int) ->
     return run
 
 
+# the dependency key of every kernel-placed tensor of a buffer (ids of live objects are positive)
+_PLACED_KEY = {"sbuf": -1, "psum": -2}
+
+
+def _storage_key(st: Any, on_chip: bool) -> int:
+    """Operands with one key are checked for overlapping regions (`schedule`): one allocation,
+    or, for tensors the kernel placed at an ``address``, the whole buffer (their regions are
+    then absolute: two placed tensors that share bytes depend on each other)."""
+    if on_chip and st.address is not None:
+        return _PLACED_KEY[st.buffer.value]
+    return id(st.record) if st.record is not None else id(st)
+
+
 def _operand(acc: Any) -> Operand:
     st = acc.st
     s = acc.dtype.itemsize
@@ -129,6 +143,8 @@ def _operand(acc: Any) -> Operand:
     elif on_chip:
         b = acc.offset * s
         p0, in_row = divmod(b, st.row_bytes)
+        if st.address is not None:  # placed by the kernel: its bytes in the buffer itself
+            p0, in_row = p0 + st.address[0], in_row + st.address[1]
         region = (p0, p0 + max(parts, 1), in_row + lo_f * s, in_row + (hi_f + 1) * s)
     else:
         if not shape:
@@ -141,7 +157,7 @@ def _operand(acc: Any) -> Operand:
         name=acc.name,
         write=acc.name in WRITE_OPERANDS,
         buffer="hbm" if not on_chip else st.buffer.value,
-        key=id(st.record) if st.record is not None else id(st),
+        key=_storage_key(st, on_chip),
         tensor=st.name or "<unnamed>",
         dtype=str(acc.dtype),
         itemsize=s,

@@ -102,11 +102,10 @@ def _aws_tuned_launch(p2_block_m: int) -> Any:
     the capacity check on."""
     import dataclasses
 
+    from mxcli.kernels import launcher, selection
     from mxcli.kernels import profiling as prof
-    from mxcli.kernels import selection
     from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig as M
     from mxcli.kernels.blockwise_moe.config import TransposeMode
-    from mxcli.kernels.blockwise_moe.nki_backend import launch_sim
 
     tensors, kwargs = prof.bwd_inputs(prof.BwdShape(4096, 4096, 1536, 1, 1, 4096))
 
@@ -125,8 +124,11 @@ def _aws_tuned_launch(p2_block_m: int) -> Any:
         phase3_transpose_mode=TransposeMode.NC,
         phase4_transpose_mode=TransposeMode.NC,
     )
-    choice = selection.parse_kernel("nkilib", "blockwise_mm_bwd_mxfp8")
-    return launch_sim(**tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True, kernel=choice)
+    choice = selection.parse_implementation("nkilib", "blockwise_mm_bwd_mxfp8")
+    return launcher.launch_sim(
+        prof.BWD, **tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True,
+        implementation=choice,
+    )  # fmt: skip
 
 
 def test_real_nkilib_tuned_blocking_fits_and_the_one_the_compiler_refused_does_not() -> None:
