@@ -14,15 +14,12 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
-    Debug,
     Force,
-    Json,
     KernelPath,
     PlainCommand,
-    Quiet,
     Steps,
     aligned_rows,
-    guarded,
+    global_options,
     journey_group,
     kernel_defaults,
     kernel_lines,
@@ -270,6 +267,7 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
 
 @app.command("prefill", cls=PlainCommand)
 def prefill(
+    ctx: typer.Context,
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
@@ -300,15 +298,14 @@ def prefill(
     kernel: KernelsOpt = None,
     kernel_path: KernelPath = None,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Profile rmsnorm_mx_prefill from a file or shape flags.
 
     Give a make-inputs file, or --tokens, --hidden and --experts. The router flags default to
     the kernel API's values.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -326,11 +323,12 @@ def prefill(
         _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
 
-    guarded(debug, body, json_out=json_out)
+    body()
 
 
 @app.command("bwd", cls=PlainCommand)
 def bwd(
+    ctx: typer.Context,
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
@@ -351,14 +349,13 @@ def bwd(
     kernel: KernelsOpt = None,
     kernel_path: KernelPath = None,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Profile blockwise_mm_bwd_mxfp8 from a file or shape flags.
 
     Give a make-inputs file, or --tokens, --hidden, --intermediate and --experts.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -370,4 +367,4 @@ def bwd(
         _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet)  # fmt: skip
 
-    guarded(debug, body, json_out=json_out)
+    body()
