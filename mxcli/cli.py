@@ -1,4 +1,6 @@
-"""The typer app: wiring only. Each command lives in its own module under mxcli/commands/."""
+"""The typer app: the root (the global flags, parsed once, and the one error boundary of every
+command) and the registration of the commands, each in its own module under mxcli/commands/
+(which only parses, calls the library and prints)."""
 
 from __future__ import annotations
 
