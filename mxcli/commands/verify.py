@@ -175,7 +175,6 @@ def verify(
     --checkpoint OUT --against SRC. Per tensor: max abs/rel error, cosine, mismatch count,
     bit-exactness (codes, scales, indices). Exit code 1 when any check fails, 2 on a user error.
     """
-
     from mxcli.errors import InputError
 
     opts = global_options(ctx)
@@ -211,7 +210,8 @@ def verify(
     from mxcli.verification import modes
 
     tolerances = modes.Tolerances(
-        profile.value, rtol, atol, min_cosine, max_mismatch, exact
+        profile=profile.value, rtol=rtol, atol=atol, min_cosine=min_cosine,
+        max_mismatch=max_mismatch, exact=exact,
     )  # fmt: skip
     with Steps(opts.quiet) as steps:
         outcome = modes.files(
