@@ -2,7 +2,7 @@
 
 Every error a user can cause (bad tensor, bad flag, corrupt file, existing output) is an
 `MxcliError`. The CLI prints its message as one line on stderr and exits with code 2; a Python
-traceback is shown only with `--debug` (or MXCLI_DEBUG=1). An output that cannot be written (disk
+traceback is shown only with `--debug` (or MXCLI_DEBUG=1, read by that flag). An output that cannot be written (disk
 full, read-only folder) is reported the same way: the command could not do its work, and no
 partial file is left. Exit code 1 is kept for a check that ran and failed (`verify`, `--strict`).
 
@@ -12,18 +12,13 @@ prints one line and exits with 128 + the signal number (130 for Ctrl-C, 143 for 
 
 from __future__ import annotations
 
-import functools
 import json
-import os
 import signal
 import sys
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 128 + signal.SIGINT
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 
 class MxcliError(Exception):
@@ -87,10 +82,6 @@ def dtype_error(name: str, expected: object, actual: object) -> InputError:
     return InputError(f"{name}: expected dtype {expected}, got {actual}")
 
 
-def debug_enabled() -> bool:
-    return os.environ.get("MXCLI_DEBUG", "") not in ("", "0")
-
-
 def one_line(exc: BaseException) -> str:
     """The message of an error as one line (OS errors as 'path: reason')."""
     if isinstance(exc, OSError) and not isinstance(exc, MxcliError) and exc.strerror:
@@ -119,37 +110,23 @@ def interrupted_message(exc: KeyboardInterrupt, hint: str = "") -> tuple[str, in
     return f"interrupted ({name}); {hint or 'no output was written'}", code
 
 
-def report_user_errors(
-    func: F | None = None, *, json_out: bool = False, interrupt_hint: str = ""
-) -> Any:
-    """Decorator for command functions: user errors become one stderr line and exit code 2.
+def report_exception(
+    exc: BaseException, *, json_out: bool = False, interrupt_hint: str = ""
+) -> int | None:
+    """Report an error the user caused, or an interrupt, as one line; return its exit code, or
+    None for anything else (a bug: it keeps its traceback). The CLI's one error boundary
+    (`mxcli.cli`) calls it for every command.
 
-    `ValueError` raised by kernel validation is a user error too (kernels raise `InputError`,
-    a `ValueError`), and so is an `OSError` (a folder given as a file, a full disk). Anything
-    else is a bug and keeps its traceback. An interrupt prints one line (with `interrupt_hint`)
-    and exits 130 (Ctrl-C) or 128 + the signal. With `json_out` the error is also printed on
-    stdout as ``{"error": ..., "exit_code": ...}``.
+    User errors exit 2: `MxcliError`, a `ValueError` (kernel validation raises `InputError`, a
+    `ValueError`) and an `OSError` (a folder given as a file, a full disk). An interrupt prints
+    `interrupted_message` (with `interrupt_hint`) and exits 130 (Ctrl-C) or 128 + the signal.
+    With `json_out` the error is also printed on stdout as ``{"error": ..., "exit_code": ...}``.
     """
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            import typer
-
-            try:
-                return fn(*args, **kwargs)
-            except (MxcliError, ValueError, OSError) as exc:
-                if debug_enabled():
-                    raise
-                report_error(one_line(exc), EXIT_USER_ERROR, json_out=json_out)
-                raise typer.Exit(EXIT_USER_ERROR) from None
-            except KeyboardInterrupt as exc:
-                if debug_enabled():
-                    raise
-                message, code = interrupted_message(exc, interrupt_hint)
-                report_error(message, code, json_out=json_out)
-                raise typer.Exit(code) from None
-
-        return wrapper  # type: ignore[return-value]
-
-    return decorate(func) if func is not None else decorate
+    if isinstance(exc, KeyboardInterrupt):
+        message, code = interrupted_message(exc, interrupt_hint)
+    elif isinstance(exc, MxcliError | ValueError | OSError):
+        message, code = one_line(exc), EXIT_USER_ERROR
+    else:
+        return None
+    report_error(message, code, json_out=json_out)
+    return code

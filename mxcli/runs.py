@@ -32,6 +32,7 @@ from mxcli.kernels.spec import KernelSpec, get_spec, read_kernel_file
 from mxcli.verification.cases import Case
 from mxcli.verification.exact import check_exact
 from mxcli.verification.finite import input_nonfinite, unexplained_nonfinite
+from mxcli.verification.modes import Outcome
 from mxcli.verification.policy import compare_outputs, geometry_args, profile_for_backend
 from mxcli.verification.report import CaseResult
 from mxcli.weightprep.manifest import load_manifest, padding_problem
@@ -511,11 +512,59 @@ def run_suite(
     return results
 
 
+def verify_suite(
+    suite: str,
+    cases: Sequence[Case],
+    *,
+    backend: str = "auto",
+    device: str = "cpu",
+    kernel: str = "mxcli",
+    kernel_path: str | None = None,
+    on_case: Callable[[Case, CaseResult | None], None] | None = None,
+) -> Outcome:
+    """``verify --suite``: `cases` (of `suite`, `mxcli.verification.cases.select`) on `backend`
+    with NKI kernel `kernel`, as an `Outcome` (`mxcli.verification.modes`; it lives here, not
+    there, because it runs kernels). The device, the backends and the kernel are checked
+    before the first case runs: a bad one is a user error, not a failed suite."""
+    resolve_device(device)
+    names = resolve_backends(backend, cases)
+    kernels = sorted({c.kernel for c in cases})
+    for k in kernels:  # a non-default kernel needs a backend that runs NKI kernels
+        selection.backend_kwargs(
+            selection.parse_implementation(kernel, k, kernel_path), names[k], k
+        )
+    choices = selection.resolve_for(kernel, kernels, kernel_path)
+    described = {
+        k: selection.describe(c)
+        for k, c in choices.items()
+        if isinstance(c, selection.ImplementationChoice)
+    }
+    results = run_suite(cases, backend, device=device, on_case=on_case, nki_kernel=choices)
+    title = f"mxcli verify --suite {suite} (backend: {', '.join(sorted(set(names.values())))})"
+    if kernel != selection.MXCLI or any(n in ("sim", "neuron") for n in names.values()):
+        title += "; " + "; ".join(
+            f"kernel: {selection.describe_line(info)}" for info in described.values()
+        )
+    reads = [f"{r.case}: {line}" for r in results for line in r.info.get("uninit_reads", ())]
+    fields = {
+        "mode": "suite",
+        "suite": suite,
+        "backends": names,
+        "device": device,
+        "nki_kernels": described,
+        "uninit_reads": reads,
+    }
+    return Outcome(
+        results, title, fields, [f"never-written memory read at {line}" for line in reads]
+    )
+
+
 __all__ = [
     "RunOutcome",
     "resolve_backends",
     "run_case",
     "run_suite",
+    "verify_suite",
     "available_backends",
     "check_inputs",
     "pad_run_inputs",

@@ -7,12 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
 import mxcli
 from mxcli.cli import app
-from mxcli.errors import InputError, OutputExistsError, report_user_errors
+from mxcli.errors import InputError, OutputExistsError, report_exception
 from mxcli.fsutil import atomic_output
 from mxcli.kernels import backends
 
@@ -58,16 +57,15 @@ def test_atomic_output_refuses_existing_without_force(tmp_path: Path) -> None:
     assert target.read_bytes() == b"new"
 
 
-def test_report_user_errors_gives_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    @report_user_errors
-    def command() -> None:
-        raise InputError("hidden_states: expected shape (1, 128, 512), got (1, 128, 500)")
-
-    with pytest.raises(typer.Exit) as info:
-        command()
-    assert info.value.exit_code == 2
+def test_report_exception_gives_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    exc = InputError("hidden_states: expected shape (1, 128, 512), got (1, 128, 500)")
+    assert report_exception(exc) == 2
     err = capsys.readouterr().err
     assert err == "error: hidden_states: expected shape (1, 128, 512), got (1, 128, 500)\n"
+    assert report_exception(KeyboardInterrupt(), interrupt_hint="resume") == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C); resume\n"
+    assert report_exception(RuntimeError("a bug")) is None  # keeps its traceback
+    assert capsys.readouterr().err == ""
 
 
 def test_backend_registry() -> None:

@@ -35,6 +35,7 @@ FLOORS = {
     "verification": 4,
     "inspection": 5,
     "runs": 5,
+    "demo": 5,
     "commands": 6,
     "cli": 6,
     "__main__": 6,

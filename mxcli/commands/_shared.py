@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import functools
 import json
 import os
@@ -11,26 +12,39 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 import typer
-from typer._click.formatting import HelpFormatter
 from typer.core import TyperCommand, TyperGroup
 
-from mxcli.errors import report_user_errors
 
-T = TypeVar("T")
+# ---- the global options: declared and parsed once, by the root (mxcli.cli) ----
+@dataclasses.dataclass
+class GlobalOptions:
+    """What the root's global flags asked for (``--json``, ``--quiet``, ``--debug``), given
+    before or after the command's name, and what an interrupt of this command should tell the
+    user. One object per invocation, carried by click's context (``ctx.obj``) from the root to
+    every command; the root's error boundary reads it."""
 
-# ---- options shared by the commands (typer.Option in Annotated aliases can be reused) ----
-Debug = Annotated[bool, typer.Option("--debug", help="On an error, show the Python traceback.")]
-Quiet = Annotated[
-    bool,
-    typer.Option("--quiet", "-q", help="No progress bars and no summary (errors still print)."),
-]
-Json = Annotated[
-    bool, typer.Option("--json", help="Print a JSON summary on stdout; progress stays on stderr.")
-]
-Force = Annotated[bool, typer.Option("--force", "-f", help="Overwrite existing output files.")]
+    json: bool = False
+    quiet: bool = False
+    debug: bool = False
+    interrupt_hint: str = ""
+
+
+def global_options(ctx: Any) -> GlobalOptions:
+    """The invocation's `GlobalOptions` (a fresh one for a command run without the root)."""
+    found = ctx.find_object(GlobalOptions)
+    return found if found is not None else ctx.ensure_object(GlobalOptions)
+
+
+def force_option(help: str = "Overwrite existing output files.") -> Any:
+    """``-f/--force``, declared here only: a command that writes an output takes it, with a
+    help naming what it replaces; a command that writes nothing has none."""
+    return typer.Option("--force", "-f", help=help)
+
+
+Force = Annotated[bool, force_option()]
 NoVerifyHashes = Annotated[
     bool,
     typer.Option(
@@ -56,32 +70,6 @@ KernelPath = Annotated[
         show_default=False,
     ),
 ]
-
-
-@contextlib.contextmanager
-def _debug_env(debug: bool) -> Iterator[None]:
-    if not debug:
-        yield
-        return
-    old = os.environ.get("MXCLI_DEBUG")
-    os.environ["MXCLI_DEBUG"] = "1"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("MXCLI_DEBUG", None)
-        else:
-            os.environ["MXCLI_DEBUG"] = old
-
-
-def guarded(
-    debug: bool, fn: Callable[[], T], *, json_out: bool = False, interrupt_hint: str = ""
-) -> T:
-    """Run a command body: user errors become one stderr line and exit code 2, an interrupt one
-    line and exit code 130 (see `mxcli.errors.report_user_errors`); ``--debug`` lets the
-    traceback through instead. With ``json_out`` errors are also printed as JSON on stdout."""
-    with _debug_env(debug):
-        return report_user_errors(fn, json_out=json_out, interrupt_hint=interrupt_hint)()
 
 
 def _width(stream: Any) -> int | None:
@@ -200,7 +188,13 @@ def _plain_argument_name(param: Any) -> str:
 _NB_HYPHEN = "\u2011"  # stands in for "-" while click wraps help text
 
 
-class _HelpFormatter(HelpFormatter):
+# click's formatter, reached through the public ``Context.formatter_class`` (click >= 8.0): typer
+# >= 0.20 runs its own private copy of click (``typer._click``), older typer runs click itself,
+# and a subclass of the class the context really uses is right for both
+_ClickFormatter: Any = typer.Context.formatter_class
+
+
+class _HelpFormatter(_ClickFormatter):  # type: ignore[misc]
     """click's formatter, except that lines never break at a hyphen: ``run-prefill`` and
     ``--weights`` stay whole (the wrapper breaks only at spaces)."""
 

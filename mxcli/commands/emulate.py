@@ -5,7 +5,6 @@ training loss against bf16, as a paired experiment over seeds (issues 23, 31). P
 from __future__ import annotations
 
 import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -13,21 +12,14 @@ from typing import Annotated, Any
 
 import typer
 
-from mxcli.commands._shared import (
-    Debug,
-    Force,
-    Json,
-    Quiet,
-    Steps,
-    guarded,
-    stdout_console,
-)
+from mxcli.commands._shared import Force, Steps, global_options, stdout_console
 
 DEFAULT_PLOT = Path("emulate_loss.png")
 _OPT = dict(show_default=False)
 
 
 def emulate(
+    ctx: typer.Context,
     model: Annotated[
         Path | None,
         typer.Option(
@@ -100,9 +92,6 @@ def emulate(
     ] = DEFAULT_PLOT,
     no_plot: Annotated[bool, typer.Option("--no-plot", help="Write no PNG.")] = False,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Measure what MXFP8 does to a MoE training loss.
 
@@ -110,154 +99,62 @@ def emulate(
     same weights and sees the same batches. Prints per arm the held-out loss gap to bf16 with
     its 95% interval over seeds and a verdict decided by that interval, gradient SQNR against
     fp32, saturated / flushed / underflowed MX values, and the smallest gap the run resolves."""
+    from mxcli.emulate import options as check
+    from mxcli.fsutil import atomic_output, check_output_path
+
+    g = global_options(ctx)
     argv = sys.argv[sys.argv.index("emulate") + 1 :] if "emulate" in sys.argv else []
+    opts = check.study_options(
+        preset, steps=steps, batch=batch, seq_len=seq_len, lr=lr, seeds=seeds, seed=seed,
+        scope=scope, arms=arms, device=device,
+    )  # fmt: skip
+    check.check_model(model)
+    check.check_data(data)
+    check.check_device(device)
+    from mxcli.emulate.study import plot as plot_png
+    from mxcli.emulate.study import project_seconds, run_study
 
-    def body() -> int:
-        from mxcli.errors import InputError
-        from mxcli.fsutil import atomic_output, check_output_path
-
-        opts = _options(InputError)
-        _check_paths(InputError)
-        import torch
-
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError(f"--device {device}: CUDA is not available on this machine")
-        from mxcli.emulate.patch import PatchRefused
-        from mxcli.emulate.study import plot as plot_png
-        from mxcli.emulate.study import project_seconds, run_study
-
-        if dry_run:
-            with Steps(quiet) as progress, progress.step("timing a few steps per arm"):
-                try:
-                    proj = project_seconds(opts, model)
-                except PatchRefused as exc:
-                    raise InputError(f"--model: {exc}") from None
-            proj["options"] = {"preset": opts.preset, "steps": opts.steps, "seeds": opts.seeds}
-            if json_out:
-                _print_strict(proj)
-            elif not quiet:
-                _projection(proj, opts)
-            return 0
-        plot_ok = False
-        if not no_plot:
-            try:
-                import matplotlib  # noqa: F401
-
-                plot_ok = True
-            except ImportError:
-                typer.echo(
-                    "matplotlib is not installed (pip install 'mxcli[plot]'): no PNG written",
-                    err=True,
-                )
-        if plot_ok:
-            check_output_path(plot, force)  # refuse before minutes of training, not after
-        total = opts.seeds * opts.steps * (2 + len(opts.arms))
-        with Steps(quiet) as progress, progress.counted("training", total) as adv:
-
-            def on_step(arm: str, s: int, step: int, loss: float | None) -> None:
-                shown = "diverged" if loss is None else f"loss {loss:.3f}"
-                adv(f"seed {s} {arm} step {step + 1}/{opts.steps} {shown}", done=True)
-
-            try:
-                report = run_study(opts, model, data, on_step)
-            except PatchRefused as exc:
-                raise InputError(f"--model: {exc}") from None
-            except ValueError as exc:
-                if str(exc).startswith("data:"):
-                    raise InputError(f"--{exc}") from None
-                raise
-        report["command"] = "mxcli emulate " + " ".join(shlex.quote(a) for a in argv)
-        report["plot"] = None
-        if plot_ok:
-            with atomic_output(plot, force) as tmp:
-                plot_png(report, tmp)
-            report["plot"] = str(plot)
-        if json_out:
-            _print_strict(report)
-        elif not quiet:
-            _summary(report)
-        return 0
-
-    def _options(InputError: type[Exception]) -> Any:
-        from mxcli.emulate.study import MX_ARMS, PRESETS, SCOPES, StudyOptions
-
-        if preset not in PRESETS:
-            raise InputError(f"--preset: expected one of {', '.join(PRESETS)}, got {preset!r}")
-        for name, v in (("--steps", steps), ("--batch", batch)):
-            if v is not None and v < 1:
-                raise InputError(f"{name}: expected a positive integer, got {v}")
-        if seeds is not None and seeds < 2:
-            raise InputError(f"--seeds: expected at least 2 (an interval needs two), got {seeds}")
-        if seq_len is not None and seq_len < 8:
-            raise InputError(f"--seq-len: expected at least 8, got {seq_len}")
-        if lr is not None and not (math.isfinite(lr) and lr > 0):
-            raise InputError(f"--lr: expected a finite positive number, got {lr}")
-        if seed < 0:
-            raise InputError(f"--seed: expected a non-negative integer, got {seed}")
-        if scope not in SCOPES:
-            raise InputError(f"--scope: expected experts or experts+dense, got {scope!r}")
-        chosen = tuple(a.strip().lower() for a in arms.split(",") if a.strip())
-        bad = [a for a in chosen if a not in MX_ARMS + ("fp32", "bf16")]
-        if bad or not chosen:
-            raise InputError(
-                f"--arms: expected a comma-separated subset of neuron, ocp, rceil, got {arms!r}"
-            )
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise InputError(f"--device: expected cpu or cuda, got {device!r}")
-        return StudyOptions.from_preset(
-            preset, steps=steps, batch=batch, seq_len=seq_len, lr=lr, seeds=seeds,
-            first_seed=seed, scope=scope, device=device,
-            arms=tuple(a for a in MX_ARMS if a in chosen),
-        )  # fmt: skip
-
-    def _check_paths(InputError: type[Exception]) -> None:
-        if model is not None:
-            if not (model / "config.json").is_file():
-                raise InputError(f"--model: {model}: expected a folder with config.json")
-            try:
-                cfg = json.loads((model / "config.json").read_text(encoding="utf-8"))
-            except (OSError, ValueError, RecursionError) as exc:
-                raise InputError(
-                    f"--model: {model}/config.json: not readable JSON ({exc})"
-                ) from None
-            q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-            if q:
-                method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
-                raise InputError(
-                    f"--model: {model}: a quantized checkpoint (quantization_config "
-                    f"quant_method {method!r}); expected bf16 or fp32 weights to train"
-                )
-        if data is not None:
-            if not data.exists():
-                raise InputError(f"--data: {data}: no such file")
-            if data.is_dir():
-                raise InputError(f"--data: {data}: expected a text file, got a folder")
-            if not data.is_file():
-                raise InputError(
-                    f"--data: {data}: expected a regular text file, got a device, pipe or socket"
-                )
-            if data.stat().st_size == 0:
-                raise InputError(f"--data: {data}: expected text, got an empty file")
-
-    guarded(debug, _guard_model_errors(body, model), json_out=json_out)
-
-
-def _guard_model_errors(body: Any, model: Path | None) -> Any:
-    """Loading a checkpoint can fail deep in transformers (a missing optional package, a
-    broken shard): one line naming --model, not a traceback."""
-
-    def run() -> int:
-        from mxcli.errors import InputError
-
+    if dry_run:
+        with Steps(g.quiet) as progress, progress.step("timing a few steps per arm"):
+            with check.flag_errors(model):
+                proj = project_seconds(opts, model)
+        proj["options"] = {"preset": opts.preset, "steps": opts.steps, "seeds": opts.seeds}
+        if g.json:
+            _print_strict(proj)
+        elif not g.quiet:
+            _projection(proj, opts)
+        return
+    plot_ok = False
+    if not no_plot:
         try:
-            return int(body())
-        except (ImportError, OSError) as exc:
-            if model is None or isinstance(exc, FileNotFoundError | PermissionError):
-                raise
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InputError(f"--model: {model}: cannot be loaded: {first}") from None
+            import matplotlib  # noqa: F401
 
-    return run
+            plot_ok = True
+        except ImportError:
+            typer.echo(
+                "matplotlib is not installed (pip install 'mxcli[plot]'): no PNG written", err=True
+            )
+    if plot_ok:
+        check_output_path(plot, force)  # refuse before minutes of training, not after
+    total = opts.seeds * opts.steps * (2 + len(opts.arms))
+    with Steps(g.quiet) as progress, progress.counted("training", total) as adv:
+
+        def on_step(arm: str, s: int, step: int, loss: float | None) -> None:
+            shown = "diverged" if loss is None else f"loss {loss:.3f}"
+            adv(f"seed {s} {arm} step {step + 1}/{opts.steps} {shown}", done=True)
+
+        with check.flag_errors(model):
+            report = run_study(opts, model, data, on_step)
+    report["command"] = "mxcli emulate " + " ".join(shlex.quote(a) for a in argv)
+    report["plot"] = None
+    if plot_ok:
+        with atomic_output(plot, force) as tmp:
+            plot_png(report, tmp)
+        report["plot"] = str(plot)
+    if g.json:
+        _print_strict(report)
+    elif not g.quiet:
+        _summary(report)
 
 
 def _print_strict(data: Any) -> None:

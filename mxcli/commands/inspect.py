@@ -9,11 +9,8 @@ import typer
 
 from mxcli.commands._shared import (
     HASH_DIGITS,
-    Debug,
-    Json,
-    Quiet,
     Steps,
-    guarded,
+    global_options,
     print_json,
     shape_text,
     st_dtype,
@@ -22,6 +19,7 @@ from mxcli.commands._shared import (
 
 
 def inspect(
+    ctx: typer.Context,
     path: Annotated[
         Path,
         typer.Argument(
@@ -57,9 +55,6 @@ def inspect(
             "manifest (for huge layers; shapes and padding are still checked).",
         ),
     ] = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Show what a safetensors file or weight folder holds.
 
@@ -70,19 +65,17 @@ def inspect(
     long metadata values cut (--json gives every value in full).
     """
 
-    def body() -> None:
-        from mxcli.inspection import inspect_path
+    from mxcli.inspection import inspect_path
 
-        with Steps(quiet) as steps, steps.step(f"Reading {path}"):
-            data = inspect_path(
-                path, layer=layer, rank=rank, stats=stats, verify_hashes=not no_verify_hashes
-            )
-        if json_out:
-            print_json(data)
-        elif not quiet:
-            _render(data)
-
-    guarded(debug, body, json_out=json_out)
+    opts = global_options(ctx)
+    with Steps(opts.quiet) as steps, steps.step(f"Reading {path}"):
+        data = inspect_path(
+            path, layer=layer, rank=rank, stats=stats, verify_hashes=not no_verify_hashes
+        )
+    if opts.json:
+        print_json(data)
+    elif not opts.quiet:
+        _render(data)
 
 
 def _fmt(v: Any) -> str:

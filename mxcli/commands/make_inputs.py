@@ -9,13 +9,10 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
-    Debug,
     Force,
-    Json,
     NoVerifyHashes,
-    Quiet,
     Steps,
-    guarded,
+    global_options,
     print_json,
     print_rows,
     shape_text,
@@ -168,9 +165,6 @@ def make_inputs(
     no_verify_hashes: NoVerifyHashes = False,
     seed: Annotated[int, _opt("--seed", "Random seed: the same flags give the same bytes.")] = 0,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Write a kernel input file: synthetic, or from --weights.
 
@@ -181,6 +175,8 @@ def make_inputs(
     differ). With --weights the layer fixes the shapes and the router: such a flag may repeat
     the layer's value, and is refused when it contradicts it.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.fsutil import check_output_path, refuse_inputs
@@ -258,7 +254,7 @@ def make_inputs(
         elif not quiet:
             _print(summary)
 
-    guarded(debug, body, json_out=json_out)
+    body()
 
 
 def _from_command_line(ctx: typer.Context, name: str) -> bool:

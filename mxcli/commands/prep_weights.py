@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from mxcli.commands._shared import Debug, Quiet, guarded, print_json, stdout_console
+from mxcli.commands._shared import force_option, global_options, print_json, stdout_console
 from mxcli.weightprep import export  # the registered output formats (light: no torch)
 
 
 def main(
+    ctx: typer.Context,
     source: str = typer.Argument(
         ...,
         help="Hugging Face checkpoint folder (config.json + safetensors), or a Hub repo id "
@@ -69,13 +71,10 @@ def main(
         help="Torch threads per worker; 0 = auto (CPUs / workers - 1, for the writer).",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; write nothing."),
-    json_out: bool = typer.Option(
-        False, "--json", help="Print the plan or result as JSON on stdout."
-    ),
     resume: bool = typer.Option(
         False, "--resume", help="Keep layers whose outputs match the manifest; redo the rest."
     ),
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output folder."),
+    force: Annotated[bool, force_option("Overwrite an existing output folder.")] = False,
     check: bool = typer.Option(
         False, "--check", help="Re-read outputs; record SQNR and exactness in the manifest."
     ),
@@ -95,14 +94,15 @@ def main(
         help="Convert nothing: write the indexes and final manifest once every shard is done "
         "(refuses, naming the missing shards, before). The last shard to finish does it too.",
     ),
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Prepare a Hugging Face MoE checkpoint for the kernels.
 
     Writes, per layer and rank, what the prefill and backward kernels read, and a manifest
     that the other commands take their kwargs from (--weights DIR --layer L).
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
+    opts.interrupt_hint = interrupt_hint(output_format, dry_run)
 
     def body() -> None:
         from mxcli.errors import InputError
@@ -151,7 +151,7 @@ def main(
             width = stdout_console().width
             typer.echo(format_plan(res["plan"], width) if dry_run else format_result(res, width))
 
-    guarded(debug, body, json_out=json_out, interrupt_hint=interrupt_hint(output_format, dry_run))
+    body()
 
 
 def interrupt_hint(output_format: str, dry_run: bool) -> str:

@@ -14,15 +14,12 @@ from typing import Annotated, Any
 import typer
 
 from mxcli.commands._shared import (
-    Debug,
     Force,
-    Json,
     KernelPath,
     PlainCommand,
-    Quiet,
     Steps,
     aligned_rows,
-    guarded,
+    global_options,
     journey_group,
     kernel_defaults,
     kernel_lines,
@@ -324,6 +321,7 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
 
 @app.command("prefill", cls=PlainCommand)
 def prefill(
+    ctx: typer.Context,
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
@@ -355,15 +353,14 @@ def prefill(
     kernel_path: KernelPath = None,
     calibration: CalibrationOpt = None,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Profile rmsnorm_mx_prefill from a file or shape flags.
 
     Give a make-inputs file, or --tokens, --hidden and --experts. The router flags default to
     the kernel API's values.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -382,11 +379,12 @@ def prefill(
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
              calibration)  # fmt: skip
 
-    guarded(debug, body, json_out=json_out)
+    body()
 
 
 @app.command("bwd", cls=PlainCommand)
 def bwd(
+    ctx: typer.Context,
     input: InputArg = None,
     tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
     hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
@@ -408,14 +406,13 @@ def bwd(
     kernel_path: KernelPath = None,
     calibration: CalibrationOpt = None,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Profile blockwise_mm_bwd_mxfp8 from a file or shape flags.
 
     Give a make-inputs file, or --tokens, --hidden, --intermediate and --experts.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.kernels import profiling
@@ -428,11 +425,12 @@ def bwd(
              full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
              calibration)  # fmt: skip
 
-    guarded(debug, body, json_out=json_out)
+    body()
 
 
 @app.command("calibrate", cls=PlainCommand)
 def calibrate(
+    ctx: typer.Context,
     measured: Annotated[
         Path,
         typer.Argument(
@@ -448,9 +446,6 @@ def calibrate(
         ),
     ],
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Refit the model's fitted figures to measured latencies.
 
@@ -458,6 +453,8 @@ def calibrate(
     while the fitted figures move within their ranges (least squares on log time). Later runs
     take the result with --calibration FILE.
     """
+    opts = global_options(ctx)
+    json_out, quiet = opts.json, opts.quiet
 
     def body() -> None:
         from mxcli.fsutil import refuse_inputs
@@ -487,4 +484,4 @@ def calibrate(
                           highlight=False, markup=False)  # fmt: skip
             con.print(f"wrote {output}", highlight=False, markup=False)
 
-    guarded(debug, body, json_out=json_out)
+    body()

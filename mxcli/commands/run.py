@@ -9,16 +9,13 @@ import typer
 
 from mxcli.commands._shared import (
     HASH_DIGITS,
-    Debug,
     Force,
-    Json,
     Kernel,
     KernelPath,
     NoVerifyHashes,
-    Quiet,
     Steps,
     complete_backend,
-    guarded,
+    global_options,
     kernel_defaults,
     kernel_lines,
     print_json,
@@ -158,6 +155,7 @@ def _print_summary(s: dict[str, Any]) -> None:
 
 
 def run_prefill(
+    ctx: typer.Context,
     input: InputArg,
     output: OutputOpt,
     eps: Annotated[
@@ -263,9 +261,6 @@ def run_prefill(
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Run rmsnorm_mx_prefill on an input file.
 
@@ -287,31 +282,29 @@ def run_prefill(
         "emit_norm_bf16": emit_norm_bf16,
         "hidden_interleaved": hidden_interleaved,
     }
-    guarded(
-        debug,
-        lambda: _run(
-            "prefill",
-            overrides,
-            input=input,
-            output=output,
-            backend=backend,
-            device=device,
-            weights=weights,
-            layer=layer,
-            allow_nonfinite=allow_nonfinite,
-            force=force,
-            json_out=json_out,
-            quiet=quiet,
-            strict=strict,
-            verify_hashes=not no_verify_hashes,
-            nki_kernel=kernel,
-            kernel_path=kernel_path,
-        ),
-        json_out=json_out,
+    opts = global_options(ctx)
+    _run(
+        "prefill",
+        overrides,
+        input=input,
+        output=output,
+        backend=backend,
+        device=device,
+        weights=weights,
+        layer=layer,
+        allow_nonfinite=allow_nonfinite,
+        force=force,
+        json_out=opts.json,
+        quiet=opts.quiet,
+        strict=strict,
+        verify_hashes=not no_verify_hashes,
+        nki_kernel=kernel,
+        kernel_path=kernel_path,
     )
 
 
 def run_bwd(
+    ctx: typer.Context,
     input: InputArg,
     output: OutputOpt,
     block_size: Annotated[
@@ -341,9 +334,6 @@ def run_bwd(
     allow_nonfinite: AllowNonfinite = False,
     strict: Strict = False,
     force: Force = False,
-    json_out: Json = False,
-    quiet: Quiet = False,
-    debug: Debug = False,
 ) -> None:
     """Run blockwise_mm_bwd_mxfp8 on an input file.
 
@@ -352,33 +342,31 @@ def run_bwd(
     kernel API's default (in parentheses).
     """
 
-    def body() -> None:
-        overrides: dict[str, Any] = {"block_size": block_size}
-        if config is not None:
-            from mxcli.fsutil import refuse_inputs
+    opts = global_options(ctx)
+    overrides: dict[str, Any] = {"block_size": block_size}
+    if config is not None:
+        from mxcli.fsutil import refuse_inputs
 
-            refuse_inputs(output, [("--config file", config)])
-            overrides["config"] = _read_config(config)
-        _run(
-            "bwd",
-            overrides,
-            input=input,
-            output=output,
-            backend=backend,
-            device=device,
-            weights=weights,
-            layer=layer,
-            allow_nonfinite=allow_nonfinite,
-            force=force,
-            json_out=json_out,
-            quiet=quiet,
-            strict=strict,
-            verify_hashes=not no_verify_hashes,
-            nki_kernel=kernel,
-            kernel_path=kernel_path,
-        )
-
-    guarded(debug, body, json_out=json_out)
+        refuse_inputs(output, [("--config file", config)])
+        overrides["config"] = _read_config(config)
+    _run(
+        "bwd",
+        overrides,
+        input=input,
+        output=output,
+        backend=backend,
+        device=device,
+        weights=weights,
+        layer=layer,
+        allow_nonfinite=allow_nonfinite,
+        force=force,
+        json_out=opts.json,
+        quiet=opts.quiet,
+        strict=strict,
+        verify_hashes=not no_verify_hashes,
+        nki_kernel=kernel,
+        kernel_path=kernel_path,
+    )
 
 
 def _read_config(path: Path) -> dict[str, Any]:

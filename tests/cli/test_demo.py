@@ -92,8 +92,8 @@ def test_demo_removes_its_temporary_folder(tmp_path: Path, monkeypatch) -> None:
 
     from typer.testing import CliRunner
 
+    from mxcli import demo
     from mxcli.cli import app
-    from mxcli.commands import demo
     from mxcli.errors import InputError
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
@@ -107,7 +107,7 @@ def test_demo_removes_its_temporary_folder(tmp_path: Path, monkeypatch) -> None:
         return [{"model": model, "step": "checkpoint", "command": "c", "seconds": 0.0,
                  "passed": True, "detail": ""}]  # fmt: skip
 
-    monkeypatch.setattr(demo, "_journey", journey)
+    monkeypatch.setattr(demo, "journey", journey)
     runner = CliRunner()
     r = runner.invoke(app, ["demo", "--models", "qwen3_moe"])
     assert r.exit_code == 0, r.output
