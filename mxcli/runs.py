@@ -285,19 +285,19 @@ def unpad_run_outputs(
 # --------------------------------------------------------------------------------------------
 
 
-def _merge_config(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The bwd ``config`` of later layers updates (field by field) that of earlier ones."""
-    merged: dict[str, Any] | None = None
-    out = []
-    for layer in layers:
-        layer = dict(layer)
-        cfg = layer.get("config")
-        if isinstance(cfg, str):
-            cfg = loads(cfg, "config")
-        if isinstance(cfg, Mapping):
-            merged = _deep_merge(merged or {}, cfg)
-            layer["config"] = merged
-        out.append(layer)
+def _merge_objects(spec: KernelSpec, layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A kwarg given as a JSON object (`ScalarArg.file`: the backward's ``config``) in later
+    layers updates that of earlier ones field by field."""
+    out = [dict(layer) for layer in layers]
+    for name in (s.name for s in spec.scalars if s.file is not None):
+        merged: dict[str, Any] | None = None
+        for layer in out:
+            value = layer.get(name)
+            if isinstance(value, str):
+                value = loads(value, name)
+            if isinstance(value, Mapping):
+                merged = _deep_merge(merged or {}, value)
+                layer[name] = merged
     return out
 
 
@@ -370,7 +370,7 @@ def run_file(
         if pad is not None:  # prepared weights are zero-padded: pad the activations to match
             tensors = pad_run_inputs(spec, tensors, pad)
         check_inputs(spec, tensors, str(f.path), allow_nonfinite=allow_nonfinite)
-        kwargs = spec.resolve_kwargs(*_merge_config(layers))
+        kwargs = spec.resolve_kwargs(*_merge_objects(spec, layers))
     timings["read"] = time.perf_counter() - t0
     with step(f"Running {kernel} on {backend}"):
         outcome = run_kernel(

@@ -19,7 +19,7 @@ Shapes (LNC=2):
 The backward kernel is profiled on (blocks, experts) = (1, 2), (2, 2), (2, 2) with both blocks
 on expert 0, and (1, 4) at the real T, H, I, B and extrapolated linearly to the plan's N blocks
 (first blocks of their expert, and later ones, whose weight-gradient reads are not skipped) and
-E experts (`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction
+E experts (`mxcli.kernels.blockwise_moe.profile.profile_bwd_scaled`: the kernel runs the same instruction
 stream per block, and its per-launch work is per token or per expert). The real plans take 100k-1M
 instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
 weights as inputs, 10-25 GB of memory.
@@ -50,6 +50,10 @@ from typing import Any
 from mxcli.errors import MxcliError
 from mxcli.kernels import profiling as prof
 from mxcli.kernels import selection
+from mxcli.kernels.blockwise_moe import profile as bwd_prof
+from mxcli.kernels.blockwise_moe.spec import SPEC as BWD
+from mxcli.kernels.rmsnorm_mx_prefill import profile as prefill_prof
+from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC as PREFILL
 from mxcli.nkisim import measured
 
 
@@ -112,34 +116,36 @@ def main() -> None:
     summaries: list[dict[str, Any]] = []
     if not args.skip_prefill:
         for T in (2048, 8192):
-            ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
-            tensors, kwargs = prof.prefill_inputs(ps)
+            ps = prefill_prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
+            tensors, kwargs = prefill_prof.prefill_inputs(ps)
             kp = prof.profile_kernel(
-                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__)
+                PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__)
             )
             summaries.append(kp.summary(args.top))
     if not args.skip_bwd:
         for name, (H, I, E, K) in (("qwen3-30b-a3b", (2048, 768, 128, 8)),  # noqa: E741
                                    ("deepseek-v3 EP rank", (7168, 2048, 32, 2))):  # fmt: skip
             for B in (512, 1024):
-                s = prof.profile_bwd_scaled(prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc)
+                s = bwd_prof.profile_bwd_scaled(
+                    bwd_prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc
+                )
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
     ours_aws = theirs = None
     theirs_missing = ""
     if not args.skip_aws:
         m = measured.BWD_MXFP8
-        shape = prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
+        shape = bwd_prof.BwdShape(m.tokens, m.hidden, m.intermediate, m.experts, 1, m.block_size)
         label = {"model": "AWS tuned shape", **shape.__dict__}
-        tensors, kwargs = prof.bwd_inputs(shape)
-        kp = prof.profile_kernel(prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label)
+        tensors, kwargs = bwd_prof.bwd_inputs(shape)
+        kp = prof.profile_kernel(BWD, tensors, kwargs, lnc=m.lnc, shape=label)
         ours_aws = kp.summary(args.top)
         summaries.append(ours_aws)
         try:
-            choice = selection.parse_kernel(selection.NKILIB, prof.BWD, args.kernel_path)
+            choice = selection.parse_kernel(selection.NKILIB, BWD, args.kernel_path)
             selection.describe(choice)  # not importable: one line, no run
             kp = prof.profile_kernel(
-                prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice
+                BWD, tensors, kwargs, lnc=m.lnc, shape=label, nki_kernel=choice
             )
             theirs = kp.summary(args.top)
         except MxcliError as exc:

@@ -126,6 +126,7 @@ SPEC = register_spec(
                 "MXFP8MOEBwdConfig as a JSON object of its fields.",
                 _parse_config,
                 _dump_config,
+                file="MXFP8MOEBwdConfig fields",
             ),
         ),
         outputs=OUTPUT_NAMES,
@@ -158,6 +159,7 @@ SPEC = register_spec(
         # the backward mixes every token and expert: any non-finite input explains every output
         nonfinite=NonfiniteRule(token_inputs=None),
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
+        title="The MXFP8 backward pass of a blockwise MoE layer.",
     )
 )
 

@@ -66,12 +66,13 @@ NKILIB_KERNEL = Implementation(
 def decode_packed(
     packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
 ) -> DecodedRows:
-    """`decode_packed_rows` of output rows, with the layout the call's kwargs give."""
+    """`decode_packed_rows` of output rows, with the layout the call's kwargs give (`num_experts`
+    is read only when the rows hold the affinities)."""
     return decode_packed_rows(
         packed,
         hidden,
         pack_scales=bool(SPEC.value(kwargs, "pack_scales")),
-        num_experts=num_experts,
+        num_experts=num_experts if SPEC.value(kwargs, "pack_affinities") else None,
         router_act_fn=SPEC.value(kwargs, "router_act_fn"),
         qmx_output_dtype=SPEC.value(kwargs, "qmx_output_dtype"),
     )
@@ -85,7 +86,7 @@ def packed_defined(
     return defined_bytes(
         hidden,
         pack_scales=bool(SPEC.value(kwargs, "pack_scales")),
-        num_experts=num_experts,
+        num_experts=num_experts if SPEC.value(kwargs, "pack_affinities") else None,
         router_act_fn=SPEC.value(kwargs, "router_act_fn"),
         row_bytes=row_bytes,
     )
@@ -178,6 +179,7 @@ SPEC = register_spec(
                 "Router activation: sigmoid, softmax or noaux_tc.",
                 RouterActFnType.coerce,
                 enum_dump,
+                flag="--router-act",
             ),
             ScalarArg("n_group", "NOAUX_TC expert groups.", typed(int, "n_group", low=1)),
             ScalarArg("topk_group", "NOAUX_TC groups kept.", typed(int, "topk_group", low=1)),
@@ -206,6 +208,8 @@ SPEC = register_spec(
                 "unpadded_hidden_size",
                 "Real hidden size for the RMS mean when H is zero-padded.",
                 typed(int, "unpadded_hidden_size", low=1, allow_none=True),
+                value_type=int,
+                shown="H",
             ),
             ScalarArg(
                 "emit_norm_bf16",
@@ -230,6 +234,7 @@ SPEC = register_spec(
         ),
         geometry=_geometry,
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
+        title="Fused RMSNorm + MXFP8 quantization (+ router top-K).",
     )
 )
 
