@@ -337,11 +337,17 @@ def describe(choice: KernelChoice) -> dict[str, Any]:
     if choice.is_own:
         from mxcli import __version__
 
-        module = {
-            PREFILL: "mxcli.kernels.rmsnorm_mx_prefill.nki_kernel",
-            BWD: "mxcli.kernels.blockwise_moe.nki_kernel",
-        }[choice.kernel]
-        spec = importlib.util.find_spec(module)
+        from mxcli.kernels.spec import get_spec
+
+        # the module of the kernel's own implementation (none: a kernel with no NKI kernel)
+        impl = get_spec(choice.kernel).implementations.get(MXCLI)
+        target = impl.kernel if impl is not None else None
+        module = (
+            target.partition(":")[0]
+            if isinstance(target, str)
+            else getattr(target, "__module__", None)
+        )
+        spec = importlib.util.find_spec(module) if module else None
         path = spec.origin if spec is not None else None
         return {
             "kernel": MXCLI,
