@@ -336,7 +336,6 @@ def describe(choice: KernelChoice) -> dict[str, Any]:
     ``module``, ``file``, ``sha256`` and, when known, ``version`` / ``commit``."""
     if choice.is_own:
         from mxcli import __version__
-
         from mxcli.kernels.spec import get_spec
 
         # the module of the kernel's own implementation (none: a kernel with no NKI kernel)

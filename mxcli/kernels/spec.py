@@ -171,8 +171,9 @@ class PaddedDims:
     layouts), for runs on zero-padded prepared weights (`mxcli.weightprep.padding`).
 
     ``inputs`` / ``outputs``: tensor name -> {dim: "H" | "I"} (negative dims count from the end).
-    ``hidden``: which padded hidden size the kernel reads (``"prefill"``: Hp, a multiple of 512;
-    ``"backward"``: Hb, a multiple of 128). ``unpad_outputs``: whether results are cut back to
+    ``hidden``: which padded hidden size the kernel reads, as the attribute of the prepared
+    folder's `mxcli.weightprep.padding.Padding` that holds it (``prefill_hidden_size``: Hp, a
+    multiple of 512; ``backward_hidden_size``: Hb, a multiple of 128). ``unpad_outputs``: whether results are cut back to
     the model's sizes (the backward's gradients) or kept as written (the next kernel reads them
     padded). ``intermediate_of``: the I of the run's expert stack from its tensors (None when the
     kernel has no I).
@@ -180,7 +181,7 @@ class PaddedDims:
 
     inputs: Mapping[str, Mapping[int, str]]
     outputs: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
-    hidden: str = "prefill"
+    hidden: str = "hidden_size"
     unpad_outputs: bool = False
     intermediate_of: Callable[[Mapping[str, torch.Tensor]], int | None] | None = None
 
@@ -189,6 +190,8 @@ class PaddedDims:
 class NonfiniteRule:
     """Which NaN/Inf outputs the inputs explain (`mxcli.verification.finite`).
 
+    ``x4_inputs``: inputs that may be stored as 32-bit words of four E4M3 codes (pre-quantized
+    weights), whose NaN codes count as NaN values.
     ``token_inputs``: inputs whose rows are tokens that the kernel treats independently: a
     non-finite value there explains only its own token's outputs, and any other non-finite input
     explains every output. None: any non-finite input explains every output (the kernel mixes
@@ -197,6 +200,7 @@ class NonfiniteRule:
     """
 
     token_inputs: tuple[str, ...] | None = None
+    x4_inputs: tuple[str, ...] = ()
     views: (
         Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, torch.Tensor]], Any]
         | None
@@ -325,12 +329,15 @@ class KernelSpec:
         implementations: Iterable[Implementation] = (),
         package: str | None = None,
         title: str = "",
+        tokens: str | None = None,
     ) -> None:
         self.api = api
         # the kernel's package (its slice parts are submodules of it; see `part`)
         self.package: str = package or api.__module__.rpartition(".")[0]
         # one line for the run command's help (``run-<short>``)
         self.title = title
+        # the tensor argument whose leading dims count the tokens (``[..., H]``), if any
+        self.tokens = tokens
         self.name: str = api.__name__
         self.short = short
         self.signature = _signature(api)
@@ -417,12 +424,12 @@ class KernelSpec:
         ]
         if missing:
             raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {self.name}")
-        hs = tensors.get("hidden_states")
+        hs = tensors.get(self.tokens) if self.tokens is not None else None
         if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
             # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate
             # [0, ...] tiles, and a run of no token is never what a file meant
             raise InputError(
-                f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}"
+                f"{self.tokens}: expected at least one token, got shape {tuple(hs.shape)}"
             )
         for arg in self.tensors:
             t = tensors.get(arg.name)

@@ -226,7 +226,9 @@ SPEC = register_spec(
         validate=validate,
         required_outputs=_required_outputs,
         # prefill spec §2.3: H % 512 == 0; the real H only changes the RMS divisor (§3)
-        padded=PaddedDims(inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}),
+        padded=PaddedDims(
+            inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}, hidden="prefill_hidden_size"
+        ),
         # tokens are independent (§3): a token's outputs are explained by its own rows
         nonfinite=NonfiniteRule(token_inputs=("hidden_states", "residual"), views=_value_views),
         packed=PackedOutput(
@@ -235,6 +237,7 @@ SPEC = register_spec(
         geometry=_geometry,
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
         title="Fused RMSNorm + MXFP8 quantization (+ router top-K).",
+        tokens="hidden_states",
     )
 )
 
