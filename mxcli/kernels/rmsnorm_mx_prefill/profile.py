@@ -40,8 +40,8 @@ PARAMS: tuple[InputParam, ...] = (
     ),
 )
 NOTE = (
-    "The router flags default to the kernel API's values; DeepSeek-V3's router is --top-k 8 "
-    "--router-act noaux_tc --n-group 8 --topk-group 4."
+    "The router flags default to the kernel API's values (DeepSeek-V3's router: top-K 8, "
+    "noaux_tc, 8 groups, 4 kept)."
 )
 
 
