@@ -295,8 +295,8 @@ def test_neuron_backend_names_the_chosen_kernel_when_unavailable(
 def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -> None:
     """The bwd launch: API argument names, int32 ids, num_valid_tokens as a [1] tensor, and
     mxcli's MXFP8MOEBwdConfig rebuilt as the module's own class (its kernel asserts on it)."""
-    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
@@ -407,8 +407,8 @@ def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Pat
     """Issue 29: pre-quantized weights are uint32 x4 words; a third-party kernel (AWS's reads
     'x4' in str(dtype)) must see the interpreter's x4 dtype, else it treats them as unpacked fp8
     (AWS's backward then returned NaN gradients)."""
-    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
