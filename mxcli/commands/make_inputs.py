@@ -76,7 +76,9 @@ def _check_flags(
                 f"{name}: {_flag(name)} applies to make-inputs {' or '.join(owners)} only"
             )
         if p.choices and values[name] is not None and values[name] not in p.choices:
-            raise InputError(f"{name}: expected {' or '.join(p.choices)}, got {values[name]!r}")
+            raise InputError(
+                f"{name}: expected {_flag(name)} {' or '.join(p.choices)}, got {values[name]!r}"
+            )
         if weights is not None and p.with_weights == "refused":
             raise InputError(
                 f"{name}: {_flag(name)} does not apply with --weights (the layer's own is used)"
