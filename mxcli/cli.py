@@ -160,9 +160,9 @@ from mxcli.commands import verify as _verify  # noqa: E402
 from mxcli.commands._shared import PlainCommand  # noqa: E402
 
 app.command("prep-weights", cls=PlainCommand)(prep_weights.main)
-app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_inputs)
-app.command("run-prefill", cls=PlainCommand)(_run.run_prefill)
-app.command("run-bwd", cls=PlainCommand)(_run.run_bwd)
+app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_command())
+for _name, _command in _run.commands():  # run-prefill, run-bwd, ...: one per registered kernel
+    app.command(_name, cls=PlainCommand)(_command)
 app.command("verify", cls=PlainCommand)(_verify.verify)
 app.command("inspect", cls=PlainCommand)(_inspect.inspect)
 app.command("emulate", cls=PlainCommand)(_emulate.emulate)

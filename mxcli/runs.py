@@ -39,7 +39,7 @@ from mxcli.weightprep.manifest import load_manifest, padding_problem
 from mxcli.weightprep.padding import (
     Padding,
     pad_bwd_inputs,
-    pad_prefill_inputs,
+    pad_dims,
     pad_region_max_abs,
     unpad_bwd_outputs,
 )
@@ -169,7 +169,7 @@ def check_inputs(
     """Names, stored dtypes and (unless allowed) finiteness of a run's input tensors."""
 
     def finite(name: str, t: torch.Tensor) -> None:
-        nan, inf = input_nonfinite(name, t)  # x4 words: NaN codes too
+        nan, inf = input_nonfinite(name, t, spec.nonfinite.x4_inputs)  # x4 words: NaN codes
         if nan or inf:
             raise InputError(
                 f"{name}: contains {nan} NaN and {inf} Inf value(s) "
@@ -207,19 +207,18 @@ def recorded_padding(
     problem = padding_problem(pad, "padding")
     if problem is not None:
         raise InputError(f"{f.path}: {problem}, in {where}")
-    hs = f.tensors.get("hidden_states")
+    hs = f.tensors.get(spec.tokens) if spec.tokens is not None else None
     H = pad.hidden_size
-    hidden = spec.padded.hidden if spec.padded is not None else "prefill"
-    padded = pad.prefill_hidden_size if hidden == "prefill" else pad.backward_hidden_size
+    padded = getattr(pad, spec.padded.hidden) if spec.padded is not None else H
     if hs is not None and hs.dim():
         if int(hs.shape[-1]) not in (H, padded):
             raise InputError(
-                f"hidden_states: expected H {H} (padded {padded}) as {where} says, "
+                f"{spec.tokens}: expected H {H} (padded {padded}) as {where} says, "
                 f"got {int(hs.shape[-1])}"
             )
         if int(hs.shape[-1]) > H and bool(hs[..., H:].any()):
             raise InputError(
-                f"hidden_states: not zero past column {H}, where {where} says it is padding"
+                f"{spec.tokens}: not zero past column {H}, where {where} says it is padding"
             )
     return pad
 
@@ -236,14 +235,29 @@ def _shared_for(spec: KernelSpec, tensors: Mapping[str, torch.Tensor], pad: Padd
     return None
 
 
+def pad_hidden(
+    tensors: Mapping[str, torch.Tensor], dims: Mapping[str, Mapping[int, str]], size: int
+) -> dict[str, torch.Tensor]:
+    """`tensors` with each H dim of `dims` (`PaddedDims.inputs`) smaller than `size` zero-padded
+    to it (an H dim of `size` or more is left as it is)."""
+    out = dict(tensors)
+    for name, which in dims.items():
+        t = tensors.get(name)
+        if t is not None and t.dim():
+            grow = {d % t.dim(): size for d, k in which.items() if k == "H" and t.shape[d] < size}
+            if grow:
+                out[name] = pad_dims(t, grow)
+    return out
+
+
 def pad_run_inputs(
     spec: KernelSpec, tensors: Mapping[str, torch.Tensor], pad: Padding
 ) -> dict[str, torch.Tensor]:
     """A run's activations at the model's true sizes, zero-padded to the prepared weights'."""
     if spec.padded is None:
         return dict(tensors)
-    if spec.padded.hidden == "prefill":
-        return pad_prefill_inputs(tensors, pad.prefill_hidden_size)
+    if spec.padded.intermediate_of is None:  # H alone is padded: grow it to the kernel's H
+        return pad_hidden(tensors, spec.padded.inputs, getattr(pad, spec.padded.hidden))
     shared = _shared_for(spec, tensors, pad)
     return dict(tensors) if shared is None else pad_bwd_inputs(tensors, pad, shared)
 
@@ -285,19 +299,19 @@ def unpad_run_outputs(
 # --------------------------------------------------------------------------------------------
 
 
-def _merge_config(layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The bwd ``config`` of later layers updates (field by field) that of earlier ones."""
-    merged: dict[str, Any] | None = None
-    out = []
-    for layer in layers:
-        layer = dict(layer)
-        cfg = layer.get("config")
-        if isinstance(cfg, str):
-            cfg = loads(cfg, "config")
-        if isinstance(cfg, Mapping):
-            merged = _deep_merge(merged or {}, cfg)
-            layer["config"] = merged
-        out.append(layer)
+def _merge_objects(spec: KernelSpec, layers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A kwarg given as a JSON object (`ScalarArg.file`: the backward's ``config``) in later
+    layers updates that of earlier ones field by field."""
+    out = [dict(layer) for layer in layers]
+    for name in (s.name for s in spec.scalars if s.file is not None):
+        merged: dict[str, Any] | None = None
+        for layer in out:
+            value = layer.get(name)
+            if isinstance(value, str):
+                value = loads(value, name)
+            if isinstance(value, Mapping):
+                merged = _deep_merge(merged or {}, value)
+                layer[name] = merged
     return out
 
 
@@ -370,7 +384,7 @@ def run_file(
         if pad is not None:  # prepared weights are zero-padded: pad the activations to match
             tensors = pad_run_inputs(spec, tensors, pad)
         check_inputs(spec, tensors, str(f.path), allow_nonfinite=allow_nonfinite)
-        kwargs = spec.resolve_kwargs(*_merge_config(layers))
+        kwargs = spec.resolve_kwargs(*_merge_objects(spec, layers))
     timings["read"] = time.perf_counter() - t0
     with step(f"Running {kernel} on {backend}"):
         outcome = run_kernel(

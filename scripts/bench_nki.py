@@ -19,7 +19,7 @@ Shapes (LNC=2):
 The backward kernel is profiled on (blocks, experts) = (1, 2), (2, 2), (2, 2) with both blocks
 on expert 0, and (1, 4) at the real T, H, I, B and extrapolated linearly to the plan's N blocks
 (first blocks of their expert, and later ones, whose weight-gradient reads are not skipped) and
-E experts (`mxcli.kernels.profiling.profile_bwd_scaled`: the kernel runs the same instruction
+E experts (`mxcli.kernels.blockwise_moe.profile.profile_bwd_scaled`: the kernel runs the same instruction
 stream per block, and its per-launch work is per token or per expert). The real plans take 100k-1M
 instructions in check-only mode (several minutes each on 2 cores) and, with all E experts'
 weights as inputs, 10-25 GB of memory.
@@ -53,6 +53,10 @@ from typing import Any
 from mxcli.errors import MxcliError
 from mxcli.kernels import calibrating, selection
 from mxcli.kernels import profiling as prof
+from mxcli.kernels.blockwise_moe import profile as bwd_prof
+from mxcli.kernels.blockwise_moe.spec import SPEC as BWD
+from mxcli.kernels.rmsnorm_mx_prefill import profile as prefill_prof
+from mxcli.kernels.rmsnorm_mx_prefill.spec import SPEC as PREFILL
 from mxcli.nkisim import measured
 
 
@@ -104,24 +108,24 @@ def _report(s: dict[str, Any], top: int) -> float:
 def _aws_point(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any], str]:
     """Ours and AWS's (PE and DMA transposes, AWS's tuned blocking) at AWS's tuned shape."""
     m = measured.BWD_MXFP8
-    shape = prof.AWS_SHAPE
+    shape = bwd_prof.AWS_SHAPE
     label = {"model": "AWS tuned shape", **shape.__dict__}
-    tensors, kwargs = prof.bwd_inputs(shape)
+    tensors, kwargs = bwd_prof.bwd_inputs(shape)
     cal = args.calibration
     ours = prof.profile_kernel(
-        prof.BWD, tensors, kwargs, lnc=m.lnc, shape=label, calibration=cal
+        BWD, tensors, kwargs, lnc=m.lnc, shape=label, calibration=cal
     ).summary(args.top)
     runs: dict[str, Any] = {}
     try:
-        choice = selection.parse_implementation("nkilib", prof.BWD, args.kernel_path)
+        choice = selection.parse_implementation("nkilib", BWD, args.kernel_path)
         selection.describe(choice)  # not importable: one line, no run
     except MxcliError as exc:
         return ours, runs, str(exc)
     for mode, dma in (("PE transposes", False), ("DMA transposes", True)):
-        kw = {**kwargs, "config": prof.aws_tuned_config(dma_transposes=dma)}
+        kw = {**kwargs, "config": bwd_prof.aws_tuned_config(dma_transposes=dma)}
         lab = {**label, "config": f"AWS's tuned blocking, {mode}"}
         kp = prof.profile_kernel(
-            prof.BWD,
+            BWD,
             tensors,
             kw,
             lnc=m.lnc,
@@ -211,10 +215,10 @@ def main() -> None:
     summaries: list[dict[str, Any]] = []
     if not args.skip_prefill:
         for T in (2048, 8192):
-            ps = prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
-            tensors, kwargs = prof.prefill_inputs(ps)
+            ps = prefill_prof.PrefillShape(T, 7168, 256, 8, "noaux_tc", 8, 4, pack_affinities=True)
+            tensors, kwargs = prefill_prof.prefill_inputs(ps)
             kp = prof.profile_kernel(
-                prof.PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__),
+                PREFILL, tensors, kwargs, lnc=args.lnc, shape=dict(ps.__dict__),
                 calibration=args.calibration,
             )  # fmt: skip
             summaries.append(kp.summary(args.top))
@@ -222,8 +226,10 @@ def main() -> None:
         for name, (H, I, E, K) in (("qwen3-30b-a3b", (2048, 768, 128, 8)),  # noqa: E741
                                    ("deepseek-v3 EP rank", (7168, 2048, 32, 2))):  # fmt: skip
             for B in (512, 1024):
-                s = prof.profile_bwd_scaled(
-                    prof.BwdShape(4096, H, I, E, K, B), lnc=args.lnc, calibration=args.calibration
+                s = bwd_prof.profile_bwd_scaled(
+                    bwd_prof.BwdShape(4096, H, I, E, K, B),
+                    lnc=args.lnc,
+                    calibration=args.calibration,
                 )
                 s["shape"] = {"model": name, **s["shape"]}
                 summaries.append(s)
@@ -232,11 +238,14 @@ def main() -> None:
         summaries.append(ours_aws)
     readme_aws: list[tuple[dict[str, Any], dict[str, Any]]] = []
     if not args.skip_bwd and aws_runs and not args.skip_aws_readme:
-        choice = selection.parse_implementation("nkilib", prof.BWD, args.kernel_path)
+        choice = selection.parse_implementation("nkilib", BWD, args.kernel_path)
         for s in [x for x in summaries if "sampled" in x]:
             sh = {k: v for k, v in s["shape"].items() if k != "model"}
-            theirs = prof.profile_bwd_scaled(
-                prof.BwdShape(**sh), lnc=args.lnc, nki_kernel=choice, calibration=args.calibration
+            theirs = bwd_prof.profile_bwd_scaled(
+                bwd_prof.BwdShape(**sh),
+                lnc=args.lnc,
+                nki_kernel=choice,
+                calibration=args.calibration,
             )
             theirs["shape"] = s["shape"]
             readme_aws.append((s, theirs))

@@ -109,8 +109,17 @@ def _graph(typing: bool = False) -> dict[str, set[str]]:
     return {m: _imports(m, p, mods, typing) for m, p in mods.items()}
 
 
+# the kernel parts above the kernels' floor (issue 32: a kernel is a vertical slice)
+SLICE_PARTS = ("inputs", "verification")
+
+
 def _floor(mod: str) -> int | None:
+    """The floor of `mod`'s top-level part; a kernel's slice part named after a shared floor
+    (``mxcli.kernels.<kernel>.inputs``, ``.verification``: what that floor calls, through the
+    spec, without importing it) sits on that floor."""
     parts = mod.split(".")
+    if len(parts) >= 4 and parts[1] == "kernels" and parts[3] in SLICE_PARTS:
+        return FLOORS[parts[3]]
     return FLOORS.get(parts[1]) if len(parts) > 1 else None
 
 
@@ -250,3 +259,122 @@ def test_op_tokens_import_alone_and_their_high_level_call_comes_from_nki_languag
         "nl.add(...): the high-level call needs nki.language imported (mxcli.nkisim.nki.language)",
         "True True",
     ]
+
+
+# ---- issue 32: shared modules know no kernel -----------------------------------------------
+
+# The shared modules: they iterate the registered specs and ask them, so none names a kernel,
+# one of its tensors or one of its defaults. Not shared, and why:
+# - ``mxcli.kernels.<kernel>`` packages: the kernels' own slices (everything about one kernel);
+# - ``mxcli.weightprep``: turns a checkpoint into *these* kernels' arguments (the router and
+#   the expert stacks in their layouts): its layouts are the kernels', not a generic mechanism;
+# - ``mxcli.emulate``: emulates the MXFP8 training step of this MoE layer (the two kernels'
+#   numerics, by design);
+# - ``mxcli.mx``, ``mxcli.nkisim``: below the kernels (numbers, the NKI machine); they cannot
+#   import a kernel, and name none;
+# - ``mxcli.commands.demo``: the walkthrough of the two built-in kernels on tiny models (its
+#   steps are theirs, as the README's are).
+SHARED = (
+    "mxcli.runs",
+    "mxcli.inputs",
+    "mxcli.verification",
+    "mxcli.inspection",
+    "mxcli.commands",
+    "mxcli.cli",
+    "mxcli.kernels.spec",
+    "mxcli.kernels.backends",
+    "mxcli.kernels.selection",
+    "mxcli.kernels.nki_runtime",
+    "mxcli.kernels.profiling",
+    "mxcli.io",
+)
+NOT_SHARED = ("mxcli.commands.demo",)
+# shared modules exempted while another change rewrites them (none now)
+PENDING: dict[str, str] = {}
+# the one place a kernel package is named: its registration line
+REGISTRATION = "KERNEL_PACKAGES"
+
+
+def _forbidden() -> tuple[set[str], set[str]]:
+    """(kernel names, found anywhere in a string; tensor names, short names and string
+    defaults, found as a whole string), read from the registered specs' tables."""
+    import enum
+
+    from mxcli.kernels.spec import all_specs
+
+    names: set[str] = set()
+    exact: set[str] = set()
+    for spec in all_specs():
+        names.add(spec.name)
+        exact |= {spec.short, *spec.tensor_names, *spec.outputs}
+        defaults = [s.default for s in spec.scalars]
+        for part in ("inputs", "profile"):
+            module = spec.part(part)
+            if module is not None:
+                defaults += [p.default for p in module.PARAMS]
+        for v in defaults:
+            if isinstance(v, enum.Enum):
+                exact |= {v.name, v.name.lower()}
+            elif isinstance(v, str):
+                exact.add(v)
+    return names, exact
+
+
+def _kernel_strings(tree: ast.Module, names: set[str], exact: set[str]) -> list[tuple[int, str]]:
+    """(line, string) of each string constant in `tree` naming a kernel, one of its tensors or
+    one of its defaults; docstrings, ``__all__`` and the registration line are not code that
+    decides anything."""
+    skip: set[int] = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant):
+                skip.add(id(body[0].value))  # a docstring
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id in ("__all__", REGISTRATION) for t in node.targets
+        ):
+            skip |= {id(c) for c in ast.walk(node.value)}
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and id(node) not in skip
+        and (node.value in exact or any(n in node.value for n in names))
+    ]
+
+
+def _shared(mod: str) -> bool:
+    inside = any(mod == s or mod.startswith(s + ".") for s in SHARED)
+    return inside and not any(mod == s or mod.startswith(s + ".") for s in NOT_SHARED)
+
+
+def test_no_shared_module_names_a_kernel_its_tensors_or_its_defaults() -> None:
+    """Issue 32: a kernel's knowledge lives in its folder; shared modules ask its spec."""
+    names, exact = _forbidden()
+    assert {"rmsnorm_mx_prefill", "blockwise_mm_bwd_mxfp8"} <= names
+    assert {"hidden_states", "gamma", "norm_quant_packed", "softmax"} <= exact
+    found = [
+        f"{mod}:{line}: {text!r}"
+        for mod, path in sorted(_modules().items())
+        if _shared(mod) and mod not in PENDING
+        for line, text in _kernel_strings(_tree(path), names, exact)
+    ]
+    assert found == []
+
+
+def test_the_shared_module_check_catches_a_planted_name() -> None:
+    """The check above fails on each kind of violation (and passes docstrings, __all__ and the
+    registration line)."""
+    names, exact = _forbidden()
+    planted = ast.parse(
+        '"""A docstring may say hidden_states and rmsnorm_mx_prefill."""\n'
+        "__all__ = ['prefill']\n"
+        "KERNEL_PACKAGES = ('mxcli.kernels.rmsnorm_mx_prefill',)\n"
+        "def f(t, kind):\n"
+        "    x = t['hidden_states']\n"
+        "    if kind == 'bwd':\n"
+        "        return 'mxcli.kernels.rmsnorm_mx_prefill.nki_kernel'\n"
+        "    return {'router_act': 'softmax'}\n"
+    )
+    assert [line for line, _ in _kernel_strings(planted, names, exact)] == [5, 6, 7, 8]

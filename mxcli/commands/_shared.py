@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -364,31 +361,3 @@ def journey_group(order: tuple[str, ...]) -> type:
             return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
     return JourneyGroup
-
-
-@functools.cache
-def kernel_defaults(source: str, function: str) -> dict[str, str]:
-    """The defaults of a kernel's public signature as the help texts show them, read from the
-    source file `source` (relative to the package) rather than imported: the signature stays the
-    one place holding them, and ``mxcli --help`` does not import torch. Booleans read ``on`` /
-    ``off``, enum members their lower-case name, strings unquoted, numbers as written."""
-    path = Path(__file__).resolve().parent.parent / source
-    text = path.read_text(encoding="utf-8")
-    for node in ast.parse(text).body:
-        if isinstance(node, ast.FunctionDef) and node.name == function:
-            args = node.args.args
-            pairs = zip(
-                args[len(args) - len(node.args.defaults) :], node.args.defaults, strict=True
-            )
-            return {a.arg: _shown(d, text) for a, d in pairs}
-    raise LookupError(f"{source}: no function {function}")
-
-
-def _shown(node: ast.expr, text: str) -> str:
-    if isinstance(node, ast.Constant) and isinstance(node.value, bool):
-        return "on" if node.value else "off"
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.Attribute):  # an enum member: RouterActFnType.SIGMOID
-        return node.attr.lower()
-    return ast.get_source_segment(text, node) or ast.unparse(node)

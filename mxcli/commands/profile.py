@@ -1,4 +1,4 @@
-"""``mxcli profile prefill|bwd``: the per-engine cost model of an NKI kernel, without hardware.
+"""``mxcli profile <kernel>``: the per-engine cost model of an NKI kernel, without hardware.
 
 The kernel runs once in the interpreter's check-only mode; the issued instructions are costed
 with the documented engine figures (`mxcli.nkisim.cost`) and list-scheduled
@@ -7,12 +7,15 @@ with the documented engine figures (`mxcli.nkisim.cost`) and list-scheduled
 
 from __future__ import annotations
 
+import inspect
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from mxcli.commands._kernel_flags import command, merge_params, merged_param
 from mxcli.commands._shared import (
     Force,
     KernelPath,
@@ -21,26 +24,21 @@ from mxcli.commands._shared import (
     aligned_rows,
     global_options,
     journey_group,
-    kernel_defaults,
     kernel_lines,
     print_json,
     stdout_console,
     wrap_items,
 )
 from mxcli.errors import InputError
-
-# the router defaults are the kernel API's (its public signature, the one place holding them):
-# every kernel that --kernel offers runs with them (nkilib refuses NOAUX_TC with pack_affinities)
-_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
-_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
+from mxcli.kernels.spec import KernelSpec
 
 app = typer.Typer(
     name="profile",
-    cls=journey_group(("prefill", "bwd")),
+    cls=journey_group(()),  # the kernels in registration order
     help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
     "interpreter's check-only mode; its instructions are costed from the documented engine "
-    "figures and list-scheduled. The prefill router defaults are the kernel API's; DeepSeek-V3's "
-    "router is --top-k 8 --router-act noaux_tc --n-group 8 --topk-group 4.",
+    "figures and list-scheduled. One subcommand per kernel; its shape flags default to the "
+    "kernel API's values where it has them.",
     no_args_is_help=True,
 )
 
@@ -73,10 +71,6 @@ KernelsOpt = Annotated[
         show_default=False,
     ),
 ]
-
-
-def _opt_int(flag: str, help_: str) -> Any:
-    return typer.Option(flag, help=help_, show_default=False)
 
 
 def _shape_or_file(input: Path | None, shape: dict[str, Any]) -> None:
@@ -319,113 +313,57 @@ def _run(kernel: str, input: Path | None, tensors_kwargs: Any, shape: dict[str, 
     _finish(summaries, json_out, quiet)
 
 
-@app.command("prefill", cls=PlainCommand)
-def prefill(
-    ctx: typer.Context,
-    input: InputArg = None,
-    tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
-    hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
-    experts: Annotated[int | None, _opt_int("--experts", "E, router experts.")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = int(
-        _PRE["top_k"]
-    ),
-    router_act: Annotated[
-        str, typer.Option("--router-act", help="Router activation: sigmoid, softmax or noaux_tc.")
-    ] = _PRE["router_act_fn"],
-    n_group: Annotated[int, typer.Option("--n-group", help="NOAUX_TC groups.")] = int(
-        _PRE["n_group"]
-    ),
-    topk_group: Annotated[int, typer.Option("--topk-group", help="NOAUX_TC groups kept.")] = int(
-        _PRE["topk_group"]
-    ),
-    pack_affinities: Annotated[
-        bool,
-        typer.Option(
-            "--pack-affinities/--no-pack-affinities",
-            help="Affinities in the row tail (nkilib refuses it with noaux_tc).",
-        ),
-    ] = _PRE["pack_affinities"] == "on",
-    lnc: LncOpt = 2,
-    target: TargetOpt = "trn3",
-    trace: TraceOpt = None,
-    top: TopOpt = 10,
-    kernel: KernelsOpt = None,
-    kernel_path: KernelPath = None,
-    calibration: CalibrationOpt = None,
-    force: Force = False,
-) -> None:
-    """Profile rmsnorm_mx_prefill from a file or shape flags.
+def profile_command(spec: KernelSpec, part: Any) -> Callable[..., None]:
+    """``profile <short>``: its shape flags generated from the kernel's profile part (a flag
+    without a default is required without an input file)."""
+    merged = merge_params([(spec, part.PARAMS)])
+    required = [p.name for p in part.PARAMS if p.default is None]
 
-    Give a make-inputs file, or --tokens, --hidden and --experts. The router flags default to
-    the kernel API's values.
-    """
-    opts = global_options(ctx)
-    json_out, quiet = opts.json, opts.quiet
-
-    def body() -> None:
+    def run(**kw: Any) -> None:
         from mxcli.kernels import profiling
 
-        shape = {"tokens": tokens, "hidden": hidden, "experts": experts}
-        _shape_or_file(input, shape)
-        full: dict[str, Any] = dict(
-            shape,
-            top_k=top_k,
-            router_act=router_act,
-            n_group=n_group,
-            topk_group=topk_group,
-            pack_affinities=pack_affinities,
-        )
-        _run("prefill", input, lambda: profiling.prefill_inputs(profiling.PrefillShape(**full)),
-             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
-             calibration)  # fmt: skip
+        opts = global_options(kw["ctx"])  # the root's --json / --quiet
+        shape = {n: kw[n] for n in required}
+        _shape_or_file(kw["input"], shape)
+        full = {p.name: kw[p.name] for p in part.PARAMS}
+        _run(spec.short, kw["input"], lambda: profiling.shape_inputs(spec.name, full), full,
+             kw["lnc"], kw["target"], kw["trace"], kw["force"], opts.json, kw["top"],
+             kw["kernel"], kw["kernel_path"], opts.quiet, kw["calibration"])  # fmt: skip
 
-    body()
+    flags = ", ".join(f"--{n.replace('_', '-')}" for n in required)
+    flags = " and ".join(flags.rsplit(", ", 1)) if required else ""
+    note = getattr(part, "NOTE", "")
+    doc = (
+        f"Profile {spec.name} from a file or shape flags.\n\n"
+        f"Give a make-inputs file{', or ' + flags if flags else ''}.{' ' + note if note else ''}"
+    )
+    params: list[tuple[str, Any, Any]] = [
+        ("ctx", typer.Context, inspect.Parameter.empty),  # the root's global options
+        ("input", InputArg, None),
+        *(merged_param(m, {spec.short: spec}) for m in merged),
+        ("lnc", LncOpt, 2),
+        ("target", TargetOpt, "trn3"),
+        ("trace", TraceOpt, None),
+        ("top", TopOpt, 10),
+        ("kernel", KernelsOpt, None),
+        ("kernel_path", KernelPath, None),
+        ("calibration", CalibrationOpt, None),
+        ("force", Force, False),
+    ]
+    return command(run, spec.short, doc, params)
 
 
-@app.command("bwd", cls=PlainCommand)
-def bwd(
-    ctx: typer.Context,
-    input: InputArg = None,
-    tokens: Annotated[int | None, _opt_int("--tokens", "T, tokens.")] = None,
-    hidden: Annotated[int | None, _opt_int("--hidden", "H, hidden size.")] = None,
-    intermediate: Annotated[int | None, _opt_int("--intermediate", "I, expert FFN size.")] = None,
-    experts: Annotated[int | None, _opt_int("--experts", "E, (local) experts.")] = None,
-    top_k: Annotated[int, typer.Option("--top-k", help="K, experts per token.")] = 8,
-    block_size: Annotated[
-        int,
-        typer.Option(
-            "--block-size",
-            help=f"B, tokens per block (the kernel API's default: {_BWD['block_size']}).",
-        ),
-    ] = 512,
-    lnc: LncOpt = 2,
-    target: TargetOpt = "trn3",
-    trace: TraceOpt = None,
-    top: TopOpt = 10,
-    kernel: KernelsOpt = None,
-    kernel_path: KernelPath = None,
-    calibration: CalibrationOpt = None,
-    force: Force = False,
-) -> None:
-    """Profile blockwise_mm_bwd_mxfp8 from a file or shape flags.
+def _register() -> None:
+    """``profile <short>`` for every registered kernel with a profile part."""
+    from mxcli.kernels.spec import all_specs
 
-    Give a make-inputs file, or --tokens, --hidden, --intermediate and --experts.
-    """
-    opts = global_options(ctx)
-    json_out, quiet = opts.json, opts.quiet
+    for spec in all_specs():
+        part = spec.profile()
+        if part is not None:
+            app.command(spec.short, cls=PlainCommand)(profile_command(spec, part))
 
-    def body() -> None:
-        from mxcli.kernels import profiling
 
-        shape = {"tokens": tokens, "hidden": hidden, "intermediate": intermediate,
-                 "experts": experts}  # fmt: skip
-        _shape_or_file(input, shape)
-        full: dict[str, Any] = dict(shape, top_k=top_k, block_size=block_size)
-        _run("bwd", input, lambda: profiling.bwd_inputs(profiling.BwdShape(**full)),
-             full, lnc, target, trace, force, json_out, top, kernel, kernel_path, quiet,
-             calibration)  # fmt: skip
-
-    body()
+_register()
 
 
 @app.command("calibrate", cls=PlainCommand)
@@ -480,7 +418,7 @@ def calibrate(
                           highlight=False, markup=False)  # fmt: skip
             for m in doc["measurements"]:
                 con.print(f"  {m['kernel']} {m['shape']}: measured {m['us']:.1f} us, model "
-                          f"{m['predicted_us']:.1f} us ({100 * m['residual']:+.1f}% log)",
+                          f"{m['predicted_us']:.1f} us ({100 * m['log_residual']:+.1f}% log)",
                           highlight=False, markup=False)  # fmt: skip
             con.print(f"wrote {output}", highlight=False, markup=False)
 

@@ -1,12 +1,17 @@
-"""``mxcli run-prefill`` and ``mxcli run-bwd``: run one kernel on an input file, write its outputs."""
+"""``mxcli run-<kernel>`` (``run-prefill``, ``run-bwd``, one per registered kernel): run one
+kernel on an input file, write its outputs. The kwarg flags are generated from the kernel's
+scalar table (`mxcli.commands._kernel_flags`)."""
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from mxcli.commands._kernel_flags import command, scalar_param
 from mxcli.commands._shared import (
     HASH_DIGITS,
     Force,
@@ -16,7 +21,6 @@ from mxcli.commands._shared import (
     Steps,
     complete_backend,
     global_options,
-    kernel_defaults,
     kernel_lines,
     print_json,
     print_rows,
@@ -25,12 +29,9 @@ from mxcli.commands._shared import (
     stdout_console,
     wrap_items,
 )
+from mxcli.kernels.spec import KernelSpec, ScalarArg
 
-# the defaults the help texts show: those of the kernels' public signatures
-_PRE = kernel_defaults("kernels/rmsnorm_mx_prefill/contract.py", "rmsnorm_mx_prefill")
-_BWD = kernel_defaults("kernels/blockwise_moe/contract.py", "blockwise_mm_bwd_mxfp8")
-
-# ---- options shared by both run commands ----
+# ---- options every run command has ----
 InputArg = Annotated[
     Path,
     typer.Argument(
@@ -154,229 +155,81 @@ def _print_summary(s: dict[str, Any]) -> None:
     con.print(Text(f"wrote {s['output']}"), soft_wrap=True)
 
 
-def run_prefill(
-    ctx: typer.Context,
-    input: InputArg,
-    output: OutputOpt,
-    eps: Annotated[
-        float | None,
-        typer.Option(help=f"RMSNorm epsilon (kernel API: {_PRE['eps']}).", show_default=False),
-    ] = None,
-    top_k: Annotated[
-        int | None,
-        typer.Option(
-            "--top-k",
-            help=f"Experts per token, <= 8 (kernel API: {_PRE['top_k']}).",
-            show_default=False,
-        ),
-    ] = None,
-    router_act: Annotated[
-        str | None,
-        typer.Option(
-            "--router-act",
-            help="Router activation: sigmoid, softmax or noaux_tc "
-            f"(kernel API: {_PRE['router_act_fn']}).",
-            show_default=False,
-        ),
-    ] = None,
-    n_group: Annotated[
-        int | None,
-        typer.Option(
-            "--n-group",
-            help=f"NOAUX_TC expert groups (kernel API: {_PRE['n_group']}).",
-            show_default=False,
-        ),
-    ] = None,
-    topk_group: Annotated[
-        int | None,
-        typer.Option(
-            "--topk-group",
-            help=f"NOAUX_TC groups kept (kernel API: {_PRE['topk_group']}).",
-            show_default=False,
-        ),
-    ] = None,
-    routed_scaling_factor: Annotated[
-        float | None,
-        typer.Option(
-            "--routed-scaling-factor",
-            help=f"NOAUX_TC affinity multiplier (kernel API: {_PRE['routed_scaling_factor']}).",
-            show_default=False,
-        ),
-    ] = None,
-    qmx_output_dtype: Annotated[
-        str | None,
-        typer.Option(
-            "--qmx-output-dtype",
-            help=f"float8_e4m3fn_x4 or float8_e5m2_x4 (kernel API: {_PRE['qmx_output_dtype']}).",
-            show_default=False,
-        ),
-    ] = None,
-    pack_scales: Annotated[
-        bool | None,
-        typer.Option(
-            "--pack-scales/--no-pack-scales",
-            help=f"Fold scale tiles (kernel API: {_PRE['pack_scales']}).",
-            show_default=False,
-        ),
-    ] = None,
-    pack_affinities: Annotated[
-        bool | None,
-        typer.Option(
-            "--pack-affinities/--no-pack-affinities",
-            help=f"Affinities in the row tail (kernel API: {_PRE['pack_affinities']}).",
-            show_default=False,
-        ),
-    ] = None,
-    unpadded_hidden_size: Annotated[
-        int | None,
-        typer.Option(
-            "--unpadded-hidden-size",
-            help="Real H for the RMS mean (kernel API: H).",
-            show_default=False,
-        ),
-    ] = None,
-    emit_norm_bf16: Annotated[
-        bool | None,
-        typer.Option(
-            "--emit-norm-bf16/--no-emit-norm-bf16",
-            help=f"Also write norm_bf16 (kernel API: {_PRE['emit_norm_bf16']}).",
-            show_default=False,
-        ),
-    ] = None,
-    hidden_interleaved: Annotated[
-        bool | None,
-        typer.Option(
-            "--hidden-interleaved/--no-hidden-interleaved",
-            help=f"Inputs stored 4-way interleaved (kernel API: {_PRE['hidden_interleaved']}).",
-            show_default=False,
-        ),
-    ] = None,
-    backend: BackendOpt = "auto",
-    kernel: Kernel = "mxcli",
-    kernel_path: KernelPath = None,
-    device: DeviceOpt = "cpu",
-    weights: WeightsOpt = None,
-    layer: LayerOpt = None,
-    no_verify_hashes: NoVerifyHashes = False,
-    allow_nonfinite: AllowNonfinite = False,
-    strict: Strict = False,
-    force: Force = False,
-) -> None:
-    """Run rmsnorm_mx_prefill on an input file.
-
-    Fused RMSNorm + MXFP8 quantization (+ router top-K). A flag overrides the kwarg stored in
-    the input file's metadata; without the flag the file's value is used, and without either
-    the kernel API's default (in parentheses).
-    """
-    overrides = {
-        "eps": eps,
-        "top_k": top_k,
-        "router_act_fn": router_act,
-        "n_group": n_group,
-        "topk_group": topk_group,
-        "routed_scaling_factor": routed_scaling_factor,
-        "qmx_output_dtype": qmx_output_dtype,
-        "pack_scales": pack_scales,
-        "pack_affinities": pack_affinities,
-        "unpadded_hidden_size": unpadded_hidden_size,
-        "emit_norm_bf16": emit_norm_bf16,
-        "hidden_interleaved": hidden_interleaved,
-    }
-    opts = global_options(ctx)
-    _run(
-        "prefill",
-        overrides,
-        input=input,
-        output=output,
-        backend=backend,
-        device=device,
-        weights=weights,
-        layer=layer,
-        allow_nonfinite=allow_nonfinite,
-        force=force,
-        json_out=opts.json,
-        quiet=opts.quiet,
-        strict=strict,
-        verify_hashes=not no_verify_hashes,
-        nki_kernel=kernel,
-        kernel_path=kernel_path,
-    )
-
-
-def run_bwd(
-    ctx: typer.Context,
-    input: InputArg,
-    output: OutputOpt,
-    block_size: Annotated[
-        int | None,
-        typer.Option(
-            "--block-size",
-            help=f"Tokens per block (128 ... 4096) (kernel API: {_BWD['block_size']}).",
-            show_default=False,
-        ),
-    ] = None,
-    config: Annotated[
-        Path | None,
-        typer.Option(
-            "--config",
-            help="JSON file of MXFP8MOEBwdConfig fields; updates the "
-            "config stored in the input file field by field.",
-            show_default=False,
-        ),
-    ] = None,
-    backend: BackendOpt = "auto",
-    kernel: Kernel = "mxcli",
-    kernel_path: KernelPath = None,
-    device: DeviceOpt = "cpu",
-    weights: WeightsOpt = None,
-    layer: LayerOpt = None,
-    no_verify_hashes: NoVerifyHashes = False,
-    allow_nonfinite: AllowNonfinite = False,
-    strict: Strict = False,
-    force: Force = False,
-) -> None:
-    """Run blockwise_mm_bwd_mxfp8 on an input file.
-
-    The MXFP8 backward pass of a blockwise MoE layer. A flag overrides the kwarg stored in the
-    input file's metadata; without the flag the file's value is used, and without either the
-    kernel API's default (in parentheses).
-    """
-
-    opts = global_options(ctx)
-    overrides: dict[str, Any] = {"block_size": block_size}
-    if config is not None:
-        from mxcli.fsutil import refuse_inputs
-
-        refuse_inputs(output, [("--config file", config)])
-        overrides["config"] = _read_config(config)
-    _run(
-        "bwd",
-        overrides,
-        input=input,
-        output=output,
-        backend=backend,
-        device=device,
-        weights=weights,
-        layer=layer,
-        allow_nonfinite=allow_nonfinite,
-        force=force,
-        json_out=opts.json,
-        quiet=opts.quiet,
-        strict=strict,
-        verify_hashes=not no_verify_hashes,
-        nki_kernel=kernel,
-        kernel_path=kernel_path,
-    )
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-
+def _read_object(arg: ScalarArg, path: Path) -> dict[str, Any]:
+    """A kwarg given as a JSON file (`ScalarArg.file`): one line for a missing or malformed
+    file, or one that is not a JSON object."""
     from mxcli.errors import InputError
     from mxcli.io.jsonfile import read_json
 
     if not path.exists():
-        raise InputError(f"config: {path}: no such file")
-    data = read_json(path, label=f"config: {path}")  # one line for malformed or too deep JSON
+        raise InputError(f"{arg.name}: {path}: no such file")
+    data = read_json(path, label=f"{arg.name}: {path}")  # one line for malformed or too deep JSON
     if not isinstance(data, dict):
-        raise InputError(f"config: {path}: expected a JSON object of MXFP8MOEBwdConfig fields")
+        raise InputError(f"{arg.name}: {path}: expected a JSON object of {arg.file}")
     return data
+
+
+def run_command(spec: KernelSpec) -> Callable[..., None]:
+    """``run-<short>`` of `spec`: its kwarg flags generated from the spec's scalar table."""
+
+    def run(**kw: Any) -> None:
+        overrides: dict[str, Any] = {
+            s.name: kw[f"k_{s.name}"] for s in spec.scalars if s.file is None
+        }
+
+        opts = global_options(kw["ctx"])  # the root's --json / --quiet
+        for s in spec.scalars:
+            path = kw[f"k_{s.name}"]
+            if s.file is not None and path is not None:
+                from mxcli.fsutil import refuse_inputs
+
+                refuse_inputs(kw["output"], [(f"{s.flag_name} file", Path(path))])
+                overrides[s.name] = _read_object(s, Path(path))
+        _run(
+            spec.short,
+            overrides,
+            input=kw["input"],
+            output=kw["output"],
+            backend=kw["backend"],
+            device=kw["device"],
+            weights=kw["weights"],
+            layer=kw["layer"],
+            allow_nonfinite=kw["allow_nonfinite"],
+            force=kw["force"],
+            json_out=opts.json,
+            quiet=opts.quiet,
+            strict=kw["strict"],
+            verify_hashes=not kw["no_verify_hashes"],
+            nki_kernel=kw["kernel"],
+            kernel_path=kw["kernel_path"],
+        )
+
+    doc = (
+        f"Run {spec.name} on an input file.\n\n{spec.title + ' ' if spec.title else ''}"
+        "A flag overrides the kwarg stored in the input file's metadata; without the flag the "
+        "file's value is used, and without either the kernel API's default (in parentheses)."
+    )
+    params: list[tuple[str, Any, Any]] = [
+        ("ctx", typer.Context, inspect.Parameter.empty),  # the root's global options
+        ("input", InputArg, inspect.Parameter.empty),
+        ("output", OutputOpt, inspect.Parameter.empty),
+        *(scalar_param(s) for s in spec.scalars),
+        ("backend", BackendOpt, "auto"),
+        ("kernel", Kernel, "mxcli"),
+        ("kernel_path", KernelPath, None),
+        ("device", DeviceOpt, "cpu"),
+        ("weights", WeightsOpt, None),
+        ("layer", LayerOpt, None),
+        ("no_verify_hashes", NoVerifyHashes, False),
+        ("allow_nonfinite", AllowNonfinite, False),
+        ("strict", Strict, False),
+        ("force", Force, False),
+    ]
+    return command(run, f"run_{spec.short}", doc, params)
+
+
+def commands() -> list[tuple[str, Callable[..., None]]]:
+    """``run-<short>`` for every registered kernel (``run-prefill``, ``run-bwd``, ...)."""
+    from mxcli.kernels.spec import all_specs
+
+    return [(f"run-{spec.short}", run_command(spec)) for spec in all_specs()]

@@ -6,7 +6,7 @@ this module ties it to recorded kernel runs and to files.
 
 **Calibration file**: ``{"format": "mxcli-calibration", "version": 1, "mxcli": VERSION,
 "target": "trn3", "figures": {key: value}, "ranges": {key: [low, high]}, "measurements":
-[... each with "predicted_us" and "residual"], "rms_residual": r}``. Only ``fitted`` figures
+[... each with "predicted_us" and "log_residual"], "rms_residual": r}``. Only ``fitted`` figures
 appear in it; a later run (``--calibration``) uses its values and ranges for them.
 """
 
@@ -294,7 +294,7 @@ def calibration_doc(result: cal.FitResult, measurements: Sequence[Measurement],
         "iterations": result.iterations,
         "rms_residual": result.rms_residual,
         "measurements": [
-            {**m.entry, "predicted_us": p, "residual": r}
+            {**m.entry, "predicted_us": p, "log_residual": r}
             for m, p, r in zip(measurements, result.predicted_us, result.residuals, strict=True)
         ],
     }

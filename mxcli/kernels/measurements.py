@@ -8,8 +8,8 @@ A measurements file: a JSON list (or ``{"measurements": [...]}``) of objects
      "experts": 1, "top_k": 1, "block_size": 4096}, "lnc": 2, "us": 2190.0,
      "kwargs": {...}, "nki_kernel": "mxcli"}
 
-``kernel``: ``prefill`` / ``bwd`` (or the kernel's name); ``shape``: every field of
-`profiling.PrefillShape` / `profiling.BwdShape`; ``lnc``: 1 or 2; ``us``: the measured latency
+``kernel``: a kernel's short name or name; ``shape``: every shape flag of its profile part
+(``profile <kernel> --help``); ``lnc``: 1 or 2; ``us``: the measured latency
 (microseconds, > 0); optional ``kwargs``: kernel keyword arguments over the shape's own (as
 ``make-inputs`` records them; an object such as the bwd ``config`` is merged field by field
 into the shape's); optional ``nki_kernel``: which
@@ -18,7 +18,6 @@ implementation was timed (default ``mxcli``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -31,20 +30,19 @@ from mxcli.kernels.spec import all_specs, get_spec
 __all__ = ["read_measurements", "record"]
 
 
-# The kernel-specific part, in one place: a kernel's profile shape (its fields, all required)
-# and its inputs. (Issue 32 moves the profile shapes into the kernels' folders: these two then
-# ask ``spec.profile()`` for its PARAMS and its ``inputs(shape)``.)
+# The kernel-specific part is the kernel's profile part (issue 32): its shape flags (every one
+# required here: a measurement names its whole launch) and the inputs of a shape.
 
 
 def _shape_fields(spec: Any) -> list[str]:
-    cls = prof.PrefillShape if spec is prof.PREFILL else prof.BwdShape
-    return [f.name for f in dataclasses.fields(cls)]
+    part = spec.profile()
+    if part is None:
+        raise InputError(f"kernel: {spec.name} has no profile shapes ({spec.package}.profile)")
+    return [p.name for p in part.PARAMS]
 
 
 def _shape_inputs(spec: Any, shape: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    if spec is prof.PREFILL:
-        return prof.prefill_inputs(prof.PrefillShape(**shape))
-    return prof.bwd_inputs(prof.BwdShape(**shape))
+    return prof.shape_inputs(spec.name, dict(shape))
 
 
 def read_measurements(path: str | os.PathLike[str]) -> list[Measurement]:

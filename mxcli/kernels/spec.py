@@ -18,20 +18,37 @@ Each kernel package defines its spec beside its public function (``rmsnorm_mx_pr
   any ``MODULE:FUNCTION``, each imported only when chosen, and the kernel-specific host side of
   their launch (`NkiLaunch`: planning, argument conversion, the adaptation to third-party
   entry points), which the one launcher (`mxcli.kernels.launcher`) calls.
+- its *slice parts* (`KernelSpec.part`): the modules of the kernel's own package that the shared
+  floors call, imported only when asked (they sit on the floor of the shared module they plug
+  into, above the spec, so the spec names them and never imports them):
+
+  * ``<package>.inputs`` (`InputsPart`): the seeded synthetic generator, its make-inputs
+    parameters (`InputParam`), and inputs from a prepared folder;
+  * ``<package>.verification`` (`VerificationPart`): the exact-math check, the tolerance rows of
+    the ``strict`` and ``hardware`` profiles, the ``verify --suite`` cases;
+  * ``<package>.profile`` (`ProfilePart`): the ``profile`` shape flags and inputs from a shape.
 
 Consumers look a kernel up by name or short name (`get_spec`) and ask its spec; none of them
-compares kernel name strings.
+compares kernel name strings, and none holds a kernel's tensor names or defaults.
+
+Registration: a kernel package is one entry of `KERNEL_PACKAGES`; the environment variable
+``MXCLI_KERNEL_PACKAGES`` (comma-separated module names) adds packages outside mxcli, imported
+after these (a kernel written elsewhere, or at test time, needs no edit of mxcli).
 """
 
 from __future__ import annotations
 
+import enum
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, cast
 
 import torch
 
@@ -40,8 +57,16 @@ from mxcli.io.files import TensorFile, read_file
 from mxcli.io.jsonfile import loads
 from mxcli.io.kwargs import json_or_raw
 
-# The kernel packages; importing one registers its spec (and its backends).
+# The kernel packages; importing one registers its spec (and its backends). A new kernel is one
+# line here, or one entry of the environment variable below.
 KERNEL_PACKAGES = ("mxcli.kernels.rmsnorm_mx_prefill", "mxcli.kernels.blockwise_moe")
+PACKAGES_ENV = "MXCLI_KERNEL_PACKAGES"
+
+
+def kernel_packages() -> tuple[str, ...]:
+    """`KERNEL_PACKAGES`, then those of ``MXCLI_KERNEL_PACKAGES`` (comma-separated)."""
+    extra = [p.strip() for p in os.environ.get(PACKAGES_ENV, "").split(",") if p.strip()]
+    return tuple(dict.fromkeys([*KERNEL_PACKAGES, *extra]))
 
 
 def _identity(v: Any) -> Any:
@@ -62,7 +87,12 @@ class TensorArg:
 class ScalarArg:
     """A scalar kwarg: its help, how a JSON/flag value becomes a kernel value and back.
 
-    ``default`` is filled from the public function's signature."""
+    ``default`` is filled from the public function's signature. The run command's flag
+    (``run-<short> --<flag>``) is generated from this row: ``flag`` (default: the name with
+    dashes), ``value_type`` of the flag value (default: that of the signature's default; enums and
+    None defaults are text unless given), ``shown`` (how the help shows a default that is not a
+    plain value, e.g. ``H``), ``file`` (the flag names a JSON file holding the value: what it
+    holds, for the messages)."""
 
     name: str
     help: str
@@ -71,6 +101,70 @@ class ScalarArg:
     # kernel value -> JSON value
     dump: Callable[[Any], Any] = _identity
     default: Any = None
+    flag: str | None = None
+    value_type: type | None = None
+    shown: str | None = None
+    file: str | None = None
+
+    @property
+    def flag_name(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def flag_type(self) -> type:
+        if self.file is not None:
+            return Path
+        if self.value_type is not None:
+            return self.value_type
+        d = self.default
+        if isinstance(d, bool):
+            return bool
+        if isinstance(d, (int, float)) and not isinstance(d, enum.Enum):
+            return type(d)
+        return str
+
+    def shown_default(self) -> str:
+        """The signature's default as help texts show it: ``on``/``off``, an enum member's
+        lower-case name, a number or text as written."""
+        if self.shown is not None:
+            return self.shown
+        return show_value(self.default)
+
+
+def show_value(v: Any) -> str:
+    """A default as help texts show it (``on``/``off``, enum members by lower-case name)."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, enum.Enum):
+        return v.name.lower()
+    if v is None:
+        return "none"
+    return str(v)
+
+
+@dataclass(frozen=True)
+class InputParam:
+    """A parameter of a kernel's input generator, as a ``make-inputs`` (or ``profile``) flag.
+
+    ``value_type``: int, float, str or bool (a bool is an on/off flag pair unless ``flag`` spells it);
+    ``default``: the command's default (None: not given, the generator decides and ``help`` says
+    how). ``with_weights``: what ``--weights DIR --layer L`` makes of it: ``"fact"`` (the layer
+    fixes it: the flag may repeat the layer's value, not contradict it), ``"refused"`` (the layer's
+    own is used), ``"output"`` (a kwarg of the output layout, applied on top of the layer's),
+    ``"used"`` (passed to the generator of inputs from weights), ``"weights-only"`` (used, and
+    refused without ``--weights``). ``choices``: the accepted values of a text flag."""
+
+    name: str
+    help: str
+    value_type: type = int
+    default: Any = None
+    flag: str | None = None
+    with_weights: str = "refused"
+    choices: tuple[str, ...] = ()
+
+    @property
+    def flag_name(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
 
 
 @dataclass(frozen=True)
@@ -79,8 +173,9 @@ class PaddedDims:
     layouts), for runs on zero-padded prepared weights (`mxcli.weightprep.padding`).
 
     ``inputs`` / ``outputs``: tensor name -> {dim: "H" | "I"} (negative dims count from the end).
-    ``hidden``: which padded hidden size the kernel reads (``"prefill"``: Hp, a multiple of 512;
-    ``"backward"``: Hb, a multiple of 128). ``unpad_outputs``: whether results are cut back to
+    ``hidden``: which padded hidden size the kernel reads, as the attribute of the prepared
+    folder's `mxcli.weightprep.padding.Padding` that holds it (``prefill_hidden_size``: Hp, a
+    multiple of 512; ``backward_hidden_size``: Hb, a multiple of 128). ``unpad_outputs``: whether results are cut back to
     the model's sizes (the backward's gradients) or kept as written (the next kernel reads them
     padded). ``intermediate_of``: the I of the run's expert stack from its tensors (None when the
     kernel has no I).
@@ -88,7 +183,7 @@ class PaddedDims:
 
     inputs: Mapping[str, Mapping[int, str]]
     outputs: Mapping[str, Mapping[int, str]] = field(default_factory=dict)
-    hidden: str = "prefill"
+    hidden: str = "hidden_size"
     unpad_outputs: bool = False
     intermediate_of: Callable[[Mapping[str, torch.Tensor]], int | None] | None = None
 
@@ -97,6 +192,8 @@ class PaddedDims:
 class NonfiniteRule:
     """Which NaN/Inf outputs the inputs explain (`mxcli.verification.finite`).
 
+    ``x4_inputs``: inputs that may be stored as 32-bit words of four E4M3 codes (pre-quantized
+    weights), whose NaN codes count as NaN values.
     ``token_inputs``: inputs whose rows are tokens that the kernel treats independently: a
     non-finite value there explains only its own token's outputs, and any other non-finite input
     explains every output. None: any non-finite input explains every output (the kernel mixes
@@ -105,6 +202,7 @@ class NonfiniteRule:
     """
 
     token_inputs: tuple[str, ...] | None = None
+    x4_inputs: tuple[str, ...] = ()
     views: (
         Callable[[Mapping[str, torch.Tensor], Mapping[str, Any], Mapping[str, torch.Tensor]], Any]
         | None
@@ -296,8 +394,17 @@ class KernelSpec:
         geometry: Callable[[Mapping[str, torch.Tensor]], dict[str, Any]] | None = None,
         implementations: Iterable[Implementation] = (),
         nki: NkiLaunch | None = None,
+        package: str | None = None,
+        title: str = "",
+        tokens: str | None = None,
     ) -> None:
         self.api = api
+        # the kernel's package (its slice parts are submodules of it; see `part`)
+        self.package: str = package or api.__module__.rpartition(".")[0]
+        # one line for the run command's help (``run-<short>``)
+        self.title = title
+        # the tensor argument whose leading dims count the tokens (``[..., H]``), if any
+        self.tokens = tokens
         self.name: str = api.__name__
         self.short = short
         self.signature = _signature(api)
@@ -385,12 +492,12 @@ class KernelSpec:
         ]
         if missing:
             raise InputError(f"{source}: missing tensor(s) {', '.join(missing)} for {self.name}")
-        hs = tensors.get("hidden_states")
+        hs = tensors.get(self.tokens) if self.tokens is not None else None
         if hs is not None and hs.dim() >= 2 and 0 in hs.shape[:-1]:
             # the kernel API takes it (empty outputs), but the NKI kernel cannot allocate
             # [0, ...] tiles, and a run of no token is never what a file meant
             raise InputError(
-                f"hidden_states: expected at least one token, got shape {tuple(hs.shape)}"
+                f"{self.tokens}: expected at least one token, got shape {tuple(hs.shape)}"
             )
         for arg in self.tensors:
             t = tensors.get(arg.name)
@@ -506,6 +613,34 @@ class KernelSpec:
         """Sizes a reader of the outputs needs besides the kwargs (``{}`` when none)."""
         return {} if self._geometry is None else self._geometry(inputs)
 
+    # -- slice parts --------------------------------------------------------------------------
+
+    def part(self, name: str) -> Any | None:
+        """The kernel's ``<package>.<name>`` module (``inputs``, ``verification``, ``profile``),
+        imported now; None when the kernel has no such part."""
+        module = f"{self.package}.{name}"
+        if importlib.util.find_spec(module) is None:
+            return None
+        return importlib.import_module(module)
+
+    def inputs(self) -> InputsPart:
+        """The kernel's inputs part; an `InputError` when it has none."""
+        return cast(InputsPart, self._required_part("inputs", "synthetic inputs"))
+
+    def verification(self) -> VerificationPart | None:
+        """The kernel's verification part (exact check, tolerance rows, cases), or None."""
+        return cast("VerificationPart | None", self.part("verification"))
+
+    def profile(self) -> ProfilePart | None:
+        """The kernel's profile part (shape flags, inputs from a shape), or None."""
+        return cast("ProfilePart | None", self.part("profile"))
+
+    def _required_part(self, name: str, what: str) -> ModuleType:
+        module = self.part(name)
+        if module is None:
+            raise InputError(f"kernel: {self.name} has no {what} ({self.package}.{name})")
+        return cast(ModuleType, module)
+
     # -- implementations (``--kernel``) --------------------------------------------------------
 
     def register_implementation(self, impl: Implementation) -> None:
@@ -546,7 +681,7 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
 
 
 def _load_all() -> None:
-    for package in KERNEL_PACKAGES:
+    for package in kernel_packages():
         importlib.import_module(package)
 
 
@@ -573,13 +708,13 @@ def get_spec(kernel: str | KernelSpec) -> KernelSpec:
 
 
 def all_specs() -> list[KernelSpec]:
-    """Every kernel's spec: those of `KERNEL_PACKAGES` in that order, then any other."""
+    """Every kernel's spec: those of `kernel_packages()` in that order, then any other."""
     _load_all()
+    packages = kernel_packages()
 
     def rank(spec: KernelSpec) -> int:
-        module = spec.api.__module__
-        hits = [i for i, p in enumerate(KERNEL_PACKAGES) if module.startswith(p + ".")]
-        return hits[0] if hits else len(KERNEL_PACKAGES)
+        hits = [i for i, p in enumerate(packages) if spec.package == p]
+        return hits[0] if hits else len(packages)
 
     return sorted(dict.fromkeys(_SPECS.values()), key=rank)
 
@@ -596,8 +731,68 @@ def read_kernel_file(path: str | os.PathLike[str]) -> TensorFile:
     return read_file(path, order=kernel_order)
 
 
+# --------------------------------------------------------------------------------------------
+# What the shared floors call in a kernel's slice parts (modules of the kernel's package)
+# --------------------------------------------------------------------------------------------
+
+
+class InputsPart(Protocol):
+    """``<package>.inputs``: the kernel's inputs (`mxcli.inputs` calls it).
+
+    ``PARAMS``: the make-inputs flags. ``generate(**params)``: seeded synthetic inputs (the
+    Python generator; the verification cases call it). ``from_flags(flags)``: synthetic inputs
+    from make-inputs' flag values (by `InputParam.name`). Optional: ``from_layer(manifest,
+    layer)`` -> (tensors, kwargs) a prepared layer supplies to a run (``run --weights``);
+    ``from_weights(manifest, weights, layer, rank, flags)`` -> inputs for make-inputs
+    ``--weights``; ``layer_facts(manifest, layer, rank)`` -> what a layer fixes, by flag name."""
+
+    PARAMS: tuple[InputParam, ...]
+
+    def generate(self, **params: Any) -> Any: ...
+
+    def from_flags(self, flags: Mapping[str, Any]) -> Any: ...
+
+
+class VerificationPart(Protocol):
+    """``<package>.verification``: ``check_exact(inputs, kwargs, outputs, weights, source)`` ->
+    reports against exact math; ``STRICT`` / ``HARDWARE``: output name -> `Tolerance` of each
+    profile; ``CASES``: the ``verify --suite`` cases (`mxcli.verification.cases.Case`)."""
+
+    STRICT: Mapping[str, Any]
+    HARDWARE: Mapping[str, Any]
+    CASES: Sequence[Any]
+
+    def check_exact(
+        self,
+        inputs: Mapping[str, torch.Tensor],
+        kwargs: Mapping[str, Any],
+        outputs: Mapping[str, torch.Tensor],
+        weights: Mapping[str, Any] | None,
+        source: str,
+    ) -> Any: ...
+
+
+class ProfilePart(Protocol):
+    """``<package>.profile``: ``PARAMS`` (the ``profile <short>`` shape flags; a None default is
+    required without an input file) and ``inputs(shape)`` -> (tensors, kwargs) of that shape;
+    optional ``HELP`` (the command's help), ``plan_padding(tensors, kwargs)`` and
+    ``launch_kwargs(implementation, tensors, kwargs)`` (the kwargs an implementation is profiled
+    with: a third-party kernel's own tuned config at the shape its authors measured)."""
+
+    PARAMS: tuple[InputParam, ...]
+
+    def inputs(self, shape: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]: ...
+
+
 __all__ = [
     "KERNEL_PACKAGES",
+    "PACKAGES_ENV",
+    "InputParam",
+    "InputsPart",
+    "ProfilePart",
+    "VerificationPart",
+    "kernel_packages",
+    "show_value",
     "Implementation",
     "KernelCall",
     "KernelSpec",

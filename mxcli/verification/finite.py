@@ -18,15 +18,12 @@ mixes all tokens and experts, so any non-finite input explains every output.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
 
 from mxcli.kernels.spec import get_spec
-
-# pre-quantized (x4) weights: four E4M3 codes per 32-bit word; 0x7F / 0xFF are NaN
-X4_WEIGHTS = ("gate_up_proj_weight", "down_proj_weight")
 
 
 def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
@@ -37,9 +34,11 @@ def nonfinite_counts(t: torch.Tensor) -> tuple[int, int]:
     return int(torch.isnan(f).sum()), int(torch.isinf(f).sum())
 
 
-def input_nonfinite(name: str, t: torch.Tensor) -> tuple[int, int]:
-    """(NaN, Inf) counts of an input: float values, or the E4M3 codes of x4 weight words."""
-    if name in X4_WEIGHTS and t.dtype in (torch.uint32, torch.int32):
+def input_nonfinite(name: str, t: torch.Tensor, x4_inputs: Collection[str] = ()) -> tuple[int, int]:
+    """(NaN, Inf) counts of an input: float values, or the E4M3 codes of x4 words (inputs in
+    `x4_inputs`, the kernel's `NonfiniteRule.x4_inputs`: four codes per 32-bit word; 0x7F and
+    0xFF are NaN)."""
+    if name in x4_inputs and t.dtype in (torch.uint32, torch.int32):
         b = t.detach().contiguous().view(torch.uint8)
         return int(((b & 0x7F) == 0x7F).sum()), 0
     return nonfinite_counts(t)
@@ -69,7 +68,7 @@ def unexplained_nonfinite(
         return dict(outputs) if rule.views is None else rule.views(outputs, kwargs, inputs)
 
     if rule.token_inputs is None:  # every output depends on every input
-        if any_nonfinite_input(inputs):
+        if any_nonfinite_input(inputs, rule.x4_inputs):
             return {}
         totals = {
             name: int(_nonfinite(v).sum()) for name, v in values().items() if v.is_floating_point()
@@ -108,9 +107,11 @@ def explained_tokens(kernel: str, inputs: Mapping[str, torch.Tensor]) -> torch.T
     return explained
 
 
-def any_nonfinite_input(inputs: Mapping[str, torch.Tensor]) -> bool:
-    """Whether any input holds a NaN or Inf (float values, or the codes of x4 weights)."""
-    return any(sum(input_nonfinite(n, t)) for n, t in inputs.items())
+def any_nonfinite_input(
+    inputs: Mapping[str, torch.Tensor], x4_inputs: Collection[str] = ()
+) -> bool:
+    """Whether any input holds a NaN or Inf (float values, or the codes of x4 words)."""
+    return any(sum(input_nonfinite(n, t, x4_inputs)) for n, t in inputs.items())
 
 
 def nonfinite_warnings(counts: Mapping[str, int]) -> list[str]:

@@ -3,35 +3,29 @@
 Profiles (the tolerance a comparison of two runs of the *same* numerics deserves):
 
 - ``strict``: for two emulations of the kernel (reference on CPU vs CUDA, the NKI simulator vs
-  the reference, a re-run against a golden file). Codes, scale bytes and indices must be
-  bit-exact; floating outputs may differ by the last place of their dtype (fp32 accumulation
-  order, transcendental functions): ``rtol = 2^-7`` per element, ``atol`` 1e-6, cosine >= 0.9999.
-  Weight gradients accumulate in bf16 over blocks, so their bound is ``rtol = 2^-5`` with an
-  absolute floor of ``2^-8 * max|golden|``. Outputs downstream of dG/dU (the hidden-state,
-  gate/up weight and bias gradients) pass through the P1 matmul, a bf16 rounding and an MX
-  quantization: they follow the ``chain`` model of `mxcli.verification.mxchain` (2 bf16 ulps,
-  at most 1% of the elements one step further, bounded by ``2^-3 * max|golden|``: one E4M3 code
-  step is at most 2^-3 of its group's largest magnitude).
-- ``hardware``: for a Trainium device against the reference, the upstream test tolerances
-  (prefill spec §7, bwd spec §11.3): at most 1% of codes and scale bytes may flip, dequantized
-  values within ``5e-2 * max`` for 99% of elements, indices on at least 95% of the tokens,
-  affinities cosine >= 0.98 (0.93 for NOAUX_TC) and within ``5e-2 * max + 1e-3`` for 95%; every
-  bwd output cosine >= 0.99, normalised L2 <= 0.7 and within ``0.5 * max``.
+  the reference, a re-run against a golden file): integer outputs bit-exact, floating outputs to
+  the last place of their dtype (fp32 accumulation order, transcendental functions).
+- ``hardware``: for a Trainium device against the reference, the upstream tests' tolerances.
 
-A kernel's packed output (`KernelSpec.packed`: ``norm_quant_packed``) is never compared byte by
-byte (its holes and pads are unspecified, prefill spec §4.2): it is decoded into ``.codes``
-(bit-exact), ``.scales`` (bit-exact), ``.values`` (dequantized) and, with ``pack_affinities``,
-``.affinities``.
+Each kernel's rows (output name -> `Tolerance`, per profile) are its own, in its verification
+part (``mxcli/kernels/<kernel>/verification.py``: ``STRICT``, ``HARDWARE``), with the spec
+section each row implements. An output no row names is bit-exact when integer, else ``ULP``
+(``rtol = 2^-7`` per element, ``atol`` 1e-6, cosine >= 0.9999).
+
+A kernel's packed output (`KernelSpec.packed`) is never compared byte by byte (its holes and
+pads may be unspecified): it is decoded into its parts (``<name>.codes``, ``.scales``,
+``.values``, ``.affinities``), each compared under its own row.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from mxcli.kernels.spec import PackedOutput, find_spec
+from mxcli.kernels.spec import PackedOutput, all_specs, find_spec
 from mxcli.verification.compare import (
     EXACT,
     TensorReport,
@@ -44,52 +38,20 @@ from mxcli.verification.compare import (
 
 PROFILES = ("strict", "hardware")
 
-_ULP = Tolerance("close", rtol=2.0**-7, atol=1e-6, min_cosine=0.9999)
-_WGRAD = Tolerance("close", rtol=2.0**-5, atol_of_max=2.0**-8, min_cosine=0.9999)
-# mxchain model; the ulp floor 2^-8 * max keeps _WGRAD's floor (bf16 accumulation over blocks)
-_CHAIN = Tolerance(
-    "chain", ulps=2.0, atol_of_max=2.0**-8, step_of_max=2.0**-3, max_mismatch_frac=0.01,
-    min_cosine=0.9999,
-)  # fmt: skip
+# strict, for floating outputs no row names: the last place of their dtype
+ULP = Tolerance("close", rtol=2.0**-7, atol=1e-6, min_cosine=0.9999)
 
-_STRICT: dict[str, Tolerance] = {
-    "norm_quant_packed.codes": EXACT,
-    "norm_quant_packed.scales": EXACT,
-    "norm_quant_packed.values": Tolerance("close", min_cosine=0.99999),
-    "norm_quant_packed.affinities": _ULP,
-    "expert_index": EXACT,
-    "expert_affinities": _ULP,
-    "output_residual": _ULP,
-    "norm_bf16": _ULP,
-    "hidden_states_grad": _CHAIN,
-    "expert_affinities_masked_grad": _ULP,
-    "gate_up_proj_weight_grad": _CHAIN,
-    "down_proj_weight_grad": _WGRAD,
-    "gate_and_up_proj_bias_grad": _CHAIN,
-    "down_proj_bias_grad": _WGRAD,
-}
 
-_UPSTREAM_BWD = Tolerance("close", rtol=1e-3, atol_of_max=0.5, min_cosine=0.99, max_norm_l2=0.7)
-_HW_AFF = Tolerance("close", atol=1e-3, atol_of_max=5e-2, min_cosine=0.98, max_mismatch_frac=0.05)
-
-_HARDWARE: dict[str, Tolerance] = {
-    "norm_quant_packed.codes": Tolerance("exact", max_mismatch_frac=0.01),
-    "norm_quant_packed.scales": Tolerance("exact", max_mismatch_frac=0.01),
-    "norm_quant_packed.values": Tolerance(
-        "close", atol=1e-5, atol_of_max=5e-2, max_mismatch_frac=0.01
-    ),
-    "norm_quant_packed.affinities": _HW_AFF,
-    "expert_index": Tolerance("exact", max_mismatch_frac=0.05),
-    "expert_affinities": _HW_AFF,
-    "output_residual": Tolerance("close", rtol=1e-2, atol=1e-5),
-    "norm_bf16": Tolerance("close", rtol=1e-2, atol=1e-5),
-    "hidden_states_grad": _UPSTREAM_BWD,
-    "expert_affinities_masked_grad": _UPSTREAM_BWD,
-    "gate_up_proj_weight_grad": _UPSTREAM_BWD,
-    "down_proj_weight_grad": _UPSTREAM_BWD,
-    "gate_and_up_proj_bias_grad": _UPSTREAM_BWD,
-    "down_proj_bias_grad": _UPSTREAM_BWD,
-}
+@functools.cache
+def _rows(profile: str) -> dict[str, Tolerance]:
+    """Output name -> tolerance of `profile`, from every registered kernel's verification part
+    (``STRICT`` / ``HARDWARE``)."""
+    rows: dict[str, Tolerance] = {}
+    for spec in all_specs():
+        part = spec.verification()
+        if part is not None:
+            rows.update(part.HARDWARE if profile == "hardware" else part.STRICT)
+    return rows
 
 
 def profile_for_backend(backend: str) -> str:
@@ -110,11 +72,10 @@ def tolerance_for(
     ``overrides`` (rtol, atol, min_cosine, max_mismatch_frac) apply to floating comparisons;
     ``max_mismatch_frac`` applies to bit-exact ones too; ``exact`` makes everything bit-exact.
     """
-    table = _HARDWARE if profile == "hardware" else _STRICT
-    tol = table.get(name)
+    tol = _rows("hardware" if profile == "hardware" else "strict").get(name)
     if tol is None:
         is_float = tensor is not None and tensor.is_floating_point()
-        tol = _ULP if is_float else EXACT
+        tol = ULP if is_float else EXACT
     ov = dict(overrides or {})
     if exact:
         return Tolerance("exact", max_mismatch_frac=ov.get("max_mismatch_frac") or 0.0)
@@ -209,13 +170,12 @@ def _compare_packed(
                 f"row shape {list(a_bytes.shape)} != expected {list(e_bytes.shape)}",
             )
         ]
-    H, E = hidden, (num_experts if kwargs.get("pack_affinities") else None)
+    H, E = hidden, num_experts  # the kernel's decode reads E only where its rows hold it
     if H is None:
         H, E = packed.geometry(kwargs, exp)
     da = packed.decode(a_bytes, kwargs, H, E)
     de = packed.decode(e_bytes, kwargs, H, E)
-    # bytes the API leaves unspecified (scale-region holes, the row pad; prefill spec §4.2)
-    # are excluded from the comparison and counted
+    # bytes the API leaves unspecified (`PackedOutput.defined`: holes, pads) are excluded from the comparison and counted
     holes = differ = 0
     if packed.defined is not None:
         keep = packed.defined(kwargs, H, E, int(a_bytes.shape[1]))
@@ -236,4 +196,11 @@ def _compare_packed(
     return out
 
 
-__all__ = ["PROFILES", "compare_outputs", "geometry_args", "profile_for_backend", "tolerance_for"]
+__all__ = [
+    "PROFILES",
+    "ULP",
+    "compare_outputs",
+    "geometry_args",
+    "profile_for_backend",
+    "tolerance_for",
+]

@@ -11,10 +11,12 @@ import torch
 from typer.testing import CliRunner
 
 from mxcli.cli import app
-from mxcli.inputs import make_bwd_inputs, make_prefill_inputs, write_inputs
+from mxcli.inputs import write_inputs
 from mxcli.kernels import backends
 from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
+from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
 from mxcli.runs import run_file
 
 PREFILL, BWD = PREFILL_SPEC.name, BWD_SPEC.name

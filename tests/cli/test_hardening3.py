@@ -545,7 +545,9 @@ def test_make_inputs_seed_out_of_range_names_the_flag(tmp_path: Path, kind, seed
 
 
 def test_largest_seed_is_accepted() -> None:
-    from mxcli.inputs import SEED_MAX, make_bwd_inputs, make_prefill_inputs
+    from mxcli.inputs import SEED_MAX
+    from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+    from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
 
     assert SEED_MAX == 2**32 - 1
     a = make_prefill_inputs(seq=4, experts=None, seed=SEED_MAX)

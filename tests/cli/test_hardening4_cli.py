@@ -18,7 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mxcli.inputs import make_bwd_inputs, make_prefill_inputs, write_inputs
+from mxcli.inputs import write_inputs
+from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -332,7 +334,7 @@ def test_profile_memory_estimate_is_make_inputs(monkeypatch) -> None:
     """The issue's case, on a 24 GB machine: refused with the figure before any allocation."""
     from mxcli import memory
     from mxcli.errors import InputError
-    from mxcli.kernels import profiling
+    from mxcli.kernels.rmsnorm_mx_prefill import profile as profiling
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 24 * 10**9)
     shape = profiling.PrefillShape(1048576, 7168, 256, 8, "noaux_tc", 8, 4, False)

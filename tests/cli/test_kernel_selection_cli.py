@@ -37,7 +37,8 @@ def _mxcli(
 
 def test_verify_kernel_fails_a_mutated_fork_through_the_cli(tmp_path: Path) -> None:
     """run-prefill --kernel MODULE:FUNCTION and verify --kernel MODULE:FUNCTION in fresh processes."""
-    from mxcli.inputs import make_prefill_inputs, write_inputs
+    from mxcli.inputs import write_inputs
+    from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
     from mxcli.runs import run_file
     from mxcli.verification.golden import recorded_kernel
 
@@ -76,7 +77,8 @@ def test_verify_kernel_fails_a_mutated_fork_through_the_cli(tmp_path: Path) -> N
 
 
 def test_cli_kernel_errors_are_one_line(tmp_path: Path, cli) -> None:
-    from mxcli.inputs import make_prefill_inputs, write_inputs
+    from mxcli.inputs import write_inputs
+    from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
 
     write_inputs(
         make_prefill_inputs(seq=8, hidden=512, experts=None, seed=4), tmp_path / "in.safetensors"
@@ -119,7 +121,8 @@ def test_cli_kernel_errors_are_one_line(tmp_path: Path, cli) -> None:
 def test_run_bwd_refuses_a_config_the_entry_point_cannot_take(tmp_path: Path) -> None:
     """Issue 29: an entry point without ``config`` (nor its knobs as keywords) used to run on its
     own defaults, mxcli's config dropped without a word; now exit 2, one line naming it."""
-    from mxcli.inputs import make_bwd_inputs, write_inputs
+    from mxcli.inputs import write_inputs
+    from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
     from tests.kernels.forks import write_bwd_kernel
 
     spec = write_bwd_kernel(tmp_path / "src", "mxbwd_cli_bare", "bare")
@@ -233,7 +236,8 @@ def test_profile_compares_two_kernels_side_by_side(tmp_path: Path, cli) -> None:
 def test_absent_nkilib_is_the_probe_s_one_line_in_verify_and_run(tmp_path: Path) -> None:
     """Issue 32: ``--kernel nkilib`` without nkilib is the implementation's probe's reason, one
     line and exit 2, before any work: for ``verify --suite`` (both kernels' cases) and ``run-bwd``."""
-    from mxcli.inputs import make_bwd_inputs, write_inputs
+    from mxcli.inputs import write_inputs
+    from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
 
     line = (
         "kernel: nkilib: module 'nkilib' is not importable; install AWS's NKI Library (git clone "

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from mxcli.inputs import make_bwd_inputs, make_prefill_inputs
 from mxcli.kernels.blockwise_moe import SPEC as BWD_SPEC
+from mxcli.kernels.blockwise_moe.inputs import make_bwd_inputs
+from mxcli.kernels.blockwise_moe.verification import check_bwd
 from mxcli.kernels.rmsnorm_mx_prefill import SPEC as PREFILL_SPEC
+from mxcli.kernels.rmsnorm_mx_prefill.inputs import make_prefill_inputs
+from mxcli.kernels.rmsnorm_mx_prefill.verification import check_prefill
 from mxcli.runs import run_case, run_kernel, run_suite
 from mxcli.verification.cases import CASES, select
 from mxcli.verification.compare import Tolerance, compare_tensors
-from mxcli.verification.exact import check_bwd, check_prefill
 from mxcli.verification.policy import compare_outputs
 from mxcli.verification.report import CaseResult, junit_xml, render_table, to_json
 

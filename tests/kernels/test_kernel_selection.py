@@ -27,10 +27,10 @@ NKILIB_IMPORTABLE = importlib.util.find_spec("nkilib") is not None
 
 
 def _inputs(**params):
-    import mxcli.inputs as inputs
+    from mxcli.kernels.rmsnorm_mx_prefill import inputs as prefill_inputs
     from mxcli.kernels.spec import get_spec
 
-    ki = inputs.make_prefill_inputs(**params)
+    ki = prefill_inputs.make_prefill_inputs(**params)
     return ki.tensors, get_spec(PREFILL).resolve_kwargs(ki.kwargs)
 
 
@@ -327,13 +327,13 @@ def test_neuron_backend_names_the_chosen_kernel_when_unavailable(
 def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -> None:
     """The bwd launch: API argument names, int32 ids, num_valid_tokens as a [1] tensor, and
     mxcli's MXFP8MOEBwdConfig rebuilt as the module's own class (its kernel asserts on it)."""
-    import mxcli.inputs as inputs
     from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
     spec = selection.parse_implementation(write_bwd_kernel(tmp_path, "mxbwd_third"), BWD, tmp_path)
-    ki = inputs.make_bwd_inputs(
+    ki = bwd_inputs.make_bwd_inputs(
         tokens=128,
         hidden=256,
         intermediate=128,
@@ -364,10 +364,10 @@ def test_third_party_bwd_gets_its_own_config_and_api_arguments(tmp_path: Path) -
 
 
 def _bwd_case(dense: bool = False):
-    import mxcli.inputs as inputs
+    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.spec import get_spec
 
-    ki = inputs.make_bwd_inputs(
+    ki = bwd_inputs.make_bwd_inputs(
         tokens=128,
         hidden=256,
         intermediate=128,
@@ -443,13 +443,13 @@ def test_prequantized_bwd_weights_reach_a_third_party_kernel_as_x4(tmp_path: Pat
     """Issue 29: pre-quantized weights are uint32 x4 words; a third-party kernel (AWS's reads
     'x4' in str(dtype)) must see the interpreter's x4 dtype, else it treats them as unpacked fp8
     (AWS's backward then returned NaN gradients)."""
-    import mxcli.inputs as inputs
     from mxcli.kernels.blockwise_moe import blockwise_mm_bwd_mxfp8
+    from mxcli.kernels.blockwise_moe import inputs as bwd_inputs
     from mxcli.kernels.spec import get_spec
     from tests.kernels.forks import write_bwd_kernel
 
     spec = selection.parse_implementation(write_bwd_kernel(tmp_path, "mxbwd_x4"), BWD, tmp_path)
-    ki = inputs.make_bwd_inputs(
+    ki = bwd_inputs.make_bwd_inputs(
         tokens=128,
         hidden=256,
         intermediate=128,

@@ -486,10 +486,10 @@ def test_sbuf_budget_is_aws_margin() -> None:
 def test_peak_sbuf_within_aws_margin(shape: tuple[int, ...]) -> None:
     """Check-only at LNC 2: every program's SBUF peak stays within `SBUF_BUDGET`, AWS's own
     backward's margin (at AWS's shape the kernel used to peak at 240392 B)."""
-    from mxcli.kernels import profiling as prof
+    from mxcli.kernels.blockwise_moe import profile as prof
 
     T, H, I, E, K, B, nb = shape  # noqa: E741
-    tensors, kwargs = prof._sample_bwd_inputs(prof.BwdShape(T, H, I, E, K, B), nb, E)
+    tensors, kwargs = prof.sample_inputs(prof.BwdShape(T, H, I, E, K, B), nb, E)
     res = launch_sim(**tensors, **kwargs, lnc=2, check_only=True)
     budget = _sbuf_budget()
     for prog in res.report.programs:

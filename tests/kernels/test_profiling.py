@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mxcli.kernels import profiling as prof
+from mxcli.kernels.blockwise_moe import profile as bwd_profile
+from mxcli.kernels.blockwise_moe.spec import SPEC as BWD
 
 
 def test_bwd_extrapolation_matches_the_full_plan() -> None:
@@ -12,9 +14,11 @@ def test_bwd_extrapolation_matches_the_full_plan() -> None:
     run's compute-engine busy times and PE FLOPs (the same instruction stream per block) and bound
     its DMA time from above (the real plan's padding rows are skipped by the DMAs), and so GpSimd's,
     which generates the software-DGE descriptors of the rows moved (issue 29 item 3)."""
-    s = prof.BwdShape(tokens=128, hidden=256, intermediate=128, experts=4, top_k=2, block_size=128)
-    full = prof.profile_kernel(prof.BWD, *prof.bwd_inputs(s), lnc=1).summary()
-    est = prof.profile_bwd_scaled(s, lnc=1)
+    s = bwd_profile.BwdShape(
+        tokens=128, hidden=256, intermediate=128, experts=4, top_k=2, block_size=128
+    )
+    full = prof.profile_kernel(BWD, *bwd_profile.bwd_inputs(s), lnc=1).summary()
+    est = bwd_profile.profile_bwd_scaled(s, lnc=1)
     assert est["plan_padding"]["blocks"] == 5 and est["plan_padding"]["pairs"] == 256
     for eng in ("tensor", "vector", "scalar"):
         assert est["busy_us"][eng] == pytest.approx(full["busy_us"][eng], rel=1e-9, abs=1e-9)
@@ -30,17 +34,19 @@ def test_aws_tuned_config_is_the_table_entry_and_only_at_aws_shape() -> None:
     with a config of its own, keep theirs."""
     from mxcli.kernels.blockwise_moe.config import TransposeMode
 
-    pe, dma = prof.aws_tuned_config(), prof.aws_tuned_config(dma_transposes=True)
+    pe, dma = bwd_profile.aws_tuned_config(), bwd_profile.aws_tuned_config(dma_transposes=True)
     assert [(c.TILES_IN_BLOCK_M, c.TILES_IN_BLOCK_N, c.TILES_IN_BLOCK_K) for c in
             (pe.phase1_config, pe.phase2_config, pe.phase3_config, pe.phase4_config)] == [
         (16, 2, 4), (16, 2, 6), (6, 4, 2), (8, 2, 2)]  # fmt: skip
     assert pe.phase3_transpose_mode is TransposeMode.NC is pe.phase4_transpose_mode
     assert dma.phase3_transpose_mode is TransposeMode.DMA is dma.phase4_transpose_mode
-    at = prof.bwd_inputs(prof.AWS_SHAPE)
-    assert prof._at_aws_shape(*at)
-    assert not prof._at_aws_shape(at[0], {**at[1], "config": dma})
-    small = prof.bwd_inputs(prof.BwdShape(128, 256, 128, 1, 1, 128))
-    assert not prof._at_aws_shape(*small)
+    at = bwd_profile.bwd_inputs(bwd_profile.AWS_SHAPE)
+    assert bwd_profile.launch_kwargs("nkilib", *at)["config"] == pe
+    assert bwd_profile.launch_kwargs("mxcli", *at) == at[1]  # ours keeps its own plan
+    own = {**at[1], "config": dma}
+    assert bwd_profile.launch_kwargs("nkilib", at[0], own) == own
+    small = bwd_profile.bwd_inputs(bwd_profile.BwdShape(128, 256, 128, 1, 1, 128))
+    assert bwd_profile.launch_kwargs("nkilib", *small) == small[1]
 
 
 def test_profile_comparison_gives_ours_over_aws() -> None:

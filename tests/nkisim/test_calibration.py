@@ -18,6 +18,8 @@ from mxcli.errors import InputError
 from mxcli.kernels import calibrating as kc
 from mxcli.kernels import measurements
 from mxcli.kernels import profiling as prof
+from mxcli.kernels.blockwise_moe import profile as bwd_profile
+from mxcli.kernels.rmsnorm_mx_prefill import profile as prefill_profile
 from mxcli.nkisim import calibration as cal
 from mxcli.nkisim import cost
 
@@ -25,8 +27,8 @@ PREFILL_SHAPES = [(32, 512, 16), (64, 512, 16), (32, 1024, 32)]  # (T, H, E), LN
 
 
 def _prefill(T: int, H: int, E: int, lnc: int = 1) -> Any:
-    s = prof.PrefillShape(T, H, E, 2, "softmax", 4, 2, False)
-    return prof.profile_kernel("prefill", *prof.prefill_inputs(s), lnc=lnc)
+    s = prefill_profile.PrefillShape(T, H, E, 2, "softmax", 4, 2, False)
+    return prof.profile_kernel("prefill", *prefill_profile.prefill_inputs(s), lnc=lnc)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,8 @@ def prefills() -> list[Any]:
 
 @pytest.fixture(scope="module")
 def bwd() -> Any:
-    s = prof.BwdShape(128, 256, 128, 2, 2, 128)
-    return prof.profile_kernel("bwd", *prof.bwd_inputs(s), lnc=2)
+    s = bwd_profile.BwdShape(128, 256, 128, 2, 2, 128)
+    return prof.profile_kernel("bwd", *bwd_profile.bwd_inputs(s), lnc=2)
 
 
 def _table(**free: tuple[str, float, float]) -> tuple[cost.Figure, ...]:
@@ -250,7 +252,7 @@ def test_calibration_file_round_trip_and_bad_keys(prefills: list[Any], tmp_path:
     )
     # the calibrated profile is the model at the calibrated value
     kp = prof.profile_kernel(
-        "prefill", *prof.prefill_inputs(prof.PrefillShape(32, 512, 16, 2, "softmax", 4, 2, False)),
+        "prefill", *prefill_profile.prefill_inputs(prefill_profile.PrefillShape(32, 512, 16, 2, "softmax", 4, 2, False)),
         lnc=1, calibration=c,
     )  # fmt: skip
     assert kp.profile.makespan_ns / 1e3 == pytest.approx(ms[0].us, rel=1e-6)
@@ -278,7 +280,7 @@ def test_fit_needs_fitted_figures(prefills: list[Any]) -> None:
 def test_extrapolated_profile_carries_its_range() -> None:
     """`profile_bwd_scaled` (bench_nki's README shapes): the range's nominal is the
     extrapolated estimate itself (the extrapolation redone per figure setting)."""
-    out = prof.profile_bwd_scaled(prof.BwdShape(256, 256, 128, 4, 2, 128), lnc=1)
+    out = bwd_profile.profile_bwd_scaled(bwd_profile.BwdShape(256, 256, 128, 4, 2, 128), lnc=1)
     sched, lb = out["range"]["schedule_us"], out["range"]["lower_bound_us"]
     assert sched["nominal"] == pytest.approx(out["schedule_us"], rel=1e-9)
     assert lb["nominal"] == pytest.approx(out["lower_bound_us"], rel=1e-9)

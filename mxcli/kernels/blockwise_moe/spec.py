@@ -127,6 +127,7 @@ SPEC = register_spec(
                 "MXFP8MOEBwdConfig as a JSON object of its fields.",
                 _parse_config,
                 _dump_config,
+                file="MXFP8MOEBwdConfig fields",
             ),
         ),
         outputs=OUTPUT_NAMES,
@@ -152,14 +153,18 @@ SPEC = register_spec(
                 "gate_and_up_proj_bias_grad": {2: "I"},  # [E, 2, I]
                 "down_proj_bias_grad": {1: "H"},  # [E, H]
             },
-            hidden="backward",
+            hidden="backward_hidden_size",
             unpad_outputs=True,
             intermediate_of=expert_intermediate_size,
         ),
         # the backward mixes every token and expert: any non-finite input explains every output
-        nonfinite=NonfiniteRule(token_inputs=None),
+        nonfinite=NonfiniteRule(
+            token_inputs=None, x4_inputs=("gate_up_proj_weight", "down_proj_weight")
+        ),
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
         nki=NKI_LAUNCH,
+        title="The MXFP8 backward pass of a blockwise MoE layer.",
+        tokens="hidden_states",
     )
 )
 

@@ -1,6 +1,6 @@
 """Seeded test cases in the manner of the upstream backward tests (bwd spec §11.1): the upstream
 router, seed and draw order, for tests, benchmarks and demos. (Complete inputs for the CLI, with
-mxcli's own seeded generator, are `mxcli.inputs.make_bwd_inputs`.)"""
+mxcli's own seeded generator, are `mxcli.kernels.blockwise_moe.inputs.generate`.)"""
 
 from __future__ import annotations
 

@@ -67,12 +67,13 @@ NKI_LAUNCH = NkiLaunch(
 def decode_packed(
     packed: torch.Tensor, kwargs: Mapping[str, Any], hidden: int, num_experts: int | None
 ) -> DecodedRows:
-    """`decode_packed_rows` of output rows, with the layout the call's kwargs give."""
+    """`decode_packed_rows` of output rows, with the layout the call's kwargs give (`num_experts`
+    is read only when the rows hold the affinities)."""
     return decode_packed_rows(
         packed,
         hidden,
         pack_scales=bool(SPEC.value(kwargs, "pack_scales")),
-        num_experts=num_experts,
+        num_experts=num_experts if SPEC.value(kwargs, "pack_affinities") else None,
         router_act_fn=SPEC.value(kwargs, "router_act_fn"),
         qmx_output_dtype=SPEC.value(kwargs, "qmx_output_dtype"),
     )
@@ -86,7 +87,7 @@ def packed_defined(
     return defined_bytes(
         hidden,
         pack_scales=bool(SPEC.value(kwargs, "pack_scales")),
-        num_experts=num_experts,
+        num_experts=num_experts if SPEC.value(kwargs, "pack_affinities") else None,
         router_act_fn=SPEC.value(kwargs, "router_act_fn"),
         row_bytes=row_bytes,
     )
@@ -179,6 +180,7 @@ SPEC = register_spec(
                 "Router activation: sigmoid, softmax or noaux_tc.",
                 RouterActFnType.coerce,
                 enum_dump,
+                flag="--router-act",
             ),
             ScalarArg("n_group", "NOAUX_TC expert groups.", typed(int, "n_group", low=1)),
             ScalarArg("topk_group", "NOAUX_TC groups kept.", typed(int, "topk_group", low=1)),
@@ -207,6 +209,8 @@ SPEC = register_spec(
                 "unpadded_hidden_size",
                 "Real hidden size for the RMS mean when H is zero-padded.",
                 typed(int, "unpadded_hidden_size", low=1, allow_none=True),
+                value_type=int,
+                shown="H",
             ),
             ScalarArg(
                 "emit_norm_bf16",
@@ -223,7 +227,9 @@ SPEC = register_spec(
         validate=validate,
         required_outputs=_required_outputs,
         # prefill spec §2.3: H % 512 == 0; the real H only changes the RMS divisor (§3)
-        padded=PaddedDims(inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}),
+        padded=PaddedDims(
+            inputs={"hidden_states": {-1: "H"}, "residual": {-1: "H"}}, hidden="prefill_hidden_size"
+        ),
         # tokens are independent (§3): a token's outputs are explained by its own rows
         nonfinite=NonfiniteRule(token_inputs=("hidden_states", "residual"), views=_value_views),
         packed=PackedOutput(
@@ -232,6 +238,8 @@ SPEC = register_spec(
         geometry=_geometry,
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
         nki=NKI_LAUNCH,
+        title="Fused RMSNorm + MXFP8 quantization (+ router top-K).",
+        tokens="hidden_states",
     )
 )
 
