@@ -172,6 +172,11 @@ def parse_implementation(
     impl = spec.implementations.get(label)
     if impl is not None:  # mxcli's own kernel: --kernel-path does not apply
         return ImplementationChoice(label, spec.name, impl, None if impl.own else path)
+    if label == MXCLI and own is None:
+        # a kernel with no NKI implementation of mxcli's (a torch reference only): the default
+        # choice names none; a backend that runs NKI kernels says so when it is asked to load it
+        none = Implementation(MXCLI, f"{spec.name} has no NKI kernel of mxcli's", own=True)
+        return ImplementationChoice(label, spec.name, none, None)
     module, sep, function = label.partition(":")
     ident = all(p.isidentifier() for p in module.split(".")) and function.isidentifier()
     if not sep or not ident:
