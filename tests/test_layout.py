@@ -289,8 +289,6 @@ SHARED = (
     "mxcli.io",
 )
 NOT_SHARED = ("mxcli.commands.demo",)
-# shared modules exempted while another change rewrites them (none now)
-PENDING: dict[str, str] = {}
 # the one place a kernel package is named: its registration line
 REGISTRATION = "KERNEL_PACKAGES"
 
@@ -357,7 +355,7 @@ def test_no_shared_module_names_a_kernel_its_tensors_or_its_defaults() -> None:
     found = [
         f"{mod}:{line}: {text!r}"
         for mod, path in sorted(_modules().items())
-        if _shared(mod) and mod not in PENDING
+        if _shared(mod)
         for line, text in _kernel_strings(_tree(path), names, exact)
     ]
     assert found == []

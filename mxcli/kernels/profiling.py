@@ -128,13 +128,11 @@ def profile_kernel(
     shape: dict[str, Any] | None = None,
     nki_kernel: Any = None,
     calibration: Any = None,
-    check_capacity: bool = True,
 ) -> KernelProfile:
     """Run `kernel` in check-only mode with recording and return its cost-model profile.
 
     `nki_kernel`: the NKI implementation to profile (``mxcli`` default, ``nkilib``,
-    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.ImplementationChoice`). `check_capacity`:
-    False skips the SBUF/PSUM capacity check. `calibration`: a
+    ``MODULE:FUNCTION`` or a `mxcli.kernels.selection.ImplementationChoice`). `calibration`: a
     `mxcli.kernels.calibrating.Calibration` whose fitted figures replace the table's."""
     import warnings
 
@@ -159,9 +157,8 @@ def profile_kernel(
         with warnings.catch_warnings():  # counted per site below instead
             warnings.filterwarnings("ignore", message=".*reads memory never written")
             launcher.launch_sim(
-                spec, **tensors, **kwargs, lnc=lnc, check_only=True, implementation=choice,
-                check_capacity=check_capacity,
-            )  # fmt: skip
+                spec, **tensors, **kwargs, lnc=lnc, check_only=True, implementation=choice
+            )
     secs = time.perf_counter() - t0
     hw = calibration.hardware(target) if calibration is not None else cost.hardware(target)
     prof = schedule.build_profile(recorders, target, hw, lnc)
