@@ -103,11 +103,12 @@ def _aws_tuned_launch(p2_block_m: int) -> Any:
     import dataclasses
 
     from mxcli.kernels import launcher, selection
-    from mxcli.kernels import profiling as prof
+    from mxcli.kernels.blockwise_moe import profile as bwd_profile
     from mxcli.kernels.blockwise_moe.config import MatmulMxfp8KernelConfig as M
     from mxcli.kernels.blockwise_moe.config import TransposeMode
+    from mxcli.kernels.blockwise_moe.spec import SPEC as BWD
 
-    tensors, kwargs = prof.bwd_inputs(prof.BwdShape(4096, 4096, 1536, 1, 1, 4096))
+    tensors, kwargs = bwd_profile.bwd_inputs(bwd_profile.BwdShape(4096, 4096, 1536, 1, 1, 4096))
 
     def phase(m: int, n: int, k: int, load_m: int) -> Any:
         return M(
@@ -126,7 +127,7 @@ def _aws_tuned_launch(p2_block_m: int) -> Any:
     )
     choice = selection.parse_implementation("nkilib", "blockwise_mm_bwd_mxfp8")
     return launcher.launch_sim(
-        prof.BWD, **tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True,
+        BWD, **tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True,
         implementation=choice,
     )  # fmt: skip
 
