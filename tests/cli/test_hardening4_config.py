@@ -581,7 +581,7 @@ def test_verify_nxdi_mx_fails_on_flipped_codes(tmp_path) -> None:
     assert r.returncode == 0, r.stderr
     assert verify_checkpoint(out, src)["passed"]
     name = "layers.1.mlp.expert_mlps.mlp_op.down_proj.weight"
-    _flip(out / "weights" / "tp0_sharded_checkpoint.safetensors", name, 20)
+    _flip(out / "weights" / "tp0_moe_only.safetensors", name, 20)
     r = _verify(out, src)
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert any(
