@@ -409,7 +409,6 @@ def run_file(
             device=outcome.device,
             inputs=tensors,
             input_file=str(f.path.name),
-            elapsed_s=outcome.seconds,
             extra=extra,
         )
         write_file(out, outputs, meta, force=force)

@@ -203,7 +203,7 @@ def main() -> None:
     ap.add_argument("--json", help="also write every summary to this JSON file")
     ap.add_argument(
         "--calibration",
-        help="calibration file (mxcli profile calibrate): the fitted figures' values and ranges",
+        help="calibration file (mxcli profile --calibrate): the fitted figures' values and ranges",
     )
     args = ap.parse_args()
     try:

@@ -38,8 +38,11 @@ app = typer.Typer(
     help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
     "interpreter's check-only mode; its instructions are costed from the documented engine "
     "figures and list-scheduled. One subcommand per kernel; its shape flags default to the "
-    "kernel API's values where it has them.",
+    "kernel API's values where it has them.\n\nWith Trn3 time: 'mxcli profile --calibrate "
+    "MEASURED.json -o CAL.json' (no kernel) refits the model's fitted figures to measured "
+    "latencies and writes a calibration file; later runs take it with --calibration CAL.json.",
     no_args_is_help=True,
+    subcommand_metavar="[COMMAND [ARGS]...]",  # none with --calibrate
 )
 
 InputArg = Annotated[
@@ -58,7 +61,7 @@ TargetOpt = Annotated[str, typer.Option("--target", help="Cost tables: trn3 (trn
 TopOpt = Annotated[int, typer.Option("--top", help="Source lines to list, by engine time.")]
 CalibrationOpt = Annotated[
     Path | None,
-    typer.Option("--calibration", help="Calibration file (from 'profile calibrate') giving the "
+    typer.Option("--calibration", help="Calibration file (from 'profile --calibrate') giving the "
                  "fitted figures' values and ranges.", show_default=False),
 ]  # fmt: skip
 
@@ -366,60 +369,83 @@ def _register() -> None:
 _register()
 
 
-@app.command("calibrate", cls=PlainCommand)
-def calibrate(
+CalibrateOpt = Annotated[
+    Path | None,
+    typer.Option("--calibrate", metavar="MEASURED.json", help="Measured latencies (a JSON list "
+                 "of {kernel, shape, lnc, us, kwargs?, nki_kernel?}): refit the fitted figures "
+                 "to them and write a calibration file (-o); give no kernel with it.",
+                 show_default=False),
+]  # fmt: skip
+OutputOpt = Annotated[
+    Path | None,
+    typer.Option("--output", "-o", metavar="CAL.json", help="--calibrate: the calibration file "
+                 "to write (JSON), for later runs' --calibration.", show_default=False),
+]  # fmt: skip
+CalibrateForce = Annotated[
+    bool,
+    typer.Option("--force", "-f", help="--calibrate: replace the -o file (only a calibration "
+                 "file mxcli wrote)."),
+]  # fmt: skip
+
+
+@app.callback(invoke_without_command=True)
+def profile_group(
     ctx: typer.Context,
-    measured: Annotated[
-        Path,
-        typer.Argument(
-            help="Measured latencies (JSON list of {kernel, shape, lnc, us, "
-            "kwargs?, nki_kernel?}).",
-            show_default=False,
-        ),
-    ],
-    output: Annotated[
-        Path,
-        typer.Option(
-            "--output", "-o", help="Calibration file to write (JSON).", show_default=False
-        ),
-    ],
-    force: Force = False,
+    calibrate: CalibrateOpt = None,
+    output: OutputOpt = None,
+    force: CalibrateForce = False,
 ) -> None:
-    """Refit the model's fitted figures to measured latencies.
+    """``mxcli profile --calibrate MEASURED.json -o CAL.json`` (issue 29 item 7): refit the
+    model's fitted figures to measured latencies. Each measured launch runs once in check-only
+    mode; its recorded instructions are re-costed while the fitted figures move within their
+    ranges (least squares on log time). Later runs take the result with --calibration FILE.
+    Without --calibrate the group only dispatches to its kernel subcommands."""
+    kernel = ctx.invoked_subcommand
+    if calibrate is None:
+        if output is not None:
+            raise InputError(f"--output: only with --calibrate MEASURED.json (got -o {output} "
+                             f"without --calibrate)")  # fmt: skip
+        if force:  # `mxcli profile --force bwd --trace t.json`: the kernel's own --force
+            raise InputError("--force: before a kernel's name only with --calibrate (got it "
+                             "without --calibrate; a kernel's --trace takes --force after the "
+                             "kernel's name)")  # fmt: skip
+        if kernel is None:  # `mxcli profile --json`: nothing asked for
+            ctx.fail("Missing command (a kernel, or --calibrate MEASURED.json).")
+        return
+    if kernel is not None:
+        raise InputError(f"--calibrate: refits from the measurements file alone; give no kernel "
+                         f"with it (got --calibrate {calibrate} and '{kernel}')")  # fmt: skip
+    if output is None:
+        raise InputError(f"--output: -o CAL.json is required with --calibrate (got --calibrate "
+                         f"{calibrate} and no -o)")  # fmt: skip
+    _calibrate(calibrate, output, force, global_options(ctx))
 
-    Each measured launch runs once in check-only mode; its recorded instructions are re-costed
-    while the fitted figures move within their ranges (least squares on log time). Later runs
-    take the result with --calibration FILE.
-    """
-    opts = global_options(ctx)
+
+def _calibrate(measured: Path, output: Path, force: bool, opts: Any) -> None:
+    from mxcli.fsutil import refuse_inputs
+    from mxcli.kernels import calibrating, measurements
+
     json_out, quiet = opts.json, opts.quiet
-
-    def body() -> None:
-        from mxcli.fsutil import refuse_inputs
-        from mxcli.kernels import calibrating, measurements
-
-        calibrating.check_replaceable(output, force)  # before the (long) runs
-        refuse_inputs(output, [("measurements file", measured)])
-        ms = measurements.read_measurements(measured)
-        with Steps(quiet) as steps, steps.step(f"Recording {len(ms)} measured launches"):
-            profiles = [measurements.record(m, f"{measured}: measurement {i}")
-                        for i, m in enumerate(ms)]  # fmt: skip
-        with Steps(quiet) as steps, steps.step("Fitting"):
-            result = calibrating.calibrate(profiles, ms)
-        doc = calibrating.calibration_doc(result, ms)
-        calibrating.write_calibration(output, doc, force)
-        if json_out:
-            print_json({**doc, "output": str(output)})
-        elif not quiet:
-            con = stdout_console()
-            for k, v in doc["figures"].items():
-                lo, hi = doc["ranges"][k]
-                con.print(f"{k} = {v:.6g} (range {lo:.6g}..{hi:.6g}; was {doc['start'][k]:.6g})",
-                          highlight=False, markup=False)  # fmt: skip
-            for m in doc["measurements"]:
-                con.print(f"  {m['kernel']} {m['shape']}: measured {m['us']:.1f} us, model "
-                          f"{m['predicted_us']:.1f} us ({100 * m['log_residual']:+.1f}% log)",
-                          highlight=False, markup=False)  # fmt: skip
-            con.print(f"wrote {output}", highlight=False, markup=False)
-
-    body()
+    calibrating.check_replaceable(output, force)  # before the (long) runs
+    refuse_inputs(output, [("measurements file", measured)])
+    ms = measurements.read_measurements(measured)
+    with Steps(quiet) as steps, steps.step(f"Recording {len(ms)} measured launches"):
+        profiles = [measurements.record(m, f"{measured}: measurement {i}")
+                    for i, m in enumerate(ms)]  # fmt: skip
+    with Steps(quiet) as steps, steps.step("Fitting"):
+        result = calibrating.calibrate(profiles, ms)
+    doc = calibrating.calibration_doc(result, ms)
+    calibrating.write_calibration(output, doc, force)
+    if json_out:
+        print_json({**doc, "output": str(output)})
+    elif not quiet:
+        con = stdout_console()
+        for k, v in doc["figures"].items():
+            lo, hi = doc["ranges"][k]
+            con.print(f"{k} = {v:.6g} (range {lo:.6g}..{hi:.6g}; was {doc['start'][k]:.6g})",
+                      highlight=False, markup=False)  # fmt: skip
+        for m in doc["measurements"]:
+            con.print(f"  {m['kernel']} {m['shape']}: measured {m['us']:.1f} us, model "
+                      f"{m['predicted_us']:.1f} us ({100 * m['log_residual']:+.1f}% log)",
+                      highlight=False, markup=False)  # fmt: skip
+        con.print(f"wrote {output}", highlight=False, markup=False)

@@ -127,7 +127,32 @@ def write_file(
             safetensors.torch.save_file(data, str(tmp), metadata=meta)
         except SafetensorError as exc:
             raise MxcliError(f"{final}: cannot write ({exc}); nothing written") from None
+        _canonical_header(tmp)
     return final
+
+
+def _canonical_header(path: Path) -> None:
+    """Rewrite, in place, a safetensors file's header with its ``__metadata__`` keys sorted,
+    so that the same tensors and metadata give the same bytes in every process.
+
+    safetensors (0.8.0 checked) keeps the metadata in a Rust ``HashMap`` (randomly seeded per
+    process) and serializes it in that map's iteration order: two runs of ``make-inputs`` with
+    the same arguments wrote the same keys in different orders. The tensor entries are already
+    in a fixed order (their data order). The header is re-serialized as serde_json writes it:
+    compact, non-ASCII as UTF-8, and escaping exactly what Python's ``json`` escapes with
+    ``ensure_ascii=False`` (``"``, ``\\`` and the control characters, in the same forms), so it
+    is the same bytes permuted and keeps its length, the data's offset and alignment."""
+    with open(path, "r+b") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(n).decode("utf-8"))
+        meta = header.pop("__metadata__", None)
+        if meta is not None:
+            header = {"__metadata__": dict(sorted(meta.items())), **header}
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(raw) > n:  # cannot happen with the escaping above; nothing is then written
+            raise MxcliError(f"internal: {path}: the sorted header is longer than safetensors'")
+        fh.seek(8)
+        fh.write(raw + b" " * (n - len(raw)))  # safetensors' own padding: spaces
 
 
 def describe_dtype(dtype: torch.dtype) -> str:

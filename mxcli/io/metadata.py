@@ -28,7 +28,8 @@ Output files
 - ``__metadata__`` (every value a string, JSON where structured): ``format``
   (``mxcli.outputs/1``), ``kernel``, ``kwargs`` (every scalar kwarg the kernel ran with, defaults
   included), ``backend`` and ``device`` that ran, ``mxcli_version``, ``input_file`` and
-  ``input_sha256`` (a JSON object: tensor name -> sha256 of its stored bytes), ``elapsed_s``.
+  ``input_sha256`` (a JSON object: tensor name -> sha256 of its stored bytes). No time: the
+  same run gives the same bytes (the run's timing is in the command's summary, ``timing_s``).
 
 Storage of the tensors: `mxcli.io.files`. Every file is written atomically (temporary file +
 rename); an existing output needs ``force``.
@@ -69,7 +70,6 @@ def outputs_metadata(
     device: str,
     inputs: Mapping[str, torch.Tensor],
     input_file: str | None = None,
-    elapsed_s: float | None = None,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """``__metadata__`` of an output file: kernel, every kwarg (JSON-ready), backend, device,
@@ -85,8 +85,6 @@ def outputs_metadata(
     }
     if input_file is not None:
         meta["input_file"] = input_file
-    if elapsed_s is not None:
-        meta["elapsed_s"] = f"{elapsed_s:.6f}"
     if extra:
         meta.update(extra)
     return meta

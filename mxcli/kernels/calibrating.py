@@ -1,4 +1,4 @@
-"""Ranges of a kernel profile's estimates, and calibration files (``mxcli profile calibrate``,
+"""Ranges of a kernel profile's estimates, and calibration files (``mxcli profile --calibrate``,
 ``--calibration``; issue 29 items 5 and 7). The arithmetic is `mxcli.nkisim.calibration`'s;
 this module ties it to recorded kernel runs and to files.
 

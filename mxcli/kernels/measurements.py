@@ -1,4 +1,4 @@
-"""Files of measured latencies (``mxcli profile calibrate MEASURED.json``, issue 29 item 7):
+"""Files of measured latencies (``mxcli profile --calibrate MEASURED.json``, issue 29 item 7):
 parsed and checked, and each measured launch run once in check-only mode with recording
 (`mxcli.kernels.profiling`), for `mxcli.kernels.calibrating.calibrate` to refit the figures.
 

@@ -165,7 +165,7 @@ def test_output_metadata_records_the_run(tmp_path: Path, files: dict[str, Path])
     hashes = json.loads(m["input_sha256"])
     assert hashes == {k: tensor_sha256(t) for k, t in inp.tensors.items()}
     assert json.loads(m["geometry"]) == {"hidden_size": 512, "num_experts": 8}
-    assert float(m["elapsed_s"]) >= 0
+    assert "elapsed_s" not in m  # no time in the file: the same run, the same bytes
     b = read_file(files["bwd_out"])
     assert list(b.tensors) == [
         "hidden_states_grad",
