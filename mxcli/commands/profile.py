@@ -226,6 +226,10 @@ def print_report(s: dict[str, Any]) -> None:
     out(f"  Tensor engine utilization: {u['total']:.3f} of peak (MX {u['mx']:.3f}, "
         f"BF16 {u['bf16']:.3f})")  # fmt: skip
     out(f"    at the lower bound: {ul['total']:.3f}")
+    if s.get("pe_start"):
+        ps = s["pe_start"]
+        out(f"    first Tensor-engine instruction at {ps['us']:.1f} us "
+            f"({100 * ps['share']:.0f}% of the list schedule)")  # fmt: skip
     d = s["dma"]
     out(f"  DMA: {d['bytes'] / 1e6:.1f} MB ({d['hbm_bytes'] / 1e6:.1f} MB HBM) in "
         f"{d['descriptors']} contiguous runs")  # fmt: skip

@@ -145,3 +145,44 @@ def test_real_nkilib_tuned_blocking_fits_and_the_one_the_compiler_refused_does_n
     assert max(peaks) == 209288, peaks
     with pytest.raises(NkiCapacityError, match=r"\(got 369032, expected <= 245752\)"):
         _aws_tuned_launch(32)
+
+
+def _aws_tuned_schedule(dma_transposes: bool) -> Any:
+    """The cost model's schedule of AWS's backward at its measured launch (tuned blocking,
+    phase-3/4 transposes on the DMA or the PE), with the table's figures."""
+    import warnings
+
+    from mxcli.kernels import launcher, selection
+    from mxcli.kernels.blockwise_moe import profile as bwd_profile
+    from mxcli.kernels.blockwise_moe.spec import SPEC as BWD
+    from mxcli.nkisim import cost, schedule, trace
+
+    tensors, kwargs = bwd_profile.bwd_inputs(bwd_profile.AWS_SHAPE)
+    cfg = bwd_profile.aws_tuned_config(dma_transposes=dma_transposes)
+    choice = selection.parse_implementation("nkilib", "blockwise_mm_bwd_mxfp8")
+    with trace.recording() as recs, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*reads memory never written")
+        launcher.launch_sim(
+            BWD, **tensors, **{**kwargs, "config": cfg}, lnc=2, check_only=True,
+            implementation=choice,
+        )  # fmt: skip
+    return schedule.build_profile(recs, "trn3", cost.hardware("trn3"), 2)
+
+
+def test_real_nkilib_pe_waits_as_aws_reports_and_the_dma_launch_is_slower() -> None:
+    """AWS's note on its measured launches (tuned_blocking.py, `measured.BWD_SOURCE`): with DMA
+    transposes "the PE idles ~49% of wall-clock waiting for its operands before the first
+    matmul"; with PE transposes "matmuls start immediately", and the launch is faster (2.190 vs
+    2.342 ms). Neither the wait nor the DMA launch was fitted (the one fitted figure was fitted
+    to the PE launch's 2.190 ms), so these are predictions. Tolerance: a model against one
+    hardware observation stated as "~49%"; +-9 points (0.40-0.58) is what we call near."""
+    from mxcli.nkisim import measured
+
+    dma, pe = _aws_tuned_schedule(True), _aws_tuned_schedule(False)
+    assert dma.makespan_ns > pe.makespan_ns  # the ranking AWS measured
+    # the fit reproduces the PE launch (2.190 ms) within 1%
+    assert pe.makespan_ns / 1e3 == pytest.approx(measured.BWD_MXFP8.us_pe_transposes, rel=0.01)
+    dma_start, pe_start = dma.pe_start(), pe.pe_start()
+    assert dma_start is not None and pe_start is not None
+    assert 0.40 <= dma_start["share"] <= 0.58, dma_start
+    assert pe_start["share"] < 0.10, pe_start  # the PE transposes start at once

@@ -191,3 +191,48 @@ def test_figures_table_cites_a_source_for_every_figure() -> None:
     assert hw.hbm_bytes_per_ns == pytest.approx(4900 / 8)
     with pytest.raises(ValueError, match="trn2 or trn3"):
         cost.hardware("trn1")
+
+
+def test_a_documented_figure_assumes_nothing_and_a_free_one_says_why() -> None:
+    """Issue 29 item 3: each figure is documented (cited), fitted or assumed. A trn3 value taken
+    over from trn2's docs is an assumption, so no documented figure may call itself assumed."""
+    for f in cost.FIGURES:
+        if f.kind == "documented":
+            assert "assum" not in f.source.lower(), f.key
+            assert f.low is None and f.high is None, f.key
+        else:
+            assert f.low is not None and f.high is not None and f.low <= f.trn3 <= f.high, f.key
+            word = "FITTED" if f.kind == "fitted" else "ASSUMED"
+            assert word in f.source, f.key
+    kinds = {f.key: f.kind for f in cost.FIGURES}
+    # trn2-only documentation: trn3's DMA transposes and hardware-DGE issue time are assumed
+    for key in ("dma_transpose_eff_hbm", "dma_transpose_eff_sbuf", "hwdge_issue_ns"):
+        assert kinds[key] == "assumed"
+
+
+def test_pe_start_is_when_the_tensor_engine_first_runs() -> None:
+    """The PE waits for its operand's DMA: it starts when the load has arrived (AWS reports
+    this wait for its backward, `measured.BWD_SOURCE`)."""
+
+    def k(x):
+        s = nl.ndarray((128, 128), nl.bfloat16)
+        nisa.dma_copy(dst=s, src=x)
+        d = nl.ndarray((128, 128), nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(dst=d, stationary=s, moving=s)
+
+    x = np.zeros((128, 128), dtype=np.float32).astype(nl.bfloat16.np_dtype)
+    p = _profile(k, x)
+    dma, mm = _events(p)
+    assert dma.cost.kind == "dma" and mm.track == "tensor"
+    # 128 rows of 256 B over 16 engines (8 rows each): 8 * (256 + OV) / 33 ns, after 1300 ns
+    load = 1300 + 8 * (256 + OV) / 33
+    assert mm.start == pytest.approx(load)
+    assert p.pe_start() == {"us": pytest.approx(load / 1e3),
+                            "share": pytest.approx(load / p.makespan_ns)}  # fmt: skip
+    assert p.summary()["pe_start"] == p.pe_start()
+
+    def no_pe(_):
+        a = nl.ndarray((128, 64), nl.bfloat16)
+        nisa.memset(dst=a, value=0.0)
+
+    assert _profile(no_pe, DUMMY).pe_start() is None
