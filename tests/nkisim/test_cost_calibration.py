@@ -1,16 +1,18 @@
 """The cost model against latencies AWS measured on Trn3 (`mxcli.nkisim.measured`).
 
 A plain tiled bf16 NKI matmul of ours (tests/nkisim/matmul_kernels.py) runs in check-only mode;
-its list-schedule estimate must lie within +-15% of AWS's measured ``torch.matmul`` latency at
-the same shape (LNC 2). The model is approximate by design (documented engine figures, no
-compiler), hence the tolerance: it checks the figures and the schedule at the scale of whole
-kernels, where the unit tests (test_cost.py) check single instructions.
+its list-schedule estimate (tests/nkisim/matmul_estimate.py: one-core samples extrapolated to
+the full size) is compared with AWS's measured ``torch.matmul`` latency at the same shape (LNC
+2), on every shape of AWS's table (`measured.MATMUL_BF16_TABLE`).
 
-Fast evaluation: under LNC 2 the kernel's two cores share nothing (each takes half of M), so
-one program with M/2 has core 0's exact instruction stream; and, for each 512-row M block, the
-same instructions repeat per 512-column N tile, so past the pipeline fill (the second tile
-still overlaps the first's) the makespan is linear in the number of N tiles: runs with two and
-three N tiles (at the real M and K) give the full-size estimate. A slow test checks the extrapolation against full LNC-2 runs.
+This is a MODEL-versus-HARDWARE check, not an exactness test: the model is approximate by design
+(documented engine figures, no compiler, no launch overhead), and AWS's kernel is the compiler's
+``torch.matmul``, not ours. The bands are what they are: +-15% where the PE's work dominates
+(AWS measured >= 100 us and reached >= 60% of the BF16 peak: the model's PE figures, checked at
+the scale of whole kernels, where the unit tests in test_cost.py check single instructions); on
+the small, latency-bound shapes (measured < 100 us) the band only bounds how far the model,
+which has no fixed per-launch cost, is known to be off (README, "How far the model was
+checked": the spread scripts/bench_bf16_baseline.py prints).
 """
 
 from __future__ import annotations
@@ -18,14 +20,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-import ml_dtypes
-import numpy as np
 import pytest
 
 import mxcli.nkisim as nkisim
-from mxcli.nkisim import cost, measured, schedule, trace
+from mxcli.nkisim import measured
+from tests.nkisim.matmul_estimate import estimate_us, makespan_us
 
-BM = BN = 512
 TOL = 0.15
 
 
@@ -37,28 +37,8 @@ def mm() -> Any:
         yield importlib.import_module("tests.nkisim.matmul_kernels")
 
 
-def _makespan_us(mm: Any, M: int, K: int, N: int, lnc: int) -> float:
-    a = np.zeros((M, K), dtype=ml_dtypes.bfloat16)
-    b = np.zeros((K, N), dtype=ml_dtypes.bfloat16)
-    with trace.recording() as recs:
-        nkisim.simulate(mm.matmul_bf16, lnc=lnc, check_only=True)(a, b)
-    prof = schedule.build_profile(recs, "trn3", cost.hardware("trn3"), lnc)
-    return prof.makespan_ns / 1e3
-
-
-def _estimate_us(mm: Any, M: int, K: int, N: int) -> float:
-    """LNC-2 estimate of ``[M, K] @ [K, N]`` from one-core runs (module docstring): the
-    full N when it is at most 3 tiles, else 2 and 3 tiles extrapolated linearly."""
-    nb = N // BN
-    if nb <= 3:
-        return _makespan_us(mm, M // 2, K, N, 1)
-    t2 = _makespan_us(mm, M // 2, K, 2 * BN, 1)
-    t3 = _makespan_us(mm, M // 2, K, 3 * BN, 1)
-    return t2 + (t3 - t2) * (nb - 2)
-
-
 def _point(M: int, K: int, N: int) -> measured.MatmulPoint:
-    return next(p for p in measured.MATMUL_BF16 if (p.M, p.K, p.N) == (M, K, N))
+    return measured.matmul_point(f"{M}x{K}x{N}")
 
 
 CI_SHAPES = [(4096, 4096, 4096), (4096, 4096, 1536), (4096, 1024, 4096), (4096, 4096, 1024)]
@@ -68,7 +48,7 @@ MORE_SHAPES = [(p.M, p.K, p.N) for p in measured.MATMUL_BF16 if (p.M, p.K, p.N) 
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_bf16_matmul_estimate_within_15_percent_of_measured(mm: Any, shape: tuple) -> None:
     p = _point(*shape)
-    est = _estimate_us(mm, *shape)
+    est = estimate_us(mm, *shape)
     ratio = est / p.us
     assert 1 - TOL <= ratio <= 1 + TOL, (
         f"{shape}: estimate {est:.1f} us vs measured {p.us:.1f} us ({measured.MATMUL_SOURCE})"
@@ -79,7 +59,7 @@ def test_bf16_matmul_estimate_within_15_percent_of_measured(mm: Any, shape: tupl
 @pytest.mark.parametrize("shape", MORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_more_bf16_matmul_shapes_within_15_percent(mm: Any, shape: tuple) -> None:
     p = _point(*shape)
-    ratio = _estimate_us(mm, *shape) / p.us
+    ratio = estimate_us(mm, *shape) / p.us
     assert 1 - TOL <= ratio <= 1 + TOL, (shape, ratio)
 
 
@@ -87,8 +67,8 @@ def test_more_bf16_matmul_shapes_within_15_percent(mm: Any, shape: tuple) -> Non
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_extrapolation_matches_the_full_lnc2_run(mm: Any, shape: tuple) -> None:
     """The extrapolation reproduces the full-size LNC-2 schedule (within 2%: it was 0-1.2%)."""
-    full = _makespan_us(mm, *shape, 2)
-    assert _estimate_us(mm, *shape) == pytest.approx(full, rel=0.02)
+    full = makespan_us(mm, *shape, 2)
+    assert estimate_us(mm, *shape) == pytest.approx(full, rel=0.02)
 
 
 def test_measured_figures_carry_their_source() -> None:
