@@ -41,12 +41,29 @@ def _point(M: int, K: int, N: int) -> measured.MatmulPoint:
     return measured.matmul_point(f"{M}x{K}x{N}")
 
 
-CI_SHAPES = [(4096, 4096, 4096), (4096, 4096, 1536), (4096, 1024, 4096), (4096, 4096, 1024)]
-MORE_SHAPES = [(p.M, p.K, p.N) for p in measured.MATMUL_BF16 if (p.M, p.K, p.N) not in CI_SHAPES]
+CI_SHAPES = [(4096, 4096, 1536), (4096, 1024, 4096), (4096, 4096, 1024)]
+"""Three of the 10 chosen shapes (`measured.MATMUL_BF16`) in the default suite: one run in full,
+one extrapolated in N, one in neither at M 4096 (a few seconds together)."""
+FAST_OTHER = ["4096x2880x1280", "128x720x2880", "4096x128x4096"]
+"""Default-suite shapes outside the chosen 10: partial K and N tiles (K 2880, N 1280), every tile
+partial and a small, latency-bound launch (M 128, K 720), and the table's worst large outlier."""
+SMALL_US = 100.0  # AWS's measured launches shorter than this are latency-bound (module docstring)
+SMALL_BAND = (0.25, 1.6)
+"""How far the model is known to be off on the small shapes (measured < 100 us), from the spread
+scripts/bench_bf16_baseline.py printed on 2026-12-03 (0.29-1.45): a bound, not a tolerance the
+model meets by design."""
+LARGE_BAND = (0.75, 1.15)
+"""measured >= 100 us: +-15% above, down to 0.75 below (the chosen 10 are 0.89-0.93: AWS's
+``torch.matmul`` reaches 76-95% of the BF16 peak, the estimate is near the peak)."""
+
+
+def _band(p: measured.MatmulPoint) -> tuple[float, float]:
+    return SMALL_BAND if p.us < SMALL_US else LARGE_BAND
 
 
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_bf16_matmul_estimate_within_15_percent_of_measured(mm: Any, shape: tuple) -> None:
+    """Model versus hardware (module docstring): +-15% at three of the chosen shapes."""
     p = _point(*shape)
     est = estimate_us(mm, *shape)
     ratio = est / p.us
@@ -55,18 +72,43 @@ def test_bf16_matmul_estimate_within_15_percent_of_measured(mm: Any, shape: tupl
     )
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("shape", MORE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_more_bf16_matmul_shapes_within_15_percent(mm: Any, shape: tuple) -> None:
-    p = _point(*shape)
-    ratio = estimate_us(mm, *shape) / p.us
-    assert 1 - TOL <= ratio <= 1 + TOL, (shape, ratio)
+def _check_band(mm: Any, key: str) -> None:
+    p = measured.matmul_point(key)
+    est = estimate_us(mm, p.M, p.K, p.N)
+    lo, hi = _band(p)
+    assert lo <= est / p.us <= hi, (
+        f"{key}: estimate {est:.1f} us vs measured {p.us:.1f} us = {est / p.us:.2f}, outside "
+        f"the model-vs-hardware band {lo}-{hi} ({measured.MATMUL_SOURCE})"
+    )
+
+
+@pytest.mark.parametrize("key", FAST_OTHER)
+def test_bf16_matmul_other_shapes_within_their_band(mm: Any, key: str) -> None:
+    """Model versus hardware on shapes with partial tiles and small launches (module docstring)."""
+    _check_band(mm, key)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("key", [p.key for p in measured.MATMUL_BF16_TABLE])
+def test_every_bf16_baseline_shape_within_its_band(mm: Any, key: str) -> None:
+    """Every shape of AWS's table (162; minutes): model versus hardware, the bands above."""
+    _check_band(mm, key)
+
+
+EXTRAPOLATED = [
+    (4096, 4096, 4096),  # N extrapolated (8 tiles)
+    (4096, 1024, 4096),  # N extrapolated, short steps (the 2-3-tile samples were 2.5% low)
+    (6144, 4096, 4096),  # M (6 blocks per core) and N extrapolated
+    (5120, 4096, 6400),  # M and N extrapolated, a partial N tile (6400 = 12.5 x 512)
+    (4096, 8192, 5120),  # N extrapolated on the streamed path (K > RESIDENT_K)
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", EXTRAPOLATED, ids=lambda s: "x".join(map(str, s)))
 def test_extrapolation_matches_the_full_lnc2_run(mm: Any, shape: tuple) -> None:
-    """The extrapolation reproduces the full-size LNC-2 schedule (within 2%: it was 0-1.2%)."""
+    """The extrapolation reproduces the full-size LNC-2 schedule within 2% (an approximation of
+    the model by itself, not against hardware)."""
     full = makespan_us(mm, *shape, 2)
     assert estimate_us(mm, *shape) == pytest.approx(full, rel=0.02)
 
@@ -81,3 +123,36 @@ def test_measured_figures_carry_their_source() -> None:
     assert 2 * p.M * p.K * p.N / (p.us * 1e-6) / peak == pytest.approx(p.mfu_percent / 100, 0.01)
     assert measured.BWD_MXFP8.us_pe_transposes == 2190.0
     assert "e9ef98fc47b3323bf0de8ebcc984b8e2f3adff07" in measured.BWD_SOURCE
+
+
+def test_every_baseline_shape_is_carried_over() -> None:
+    """All 162 keys of bf16_baseline_cache.json@092a49d, values as typed from the file (spot
+    values: its first, last and extreme rows), the 10 chosen first among them."""
+    table = measured.MATMUL_BF16_TABLE
+    assert len(table) == 162
+    assert len({p.key for p in table}) == 162
+    first, last = table[0], table[-1]
+    assert (first.key, first.us, first.name) == (
+        "4096x4096x1536", 403.826035, "Qwen3-8B-TP4 - FWD-FuseQKV",
+    )  # fmt: skip
+    assert (last.key, last.us, last.mfu_percent) == (
+        "4096x8192x4096",
+        1984.901898,
+        87.9842351867636,
+    )
+    p = measured.matmul_point("51200x4096x5120")
+    assert (p.us, p.mfu_percent) == (14300.04099, 95.46533714825061)
+    assert p.name == "Qwen3-32B-TP1 - BWD-MLP-FuseGateUp-WTGrad"
+    assert measured.matmul_point("256x128x256").us == 17.765805
+    assert measured.matmul_point("4096x64x4096").mfu_percent == 23.395389833336864
+    assert measured.matmul_point("128x720x2880").name == "GPT-OSS-20B-TP4 - FWD-MoE-Down(cap=128)"
+    with pytest.raises(KeyError):
+        measured.matmul_point("4096x4096x4097")
+    assert [p.key for p in measured.MATMUL_BF16] == list(measured.MATMUL_BF16_CHOSEN)
+    assert all(p in table for p in measured.MATMUL_BF16)
+    # each row's time against its MFU (the file's MFU over the BF16 peak of two cores): a typo in
+    # a leading digit of either, or in M, K or N, breaks this; the file itself agrees within 1.6%
+    peak = 2 * 2 * 128 * 128 * 2.4e9
+    for q in table:
+        mfu = 2 * q.M * q.K * q.N / (q.us * 1e-6) / peak * 100
+        assert mfu == pytest.approx(q.mfu_percent, rel=0.02), q.key
