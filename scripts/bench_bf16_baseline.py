@@ -23,10 +23,12 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import mxcli.nkisim as nkisim
 from mxcli.nkisim import measured
-from tests.nkisim import matmul_estimate as est
+
+ROOT = Path(__file__).resolve().parents[1]  # the kernel and its estimator live in tests/nkisim
 
 
 def _spread(rows: list[dict]) -> str:
@@ -39,6 +41,10 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", default=None, help="shape keys MxKxN (default: all)")
     ap.add_argument("--json", default=None, help="write the per-shape rows here")
     args = ap.parse_args()
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from tests.nkisim import matmul_estimate as est
+
     points = measured.MATMUL_BF16_TABLE
     if args.only:
         points = tuple(measured.matmul_point(k) for k in args.only)
