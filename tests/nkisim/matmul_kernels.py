@@ -15,8 +15,10 @@ a moving of fewer than 512). Where the transposed A block and the next one's do 
 beside the B tiles (K > `RESIDENT_K`: two blocks of K/128 x 1 KiB plus two steps of B tiles pass
 the 240 KiB budget near K 7000), each block's transpose goes to a private-HBM scratch
 ``[1024, 512]`` per 8-tile chunk of K instead (the first block's before the main loop, each later
-block's spread over the previous block's N tiles), and the main loop streams its stationary tiles
-back one K tile at a time beside the B tiles (twice the DMA bytes of the resident path).
+block's spread over the previous block's first `STAGE_STEPS` N tiles, the same in every
+extrapolation sample of tests/nkisim/matmul_estimate.py), and the main loop streams its
+stationary tiles back one K tile at a time beside the B tiles (twice the DMA bytes of the
+resident path).
 
 Imported only while the interpreter's modules are installed (see test_cost_calibration.py);
 the same source runs on the real ``nki.simulate``.
@@ -33,6 +35,7 @@ BM = 512  # M rows per stationary block (4 PE tiles)
 BN = 512  # N columns per PSUM accumulator (one fp32 bank)
 RESIDENT_K = 6400  # the largest K whose transposed A blocks stay in SBUF (module docstring)
 KCHUNK = 8  # K tiles per A-row load on the streamed path
+STAGE_STEPS = 4  # the streamed path stages the next block over this many of the block's N tiles
 
 
 def _span(n, step):
@@ -120,7 +123,7 @@ def matmul_bf16(a, b):
         for c0, cw in chunks:
             a_next.append(_stage_chunk(a, m_lo + mbs[0][0], mbs[0][1], c0, cw))
         b_next = None
-    per_step = (len(chunks) + len(nbs) - 1) // len(nbs)
+    per_step = (len(chunks) + STAGE_STEPS - 1) // STAGE_STEPS
     aT = a_next
     for i in range(len(steps)):
         mb, nb = steps[i]
@@ -138,7 +141,8 @@ def matmul_bf16(a, b):
                 a_next = _load_a_block(a, m_lo + mbs[mb2][0], mbs[mb2][1], K)
         if not resident and mb + 1 < len(mbs):
             r2, bm2 = mbs[mb + 1]
-            for j in range(nb * per_step, min((nb + 1) * per_step, len(chunks))):
+            last = len(chunks) if nb + 1 == len(nbs) else min((nb + 1) * per_step, len(chunks))
+            for j in range(nb * per_step, last):
                 a_next.append(_stage_chunk(a, m_lo + r2, bm2, chunks[j][0], chunks[j][1]))
         mts = _span(bm, P)
         accs = []
