@@ -49,7 +49,7 @@ FAST_OTHER = ["4096x1280x2880", "128x720x2880", "4096x128x4096"]
 PEAK_MFU = 80.0
 """Where AWS's ``torch.matmul`` reached at least this share of the BF16 peak (the file's MFU; 60
 of its 162 shapes), the PE's work decides both kernels' time: the model is held to +-15% there
-(0.85-1.06 of measured on 2026-12-03, median 0.91)."""
+(0.85-1.07 of measured on 2026-12-03, median 0.91)."""
 FAR_BAND = (0.25, 2.0)
 """The other 101 shapes (AWS's kernel below 80% of the peak, the chosen 10 aside: small, latency-
 or DMA-bound launches; how our kernel splits them, M across the two cores, decides the estimate
