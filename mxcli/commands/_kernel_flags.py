@@ -177,8 +177,9 @@ class LazyCommands(MutableMapping[str, Any]):
     def __getitem__(self, name: str) -> Any:
         if name in self.built:
             return self.built[name]
-        entry = self._entries().pop(name)  # KeyError: no such command
-        cmd = self.built[name] = entry.build()
+        cmd = self._entries()[name].build()  # KeyError: no such command
+        del self._entries()[name]
+        self.built[name] = cmd
         for hook in self.hooks:
             hook(cmd)
         return cmd

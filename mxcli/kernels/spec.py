@@ -33,7 +33,9 @@ compares kernel name strings, and none holds a kernel's tensor names or defaults
 
 Registration: a kernel package is one entry of `KERNEL_PACKAGES`; the environment variable
 ``MXCLI_KERNEL_PACKAGES`` (comma-separated module names) adds packages outside mxcli, imported
-after these (a kernel written elsewhere, or at test time, needs no edit of mxcli).
+after these (a kernel written elsewhere, or at test time, needs no edit of mxcli). A package's
+optional ``identity`` module (NAME, SHORT, TITLE: plain strings) lets the CLI list its commands
+without importing it, hence without torch (`read_identity`, `kernel_identities`).
 """
 
 from __future__ import annotations
@@ -683,10 +685,8 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
     """Register `spec` under its name and short name (done by each kernel package); a package
     with an identity module (`read_identity`) must say what its spec says."""
     ident = read_identity(spec.package)
-    if ident is not None and ident != KernelIdentity.of(spec):
-        raise TypeError(
-            f"{spec.package}.{IDENTITY} says {ident}, its spec {KernelIdentity.of(spec)}"
-        )
+    if ident is not None and ident != (says := KernelIdentity.of(spec)):
+        raise TypeError(f"{spec.package}.{IDENTITY} says {ident}, its spec {says}")
     _SPECS[spec.name] = spec
     _SPECS[spec.short] = spec
     return spec
@@ -754,8 +754,16 @@ class KernelIdentity:
 
     @classmethod
     def of(cls, spec: KernelSpec) -> KernelIdentity:
-        parts = tuple(p for p in SLICE_PARTS if importlib.util.find_spec(f"{spec.package}.{p}"))
+        parts = tuple(p for p in SLICE_PARTS if _findable(f"{spec.package}.{p}"))
         return cls(spec.name, spec.short, spec.title, spec.package, parts)
+
+
+def _findable(module: str) -> bool:
+    """Whether `module` exists (its parent packages are imported, it is not)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not importable
+        return False
 
 
 def read_identity(package: str) -> KernelIdentity | None:
