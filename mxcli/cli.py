@@ -5,14 +5,16 @@ command) and the registration of the commands, each in its own module under mxcl
 from __future__ import annotations
 
 import copy
+import functools
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
 
 from mxcli import __version__
-from mxcli.commands._shared import GlobalOptions, global_options, journey_group
+from mxcli.commands._kernel_flags import Lazy, click_command, each_command, lazy_group
+from mxcli.commands._shared import GlobalOptions, global_options
 from mxcli.errors import MxcliError, report_exception
 
 
@@ -74,22 +76,43 @@ Debug = Annotated[
 ]
 
 
-def _with_global_flags(commands: Iterable[Any], flags: list[Any]) -> None:
-    """Give every command and sub-group the root's global flag parameters (the same objects'
+def _global_flags_to(flags: list[Any]) -> Callable[[Any], None]:
+    """Give a command or sub-group the root's global flag parameters (the same objects'
     copies: one declaration, one callback)."""
-    for cmd in commands:
+
+    def give(cmd: Any) -> None:
         have = {p.name for p in cmd.params}
         cmd.params.extend(copy.copy(p) for p in flags if p.name not in have)
-        _with_global_flags(getattr(cmd, "commands", {}).values(), flags)
+
+    return give
 
 
-class RootGroup(journey_group(JOURNEY)):  # type: ignore[misc]
+def _generated() -> dict[str, Lazy]:
+    """The commands generated from the registered kernels, built when asked for: make-inputs
+    and ``run-<short>`` of each kernel (listed from the kernels' identities, which load no
+    kernel: `mxcli --help` imports no torch)."""
+    from mxcli.kernels.spec import get_spec, kernel_identities
+
+    def run(short: str) -> Any:
+        return click_command(_run.run_command(get_spec(short)), f"run-{short}")
+
+    out = {"make-inputs": Lazy(_make_inputs.DOC, _make_inputs_command)}
+    for k in kernel_identities():
+        out[f"run-{k.short}"] = Lazy(_run.run_doc(k.name, k.title), functools.partial(run, k.short))
+    return out
+
+
+def _make_inputs_command() -> Any:
+    return click_command(_make_inputs.make_command(), "make-inputs")
+
+
+class RootGroup(lazy_group(JOURNEY, lambda: _generated())):  # type: ignore[misc]
     """The root command: the global flags for every command, and the one error boundary."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         flags = [p for p in self.params if p.name in GLOBAL_FLAGS]
-        _with_global_flags(self.commands.values(), flags)
+        each_command(self.commands, _global_flags_to(flags))
 
     def make_context(
         self, info_name: str | None, args: list[str], parent: Any = None, **extra: Any
@@ -148,7 +171,8 @@ def _root(
     """mxcli: MXFP8 MoE kernels for AWS Trainium."""
 
 
-# Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`).
+# Commands are registered below, one line each (mxcli/commands/<name>.py exposes `main`); those
+# generated from the kernels (make-inputs, run-<short>) are `_generated`'s, built when asked for.
 from mxcli.commands import demo as _demo  # noqa: E402
 from mxcli.commands import emulate as _emulate  # noqa: E402
 from mxcli.commands import inspect as _inspect  # noqa: E402
@@ -160,9 +184,6 @@ from mxcli.commands import verify as _verify  # noqa: E402
 from mxcli.commands._shared import PlainCommand  # noqa: E402
 
 app.command("prep-weights", cls=PlainCommand)(prep_weights.main)
-app.command("make-inputs", cls=PlainCommand)(_make_inputs.make_command())
-for _name, _command in _run.commands():  # run-prefill, run-bwd, ...: one per registered kernel
-    app.command(_name, cls=PlainCommand)(_command)
 app.command("verify", cls=PlainCommand)(_verify.verify)
 app.command("inspect", cls=PlainCommand)(_inspect.inspect)
 app.command("emulate", cls=PlainCommand)(_emulate.emulate)

@@ -1,21 +1,28 @@
-"""Kernel flags generated from the kernels' own tables, so that help and behaviour cannot drift.
+"""Kernel flags generated from the kernels' own tables, so that help and behaviour cannot drift;
+the commands that carry them are built only when asked for (`LazyCommands`).
 
 A run command's kwarg flags come from its spec's scalar table (`ScalarArg`: flag, help, type,
 and the default read from the public signature); make-inputs' and profile's from the kernel's
 generator parameters (`InputParam`). typer reads a command's parameters from its function's
 signature: `command` builds that signature from such tables (``inspect.Signature`` plus the
 ``Annotated`` hints typer reads), so one generic function serves every registered kernel.
+
+Building them needs the kernels' specs, hence torch; `mxcli --help` and the commands that need
+no kernel do not: their group lists the generated commands from `Lazy` entries (name and help,
+from `mxcli.kernels.spec.kernel_identities`, which loads no kernel) and builds one when it is
+invoked or its own ``--help`` is asked for.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Optional
 
 import typer
 
+from mxcli.commands._shared import PlainCommand, journey_group
 from mxcli.kernels.spec import InputParam, KernelSpec, ScalarArg, show_value
 
 
@@ -129,4 +136,136 @@ def merged_param(
     return m.name, Annotated[hint_t, option], default
 
 
-__all__ = ["MergedParam", "command", "merge_params", "merged_param", "scalar_param"]
+# ---- commands built when asked for ----
+@dataclass(frozen=True)
+class Lazy:
+    """A generated command of a group: its help (what the group's ``--help`` lists: built from
+    the same function as the command's own help, from what a kernel's identity says) and how to
+    build it (reading the kernel's spec)."""
+
+    help: str
+    build: Callable[[], Any]  # -> the click command
+
+
+def click_command(fn: Callable[..., Any], name: str) -> Any:
+    """The click command typer makes of `fn` (a `command` or any typer function) as ``name``,
+    with the CLI's plain help layout (`PlainCommand`)."""
+    t = typer.Typer(add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
+    t.command(name, cls=PlainCommand)(fn)
+    return typer.main.get_command(t)
+
+
+class LazyCommands(MutableMapping[str, Any]):
+    """A group's commands (click's ``Group.commands``), the generated ones built on first access:
+    ``mxcli run-bwd`` builds run-bwd alone, ``mxcli --help`` and ``mxcli verify`` none. The
+    names are the generated ones (in `lazy`'s order), then the others. `hooks` run on each
+    command as it is built (the root's global flags)."""
+
+    def __init__(self, commands: Mapping[str, Any], lazy: Callable[[], dict[str, Lazy]]) -> None:
+        self.built: dict[str, Any] = dict(commands)
+        self._lazy = lazy
+        self._pending: dict[str, Lazy] | None = None
+        self._names: list[str] | None = None
+        self.hooks: list[Callable[[Any], None]] = []
+
+    def _entries(self) -> dict[str, Lazy]:
+        if self._pending is None:
+            self._pending = {n: e for n, e in self._lazy().items() if n not in self.built}
+            self._names = [*self._pending, *self.built]
+        return self._pending
+
+    def __getitem__(self, name: str) -> Any:
+        if name in self.built:
+            return self.built[name]
+        cmd = self._entries()[name].build()  # KeyError: no such command
+        del self._entries()[name]
+        self.built[name] = cmd
+        for hook in self.hooks:
+            hook(cmd)
+        return cmd
+
+    def __setitem__(self, name: str, cmd: Any) -> None:
+        self.built[name] = cmd
+        if self._names is not None and name not in self._names:
+            self._names.append(name)
+
+    def __delitem__(self, name: str) -> None:
+        self._entries()
+        if name in self.built:
+            del self.built[name]
+        else:
+            del self._entries()[name]  # KeyError: no such command
+        assert self._names is not None
+        self._names.remove(name)
+
+    def __iter__(self) -> Iterator[str]:
+        self._entries()
+        assert self._names is not None
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def listed(self, name: str) -> Any:
+        """The command as its group's ``--help`` lists it: built, or a stand-in holding only
+        its help (nothing of the kernel is loaded)."""
+        if name in self.built:
+            return self.built[name]
+        return PlainCommand(name=name, help=self._entries()[name].help)
+
+
+def lazy_group(order: tuple[str, ...], lazy: Callable[[], dict[str, Lazy]]) -> type:
+    """A `journey_group` whose commands are `LazyCommands`: its ``--help`` lists the generated
+    ones without building them."""
+
+    class LazyGroup(journey_group(order)):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.commands: LazyCommands = LazyCommands(self.commands, lazy)
+
+        def format_commands(self, ctx: Any, formatter: Any) -> None:
+            """typer's (click's) command list, from `LazyCommands.listed`."""
+            rows = []
+            for name in self.list_commands(ctx):
+                cmd = self.commands.listed(name)
+                if not cmd.hidden:
+                    rows.append((name, cmd))
+            if rows:
+                limit = formatter.width - 6 - max(len(name) for name, _ in rows)
+                with formatter.section("Commands"):
+                    formatter.write_dl([(n, cmd.get_short_help_str(limit)) for n, cmd in rows])
+
+    return LazyGroup
+
+
+def each_command(commands: Mapping[str, Any], apply: Callable[[Any], None]) -> None:
+    """`apply` to every command and sub-command of `commands`, now for those built and when
+    built for the generated ones (`LazyCommands.hooks`)."""
+
+    def visit(cmd: Any) -> None:
+        apply(cmd)
+        subs = getattr(cmd, "commands", None)
+        if subs is not None:
+            each_command(subs, apply)
+
+    if isinstance(commands, LazyCommands):
+        built = list(commands.built.values())
+        commands.hooks.append(visit)
+    else:
+        built = list(commands.values())
+    for cmd in built:
+        visit(cmd)
+
+
+__all__ = [
+    "Lazy",
+    "LazyCommands",
+    "MergedParam",
+    "click_command",
+    "command",
+    "each_command",
+    "lazy_group",
+    "merge_params",
+    "merged_param",
+    "scalar_param",
+]

@@ -357,7 +357,7 @@ def journey_group(order: tuple[str, ...]) -> type:
         context_class = _Context
 
         def list_commands(self, ctx: Any) -> list[str]:
-            names = super().list_commands(ctx)
+            names = list(self.commands)  # the names only: generated ones are built when invoked
             return sorted(names, key=lambda n: order.index(n) if n in order else len(order))
 
     return JourneyGroup

@@ -209,10 +209,10 @@ def make_command() -> Callable[..., None]:
         ("no_verify_hashes", NoVerifyHashes, False),
         ("force", Force, False),
     ]
-    return command(make_inputs, "make_inputs", _DOC, params)
+    return command(make_inputs, "make_inputs", DOC, params)
 
 
-_DOC = """Write a kernel input file: synthetic, or from --weights.
+DOC = """Write a kernel input file: synthetic, or from --weights.
 
     Seeded synthetic data, or a prepared checkpoint layer (--weights and --layer). The flags are
     the kernels' generator parameters (a flag names the kernels it applies to when not every

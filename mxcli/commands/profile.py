@@ -7,6 +7,7 @@ with the documented engine figures (`mxcli.nkisim.cost`) and list-scheduled
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable
@@ -15,7 +16,14 @@ from typing import Annotated, Any
 
 import typer
 
-from mxcli.commands._kernel_flags import command, merge_params, merged_param
+from mxcli.commands._kernel_flags import (
+    Lazy,
+    click_command,
+    command,
+    lazy_group,
+    merge_params,
+    merged_param,
+)
 from mxcli.commands._shared import (
     Force,
     KernelPath,
@@ -23,7 +31,6 @@ from mxcli.commands._shared import (
     Steps,
     aligned_rows,
     global_options,
-    journey_group,
     kernel_lines,
     print_json,
     stdout_console,
@@ -34,7 +41,7 @@ from mxcli.kernels.spec import KernelSpec
 
 app = typer.Typer(
     name="profile",
-    cls=journey_group(()),  # the kernels in registration order
+    cls=lazy_group((), lambda: _generated()),  # the kernels in registration order, then calibrate
     help="Estimate a kernel's time per engine, without hardware.\n\nThe kernel runs once in the "
     "interpreter's check-only mode; its instructions are costed from the documented engine "
     "figures and list-scheduled. One subcommand per kernel; its shape flags default to the "
@@ -341,7 +348,7 @@ def profile_command(spec: KernelSpec, part: Any) -> Callable[..., None]:
     flags = " and ".join(flags.rsplit(", ", 1)) if required else ""
     note = getattr(part, "NOTE", "")
     doc = (
-        f"Profile {spec.name} from a file or shape flags.\n\n"
+        f"{_summary(spec.name)}\n\n"
         f"Give a make-inputs file{', or ' + flags if flags else ''}.{' ' + note if note else ''}"
     )
     params: list[tuple[str, Any, Any]] = [
@@ -360,17 +367,25 @@ def profile_command(spec: KernelSpec, part: Any) -> Callable[..., None]:
     return command(run, spec.short, doc, params)
 
 
-def _register() -> None:
-    """``profile <short>`` for every registered kernel with a profile part."""
-    from mxcli.kernels.spec import all_specs
-
-    for spec in all_specs():
-        part = spec.profile()
-        if part is not None:
-            app.command(spec.short, cls=PlainCommand)(profile_command(spec, part))
+def _summary(name: str) -> str:
+    """The first line of ``profile <short>``'s help (``profile --help`` lists it)."""
+    return f"Profile {name} from a file or shape flags."
 
 
-_register()
+def _generated() -> dict[str, Lazy]:
+    """``profile <short>`` for every registered kernel with a profile part, built when asked
+    for (listed from the kernels' identities, which load no kernel)."""
+    from mxcli.kernels.spec import get_spec, kernel_identities
+
+    def build(short: str) -> Any:
+        spec = get_spec(short)
+        return click_command(profile_command(spec, spec.profile()), short)
+
+    return {
+        k.short: Lazy(_summary(k.name), functools.partial(build, k.short))
+        for k in kernel_identities()
+        if "profile" in k.parts
+    }
 
 
 CalibrateOpt = Annotated[

@@ -204,11 +204,7 @@ def run_command(spec: KernelSpec) -> Callable[..., None]:
             kernel_path=kw["kernel_path"],
         )
 
-    doc = (
-        f"Run {spec.name} on an input file.\n\n{spec.title + ' ' if spec.title else ''}"
-        "A flag overrides the kwarg stored in the input file's metadata; without the flag the "
-        "file's value is used, and without either the kernel API's default (in parentheses)."
-    )
+    doc = run_doc(spec.name, spec.title)
     params: list[tuple[str, Any, Any]] = [
         ("ctx", typer.Context, inspect.Parameter.empty),  # the root's global options
         ("input", InputArg, inspect.Parameter.empty),
@@ -228,8 +224,11 @@ def run_command(spec: KernelSpec) -> Callable[..., None]:
     return command(run, f"run_{spec.short}", doc, params)
 
 
-def commands() -> list[tuple[str, Callable[..., None]]]:
-    """``run-<short>`` for every registered kernel (``run-prefill``, ``run-bwd``, ...)."""
-    from mxcli.kernels.spec import all_specs
-
-    return [(f"run-{spec.short}", run_command(spec)) for spec in all_specs()]
+def run_doc(name: str, title: str) -> str:
+    """The help of ``run-<short>`` of kernel `name` (`run_command`; ``mxcli --help`` lists its
+    first line without loading the kernel)."""
+    return (
+        f"Run {name} on an input file.\n\n{title + ' ' if title else ''}"
+        "A flag overrides the kwarg stored in the input file's metadata; without the flag the "
+        "file's value is used, and without either the kernel API's default (in parentheses)."
+    )

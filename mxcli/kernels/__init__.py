@@ -6,6 +6,8 @@ Names are resolved lazily so that importing one kernel does not import the other
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
@@ -27,10 +29,20 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 # The prefill package shares its name with the kernel function. Importing the package binds the
-# *module* as an attribute of this package; binding the function afterwards (here, once, when
-# mxcli.kernels is first imported) makes `from mxcli.kernels import rmsnorm_mx_prefill` the
-# function, whatever is imported later (a loaded package is never re-bound).
-from mxcli.kernels.rmsnorm_mx_prefill import rmsnorm_mx_prefill as rmsnorm_mx_prefill  # noqa: E402
+# *module* as an attribute of this package (the import system's ``setattr`` on the parent); this
+# module's class refuses that one binding, so that `from mxcli.kernels import rmsnorm_mx_prefill`
+# is the function (`__getattr__`), whatever is imported later. Nothing is imported here: the CLI
+# reads the kernel registry (`mxcli.kernels.spec`) without loading a kernel or torch.
+
+
+class _Kernels(types.ModuleType):
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == value.__name__:
+            return  # a subpackage named as one of its exports: the export wins
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Kernels
 
 
 def __getattr__(name: str) -> Any:

@@ -33,7 +33,9 @@ compares kernel name strings, and none holds a kernel's tensor names or defaults
 
 Registration: a kernel package is one entry of `KERNEL_PACKAGES`; the environment variable
 ``MXCLI_KERNEL_PACKAGES`` (comma-separated module names) adds packages outside mxcli, imported
-after these (a kernel written elsewhere, or at test time, needs no edit of mxcli).
+after these (a kernel written elsewhere, or at test time, needs no edit of mxcli). A package's
+optional ``identity`` module (NAME, SHORT, TITLE: plain strings) lets the CLI list its commands
+without importing it, hence without torch (`read_identity`, `kernel_identities`).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import enum
 import functools
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -48,14 +51,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Protocol, cast
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from mxcli.errors import InputError, MxcliError
-from mxcli.io.files import TensorFile, read_file
 from mxcli.io.jsonfile import loads
-from mxcli.io.kwargs import json_or_raw
+
+if TYPE_CHECKING:  # torch and the file layer load when used: `mxcli --help` reads the registry
+    import torch
+
+    from mxcli.io.files import TensorFile
 
 # The kernel packages; importing one registers its spec (and its backends). A new kernel is one
 # line here, or one entry of the environment variable below.
@@ -514,6 +518,8 @@ class KernelSpec:
     def metadata_kwargs(self, metadata: Mapping[str, str]) -> dict[str, Any]:
         """Raw (JSON) scalar kwargs recorded in a file's metadata: per-key entries, then the
         ``kwargs`` object."""
+        from mxcli.io.kwargs import json_or_raw
+
         names = self.scalar_names
         out: dict[str, Any] = {n: json_or_raw(metadata[n]) for n in names if n in metadata}
         raw_kwargs = metadata.get("kwargs")
@@ -604,6 +610,8 @@ class KernelSpec:
     def stored(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """Output `name` as it is stored on disk (`mxcli.io.files`): on the CPU, contiguous; the
         packed output as fp8 bytes whatever view it came back in (uint8, bf16, fp32)."""
+        import torch
+
         t = t.detach().cpu().contiguous()
         if self.packed is not None and name == self.packed.name and t.dtype != torch.float8_e4m3fn:
             t = self.packed.as_bytes(t).view(torch.float8_e4m3fn)
@@ -674,7 +682,11 @@ _SPECS: dict[str, KernelSpec] = {}
 
 
 def register_spec(spec: KernelSpec) -> KernelSpec:
-    """Register `spec` under its name and short name (done by each kernel package)."""
+    """Register `spec` under its name and short name (done by each kernel package); a package
+    with an identity module (`read_identity`) must say what its spec says."""
+    ident = read_identity(spec.package)
+    if ident is not None and ident != (says := KernelIdentity.of(spec)):
+        raise TypeError(f"{spec.package}.{IDENTITY} says {ident}, its spec {says}")
     _SPECS[spec.name] = spec
     _SPECS[spec.short] = spec
     return spec
@@ -719,6 +731,74 @@ def all_specs() -> list[KernelSpec]:
     return sorted(dict.fromkeys(_SPECS.values()), key=rank)
 
 
+# ---- what the CLI lists of a kernel without loading it ----
+# A kernel package's optional ``identity`` module holds NAME (the public function's), SHORT and
+# TITLE as plain strings and imports nothing: `read_identity` runs that one file without
+# importing the package (whose ``__init__`` loads torch), so that `mxcli --help` lists
+# ``run-<short>`` of every kernel in a fraction of a second. Its spec takes SHORT and TITLE from
+# it; `register_spec` checks that all three agree with the spec.
+IDENTITY = "identity"
+SLICE_PARTS = ("inputs", "verification", "profile")
+
+
+@dataclass(frozen=True)
+class KernelIdentity:
+    """A kernel as the CLI lists it: name, short name, title, package and the slice parts the
+    package has (`KernelSpec.part`)."""
+
+    name: str
+    short: str
+    title: str
+    package: str
+    parts: tuple[str, ...]
+
+    @classmethod
+    def of(cls, spec: KernelSpec) -> KernelIdentity:
+        parts = tuple(p for p in SLICE_PARTS if _findable(f"{spec.package}.{p}"))
+        return cls(spec.name, spec.short, spec.title, spec.package, parts)
+
+
+def _findable(module: str) -> bool:
+    """Whether `module` exists (its parent packages are imported, it is not)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that is not importable
+        return False
+
+
+def read_identity(package: str) -> KernelIdentity | None:
+    """The identity of kernel package `package` from its ``identity`` module, read without
+    importing the package; None when it has none."""
+    try:
+        found = importlib.util.find_spec(package)  # imports the parent packages only
+    except (ImportError, ValueError):
+        return None
+    where = None if found is None else found.submodule_search_locations
+    if not where:
+        return None
+    finder = importlib.machinery.PathFinder
+    source = finder.find_spec(f"{package}.{IDENTITY}", list(where))
+    if source is None or source.loader is None:
+        return None
+    module = importlib.util.module_from_spec(source)  # not entered in sys.modules
+    source.loader.exec_module(module)
+    parts = tuple(p for p in SLICE_PARTS if finder.find_spec(f"{package}.{p}", list(where)))
+    return KernelIdentity(module.NAME, module.SHORT, module.TITLE, package, parts)
+
+
+def kernel_identities() -> list[KernelIdentity]:
+    """Every registered kernel's identity, in the order of `all_specs`: read from the packages'
+    identity modules when every package of `kernel_packages()` has one (no kernel is loaded),
+    else from the loaded specs."""
+    idents = [read_identity(p) for p in kernel_packages()]
+    found = [i for i in idents if i is not None]
+    if len(found) < len(idents):
+        return [KernelIdentity.of(s) for s in all_specs()]
+    packages = {i.package for i in found}
+    others = [s for s in dict.fromkeys(_SPECS.values()) if s.package not in packages]
+    return [*found, *(KernelIdentity.of(s) for s in others)]
+
+
 def kernel_order(kernel: str | None, names: Iterable[str]) -> list[str]:
     """`names` in the order of `kernel`'s arguments and returns (unchanged for no kernel)."""
     spec = find_spec(kernel)
@@ -728,6 +808,8 @@ def kernel_order(kernel: str | None, names: Iterable[str]) -> list[str]:
 def read_kernel_file(path: str | os.PathLike[str]) -> TensorFile:
     """`read_file`, with the tensors in the order of the recorded kernel's arguments and
     returns (safetensors stores names sorted)."""
+    from mxcli.io.files import read_file
+
     return read_file(path, order=kernel_order)
 
 
@@ -788,7 +870,9 @@ __all__ = [
     "KERNEL_PACKAGES",
     "PACKAGES_ENV",
     "InputParam",
+    "IDENTITY",
     "InputsPart",
+    "KernelIdentity",
     "ProfilePart",
     "VerificationPart",
     "kernel_packages",
@@ -807,9 +891,11 @@ __all__ = [
     "bind_arguments",
     "find_spec",
     "get_spec",
+    "kernel_identities",
     "kernel_order",
     "load_target",
     "probe_reason",
+    "read_identity",
     "read_kernel_file",
     "register_spec",
 ]

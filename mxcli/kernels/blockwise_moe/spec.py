@@ -14,6 +14,7 @@ import torch
 
 from mxcli.errors import InputError, MxcliError
 from mxcli.io.kwargs import dataclass_from_dict, json_object, to_jsonable, typed
+from mxcli.kernels.blockwise_moe import identity
 from mxcli.kernels.blockwise_moe.config import MXFP8MOEBwdConfig
 from mxcli.kernels.blockwise_moe.contract import (
     OUTPUT_NAMES,
@@ -92,7 +93,7 @@ def expert_intermediate_size(tensors: Mapping[str, torch.Tensor]) -> int | None:
 SPEC = register_spec(
     KernelSpec(
         blockwise_mm_bwd_mxfp8,
-        short="bwd",
+        short=identity.SHORT,
         tensors=(
             TensorArg("hidden_states", "[T, H]", FLOAT16),
             TensorArg("expert_affinities_masked", "[T * E, 1]", FLOATS),
@@ -163,7 +164,7 @@ SPEC = register_spec(
         ),
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
         nki=NKI_LAUNCH,
-        title="The MXFP8 backward pass of a blockwise MoE layer.",
+        title=identity.TITLE,
         tokens="hidden_states",
     )
 )

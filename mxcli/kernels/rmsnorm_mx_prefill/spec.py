@@ -14,6 +14,7 @@ import torch
 
 from mxcli.errors import InputError
 from mxcli.io.kwargs import enum_dump, typed
+from mxcli.kernels.rmsnorm_mx_prefill import identity
 from mxcli.kernels.rmsnorm_mx_prefill.contract import (
     QmxOutputDtype,
     RouterActFnType,
@@ -164,7 +165,7 @@ def _value_views(
 SPEC = register_spec(
     KernelSpec(
         rmsnorm_mx_prefill,
-        short="prefill",
+        short=identity.SHORT,
         tensors=(
             TensorArg("hidden_states", "[B, S, H]", FLOAT16),
             TensorArg("gamma", "[1, H] or [H]", FLOATS),
@@ -238,7 +239,7 @@ SPEC = register_spec(
         geometry=_geometry,
         implementations=(MXCLI_KERNEL, NKILIB_KERNEL),
         nki=NKI_LAUNCH,
-        title="Fused RMSNorm + MXFP8 quantization (+ router top-K).",
+        title=identity.TITLE,
         tokens="hidden_states",
     )
 )
