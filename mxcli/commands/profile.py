@@ -27,7 +27,6 @@ from mxcli.commands._kernel_flags import (
 from mxcli.commands._shared import (
     Force,
     KernelPath,
-    PlainCommand,
     Steps,
     aligned_rows,
     global_options,
