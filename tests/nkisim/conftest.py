@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -30,3 +31,12 @@ def rng() -> np.random.Generator:
 
 # A dummy HBM argument for kernels that need no inputs (kernels must take arguments).
 DUMMY = np.zeros((1, 1), dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def matmul_kernels() -> Iterator[Any]:
+    """tests/nkisim/matmul_kernels.py, bound to the interpreter (its ``import nki``)."""
+    if nkisim.real_nki_available():
+        pytest.skip("a real nki is installed: the kernel would bind to it")
+    with nkisim.installed():
+        yield importlib.import_module("tests.nkisim.matmul_kernels")

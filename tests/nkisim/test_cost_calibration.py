@@ -16,12 +16,10 @@ scripts/bench_bf16_baseline.py prints, in README's "How far the model was checke
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import pytest
 
-import mxcli.nkisim as nkisim
 from mxcli.nkisim import measured
 from tests.nkisim.matmul_estimate import estimate_us, makespan_us
 
@@ -29,11 +27,8 @@ TOL = 0.15
 
 
 @pytest.fixture(scope="module")
-def mm() -> Any:
-    if nkisim.real_nki_available():
-        pytest.skip("a real nki is installed: the kernel would bind to it")
-    with nkisim.installed():
-        yield importlib.import_module("tests.nkisim.matmul_kernels")
+def mm(matmul_kernels: Any) -> Any:
+    return matmul_kernels
 
 
 def _point(M: int, K: int, N: int) -> measured.MatmulPoint:
