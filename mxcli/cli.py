@@ -237,6 +237,10 @@ def main() -> None:
     except _ABORTS:
         report_error("aborted", 130, json_out=json_out())
         sys.exit(130)
+    except MxcliError as exc:  # outside a command body: e.g. listing the kernels for --help
+        if opts.debug or "--debug" in sys.argv[1:]:  # --debug: the traceback, as in a command
+            raise
+        sys.exit(report_exception(exc, json_out=json_out(), interrupt_hint=opts.interrupt_hint))
     except KeyboardInterrupt as exc:  # outside a command body (which reports its own)
         message, code = interrupted_message(exc)
         report_error(message, code, json_out=json_out())

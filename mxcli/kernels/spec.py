@@ -694,7 +694,24 @@ def register_spec(spec: KernelSpec) -> KernelSpec:
 
 def _load_all() -> None:
     for package in kernel_packages():
+        _import_package(package)
+
+
+def _import_package(package: str) -> None:
+    """Import a kernel package; a package named by ``MXCLI_KERNEL_PACKAGES`` that does not exist
+    is the user's input: an `InputError` naming the variable (not a traceback)."""
+    try:
         importlib.import_module(package)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if package in KERNEL_PACKAGES or not (
+            package == missing or package.startswith(missing + ".")
+        ):
+            raise  # mxcli's own packages, or an import inside the package: a real defect
+        raise InputError(
+            f"{PACKAGES_ENV}: no module {package!r} (expected importable kernel packages, "
+            f"comma-separated; got {os.environ.get(PACKAGES_ENV, '')!r})"
+        ) from None
 
 
 def find_spec(kernel: str | None) -> KernelSpec | None:

@@ -11,6 +11,7 @@ not from timing.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -192,3 +193,24 @@ def test_a_third_party_kernel_with_an_identity_module_is_listed_without_loading_
     assert "run-toy Run toy_scale on an input file." in " ".join(r.stdout.split())
     r, names = _imported("-m", "mxcli", "run-toy", "--help", **env)  # registration agrees
     assert r.returncode == 0 and "Scale factor (kernel API: 3.0)." in " ".join(r.stdout.split())
+
+
+@pytest.mark.parametrize("args", [["--help"], ["--json", "--help"], ["run-bwd", "--help"],
+                                  ["verify", "--suite", "quick", "--backend", "reference"]])  # fmt: skip
+def test_a_kernel_package_that_does_not_exist_is_one_line_naming_the_variable(args) -> None:
+    """``MXCLI_KERNEL_PACKAGES`` is user input: a package that cannot be imported is one line
+    naming the variable, exit 2, never a traceback (listing the commands for ``--help`` runs
+    outside a command's body, so the root's entry point reports it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "mxcli", *args], capture_output=True, text=True, timeout=300,
+        env=_env(MXCLI_KERNEL_PACKAGES="no_such_kernel_pkg"),
+    )  # fmt: skip
+    line = (
+        "MXCLI_KERNEL_PACKAGES: no module 'no_such_kernel_pkg' (expected importable kernel "
+        "packages, comma-separated; got 'no_such_kernel_pkg')"
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"error: {line}"]
+    assert "Traceback" not in proc.stderr
+    if "--json" in args:
+        assert json.loads(proc.stdout) == {"error": line, "exit_code": 2}
