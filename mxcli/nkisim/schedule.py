@@ -9,9 +9,10 @@ Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`.
   their dependencies (nki/guides/how-to-scheduling-apis.rst: "the reordering that the automatic
   scheduler will do"), so the schedule does not run an engine's instructions in program order.
   In program order of priority, each instruction takes the earliest gap on its engine (a DMA:
-  its queue's sequencer for the hardware-DGE issue time, then each DMA engine it uses for its
-  share of the data, after the trigger-to-start latency) at or after the finish of every earlier
-  instruction it depends on: read-after-write, write-after-write and write-after-read on
+  its queue's sequencer for the hardware-DGE issue time, then, after the trigger-to-start
+  latency, its share of the data on each DMA engine it uses: the engine's free time as it comes,
+  split across gaps, because an engine serves its queues round robin, nki-dma-overview.rst "DMA
+  Queues") at or after the finish of every earlier instruction it depends on: read-after-write, write-after-write and write-after-read on
   overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
   for tensors the kernel placed at an ``address``; byte ranges in HBM). A software-DGE transfer
   first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
@@ -173,6 +174,37 @@ class _Timeline:
                     hint[j] = t
         return t
 
+    def take_shared(self, t: float, d: float) -> tuple[float, float]:
+        """Occupy d ns of the free time at or after t, split across gaps as needed; returns
+        (first start, end). A DMA engine serves its 16 queues round robin (nki-dma-overview.rst
+        "DMA Queues"), descriptor by descriptor, so a transfer does not wait for one gap that
+        holds all of it: it fills the engine's idle time as it comes (gaps under 2 `_GAP` are
+        skipped: `take` counts them as busy)."""
+        if d <= 0:
+            return t, t
+        starts, ends = self.starts, self.ends
+        n = len(starts)
+        pieces: list[tuple[float, float]] = []
+        need = d
+        i = bisect.bisect_right(ends, t)
+        while True:
+            if i < n and starts[i] <= t:
+                t = max(t, ends[i])
+                i += 1
+                continue
+            free = (starts[i] if i < n else math.inf) - t
+            piece = min(free, need)
+            if piece == need or piece >= 2 * _GAP:
+                pieces.append((t, piece))
+                need -= piece
+                if need <= 0:
+                    break
+            t = ends[i]
+            i += 1
+        for a, b in pieces:
+            self.take(a, b)
+        return pieces[0][0], pieces[-1][0] + pieces[-1][1]
+
     def take(self, t: float, d: float) -> None:
         """Occupy [t, t + d) (a gap `fit` returned), merged with the intervals it touches (gaps
         under `_GAP` ns count as busy: they keep the interval lists short)."""
@@ -262,11 +294,9 @@ class _Core:
             t0 = issue + c.ns + c.latency_ns
             start, end = math.inf, t0
             for e, t in c.dma_ns.items():
-                line = self.dma_lines[e]
-                se = line.fit(t0, t)
-                line.take(se, t)
+                se, ee = self.dma_lines[e].take_shared(t0, t)
                 self.dma_busy[e] += t
-                start, end = min(start, se), max(end, se + t)
+                start, end = min(start, se), max(end, ee)
             start = min(start, end)
             self.queue_ns[q] += max(c.dma_ns.values(), default=0.0)
             self.hbm_bytes += c.hbm_bytes
