@@ -228,7 +228,7 @@ FIGURES: tuple[Figure, ...] = (
         "ASSUMED: how far back in program order the compiler's scheduler moves an instruction "
         "(nki/guides/how-to-scheduling-apis.rst documents the reordering, not its reach); the "
         "schedule starts nothing before every one of the last this-many instructions. AWS's "
-        "2.190 ms launch: 2.346 ms at 1024, 2.200 ms at 4096 and at 16384",
+        "2.190 ms launch: 2.426 ms at 1024, 2.190 ms at 4096, 2.188 ms at 16384",
         kind="assumed", low=1024, high=16384,
     ),
     Figure("cores_per_chip", 8, 8, "cores", f"{_ARCH2}, {_ARCH3}: 8 NeuronCores per device"),

@@ -174,14 +174,17 @@ def test_real_nkilib_pe_waits_as_aws_reports_and_the_dma_launch_is_slower() -> N
     transposes "the PE idles ~49% of wall-clock waiting for its operands before the first
     matmul"; with PE transposes "matmuls start immediately", and the launch is faster (2.190 vs
     2.342 ms). Neither the wait nor the DMA launch was fitted (the one fitted figure was fitted
-    to the PE launch's 2.190 ms), so these are predictions. Tolerance: a model against one
-    hardware observation stated as "~49%"; +-9 points (0.40-0.58) is what we call near."""
+    to the PE launch's 2.190 ms), so these are predictions: issue 29 asks the DMA launch within
+    +-10% of its measured 2.342 ms. Tolerance for the wait: a model against one hardware
+    observation stated as "~49%"; +-9 points (0.40-0.58) is what we call near."""
     from mxcli.nkisim import measured
 
     dma, pe = _aws_tuned_schedule(True), _aws_tuned_schedule(False)
     assert dma.makespan_ns > pe.makespan_ns  # the ranking AWS measured
     # the fit reproduces the PE launch (2.190 ms) within 1%
     assert pe.makespan_ns / 1e3 == pytest.approx(measured.BWD_MXFP8.us_pe_transposes, rel=0.01)
+    # the held-out DMA launch (2.342 ms), not fitted, within 10%
+    assert dma.makespan_ns / 1e3 == pytest.approx(measured.BWD_MXFP8.us_dma_transposes, rel=0.10)
     dma_start, pe_start = dma.pe_start(), pe.pe_start()
     assert dma_start is not None and pe_start is not None
     assert 0.40 <= dma_start["share"] <= 0.58, dma_start

@@ -183,6 +183,46 @@ def test_dma_engines_move_a_ready_transfer_while_an_earlier_one_waits() -> None:
     assert load_y.end < store.start
 
 
+def test_a_dma_engine_shares_its_time_instead_of_waiting_for_one_whole_gap() -> None:
+    """nki-dma-overview.rst "DMA Queues": a DMA engine serves its 16 queues round robin, so a
+    ready transfer moves its data in the engines' idle time as it comes, around a transfer
+    booked later in time: here the load of y fills the gap the store leaves (the store waits
+    for a Vector op and its 1300 ns latency) and finishes after it, its total data time
+    unchanged. (Before, it waited for a gap that held all of it: after the store.)"""
+
+    def k(x, y):
+        t = nl.ndarray((128, 1024), nl.bfloat16)
+        nisa.dma_copy(dst=t, src=x)
+        a = nl.ndarray((128, 1024), nl.bfloat16)
+        nisa.tensor_scalar(dst=a, data=t, op0=nl.multiply, operand0=2.0)
+        out = nl.ndarray((128, 1024), nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(dst=out, src=a)  # waits for the Vector op, then 1300 ns
+        b = nl.ndarray((128, 4096), nl.bfloat16)
+        nisa.dma_copy(dst=b, src=y)  # ready at once; longer than the gap
+        return out
+
+    load_x, vec, store, load_y = _events(_profile(k, _bf16(128, 1024), _bf16(128, 4096)))
+    gap = store.start - load_x.end
+    assert gap == pytest.approx(vec.end - vec.start + 1300)
+    data_y = max(load_y.cost.dma_ns.values())
+    assert data_y > gap  # it cannot fit in the gap whole
+    assert load_y.start == pytest.approx(load_x.end)
+    assert load_y.end == pytest.approx(store.end + data_y - gap)
+
+
+def test_a_timeline_shares_free_time_across_gaps() -> None:
+    """`_Timeline.take_shared`: 25 ns from t=0 around [10, 20) and [30, 40) take [0, 10),
+    [20, 30) and [40, 45); a gap shorter than two `_GAP` is skipped."""
+    line = schedule._Timeline()
+    line.take(10.0, 10.0)
+    line.take(30.0, 10.0)
+    assert line.take_shared(0.0, 25.0) == (0.0, 45.0)
+    assert (line.starts, line.ends) == ([0.0], [45.0])
+    line.take(50.0, 10.0)
+    line.take(61.5, 10.0)  # a 1.5 ns gap at 60
+    assert line.take_shared(45.0, 10.0) == (45.0, 76.5)  # 5 ns at 45, none at 60, 5 at 71.5
+
+
 def test_hardware_dge_without_an_engine_takes_either_dge_queue() -> None:
     """trainium2_arch.rst DGE: two DGE instances, commanded from SyncE or ScalarE, the compiler
     choosing: two hardware-DGE DMAs issue at once (600 ns each), one per queue; the second's
