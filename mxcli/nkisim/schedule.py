@@ -12,8 +12,8 @@ Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`.
   its queue's sequencer for the hardware-DGE issue time, then, after the trigger-to-start
   latency, its share of the data on each DMA engine it uses: the engine's free time as it comes,
   split across gaps, because an engine serves its queues round robin, nki-dma-overview.rst "DMA
-  Queues") at or after the finish of every earlier instruction it depends on: read-after-write, write-after-write and write-after-read on
-  overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
+  Queues") at or after the finish of every earlier instruction it depends on: read-after-write,
+  write-after-write and write-after-read on overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
   for tensors the kernel placed at an ``address``; byte ranges in HBM). A software-DGE transfer
   first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
   compiler picks takes the SyncE or ScalarE queue, whichever is free first. The programs are
@@ -143,7 +143,8 @@ class _Deps:
 
 class _Timeline:
     """Busy intervals of one resource (an engine, a DMA queue's sequencer, a DMA engine): an
-    instruction takes the earliest gap it fits in."""
+    instruction takes the earliest gap it fits in (`fit`, `take`); a DMA engine's share of a
+    transfer takes its free time as it comes (`take_shared`)."""
 
     __slots__ = ("starts", "ends", "hint")
 
