@@ -13,9 +13,9 @@ Input: the `trace.Recorder` of each program (LNC core) and a `cost.Hardware`.
   latency, its share of the data on each DMA engine it uses: the engine's free time as it comes,
   split across gaps, because an engine serves its queues round robin, nki-dma-overview.rst "DMA
   Queues") at or after the finish of every earlier instruction it depends on: read-after-write,
-  write-after-write and write-after-read on overlapping regions (partition x byte boxes per allocation on chip, or in the buffer itself
-  for tensors the kernel placed at an ``address``; byte ranges in HBM). A software-DGE transfer
-  first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
+  write-after-write and write-after-read on overlapping regions (partition x byte boxes per
+  allocation on chip, or in the buffer itself for tensors the kernel placed at an ``address``;
+  byte ranges in HBM). A software-DGE transfer first takes GpSimd time for its descriptors; a hardware-DGE one whose trigger engine the
   compiler picks takes the SyncE or ScalarE queue, whichever is free first. The programs are
   scheduled together: at a ``core_barrier`` each core arrives when its engine is free and its
   HBM writes have landed, both leave `FIGURES` core_barrier_ns after the later one, and HBM reads
